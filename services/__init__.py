@@ -1,0 +1,1 @@
+"""Motor: control plane and PD router for disaggregated LLM serving."""

@@ -1,0 +1,58 @@
+"""The ``motor`` command: dispatches to each component's own entry point.
+
+Each subcommand lives in the module that owns it and exposes ``main(argv) -> int``; importing
+lazily keeps ``motor engine-sim`` from loading gRPC and ``motor --help`` fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib import metadata
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.cli.up", "run a whole local cluster (Controller, Coordinator, NodeManagers, engines)"),
+    "controller": ("services.controller.main", "run the Controller in the foreground"),
+    "coordinator": ("services.coordinator.main", "run the Coordinator in the foreground"),
+    "nodemanager": ("services.nodemanager.main", "run a NodeManager in the foreground"),
+    "engine-sim": ("services.simengine.cli", "run the simulated engine"),
+    "register": ("services.cli.register", "standalone mode: set/add/del/list Coordinator instances"),
+    "instances": ("services.cli.views", "list instances from the Controller"),
+    "alarms": ("services.cli.views", "list or watch alarms from the Controller"),
+    "status": ("services.cli.views", "Controller and Coordinator status"),
+    "config": ("services.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("motor-mesh")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def _usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: motor [--version] [--help] <command> [args]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "Run 'motor <command> --help' for a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        print(f"motor {_version()}")
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"motor: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    # Modules serving several commands (views) take the command name as argv[0].
+    if getattr(module, "MULTI_COMMAND", False):
+        return int(module.main(args))
+    return int(module.main(args[1:]))

@@ -1,0 +1,211 @@
+"""Configuration: one JSON file, ``MOTOR_<SECTION>_<KEY>`` environment variables, CLI flags.
+
+Precedence, key by key: CLI flag (``overrides``) > environment > file > default. Every problem
+found in any layer is collected and raised together as one ``ConfigError``; each error is one line
+that says where it came from::
+
+    cfg.json: controller.portt: unknown key; did you mean 'port'?
+    cfg.json:3:14: invalid JSON: Expecting ',' delimiter
+    env MOTOR_CONTROLLER_PORT: must be between 0 and 65535, got 70000
+    command line: coordinator.workers: must be between 1 and 256, got 0
+
+What consumers should know:
+
+- Every section comes back with every key filled. ``nodemanager.parallel`` always holds all of
+  dp, tp, pp, ep, nnodes (the ones not given are 1).
+- ``nodemanager.served_model_name`` "" means "the same as ``model``"; it stays "" here.
+- ``*_s`` durations may be int or float.
+- A higher layer replaces an object value (``parallel``, ``engine.args``, ``engine.env``) whole;
+  objects are not merged key by key.
+- ``overrides`` values that are ``None`` mean "flag not given" and are skipped, so argparse
+  results can be passed straight through.
+- For a text key an environment value is used verbatim unless it is a JSON string literal, so
+  ``MOTOR_NODEMANAGER_JOB_NAME=2024`` is the name "2024", not an integer error.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from services.common.config_schema import (
+    DEFAULTS,
+    SCHEMA,
+    SECTIONS,
+    describe,
+    display_name,
+    kind,
+    nearest,
+    short,
+    unknown_key,
+)
+
+__all__ = ["DEFAULTS", "SECTIONS", "ConfigError", "load_config", "read_key_file"]
+
+
+class ConfigError(Exception):
+    """One or more configuration problems; ``errors`` holds one formatted line per problem."""
+
+    def __init__(self, errors: Iterable[str] | str) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def load_config(
+    path: str | None = None,
+    *,
+    section: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """All four sections with every key filled; raises ConfigError listing every problem.
+
+    ``section`` is the caller's own section: what a flat file holds. ``env`` defaults to
+    ``os.environ``; pass ``{}`` to ignore the environment.
+    """
+    if section is not None and section not in SECTIONS:
+        raise ConfigError(f"unknown section {short(section)}; did you mean '{nearest(section, SECTIONS)}'?")
+    config = copy.deepcopy(DEFAULTS)
+    errors: list[str] = []
+
+    def put(where: str, sec: str, key: str, value: Any) -> None:
+        stored, problems = SCHEMA[sec][key][1](value)
+        errors.extend(f"{where}{sub}: {message}" for sub, message in problems)
+        if not problems:
+            config[sec][key] = copy.deepcopy(stored)
+
+    if path is not None:
+        for sec, values in _read_file(path, section, errors).items():
+            for key, value in values.items():
+                if key in SCHEMA[sec]:
+                    put(f"{path}: {sec}.{key}", sec, key, value)
+                else:
+                    errors.append(f"{path}: {sec}.{display_name(key)}: {unknown_key(key, SCHEMA[sec])}")
+
+    for var, raw in sorted((os.environ if env is None else env).items()):
+        owner = next((s for s in SECTIONS if var.startswith(f"MOTOR_{s.upper()}_")), None)
+        if owner is None:
+            continue  # not ours: MOTOR_FOO, PATH, ...
+        prefix = f"MOTOR_{owner.upper()}_"
+        key = var[len(prefix) :].lower()
+        if key in SCHEMA[owner] and var == prefix + key.upper():
+            put(f"env {var}", owner, key, _parse_env(raw, isinstance(DEFAULTS[owner][key], str)))
+        else:
+            suggestion = prefix + nearest(key, SCHEMA[owner]).upper()
+            shown = prefix + display_name(var[len(prefix) :])
+            errors.append(f"env {shown}: unknown key; did you mean '{suggestion}'?")
+
+    for name, flags in (overrides or {}).items():
+        if name not in SECTIONS:
+            errors.append(f"command line: unknown section {short(name)}")
+            continue
+        for key, value in flags.items():
+            if value is None:
+                continue  # flag not given
+            if key in SCHEMA[name]:
+                put(f"command line: {name}.{key}", name, key, value)
+            else:
+                errors.append(f"command line: {name}.{display_name(key)}: {unknown_key(key, SCHEMA[name])}")
+
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def _parse_env(raw: str, text_key: bool) -> Any:
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+    return raw if text_key and not isinstance(value, str) else value
+
+
+def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, dict[str, Any]]:
+    """The file's values by section; problems go to ``errors``."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except OSError as exc:
+        errors.append(f"{path}: cannot read: {exc.strerror or type(exc).__name__}")
+        return {}
+    except UnicodeDecodeError:
+        errors.append(f"{path}: not UTF-8 text")
+        return {}
+
+    duplicates: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:  # json keeps the last silently; an operator meant one of them
+                duplicates.append(key)
+            obj[key] = value
+        return obj
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as exc:
+        errors.append(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+        return {}
+    except RecursionError:
+        errors.append(f"{path}: invalid JSON: nested too deeply")
+        return {}
+    except ValueError as exc:  # e.g. an integer literal over Python's 4300-digit limit
+        errors.append(f"{path}: invalid JSON: {exc}")
+        return {}
+    errors.extend(f"{path}: duplicate key {short(key)}" for key in duplicates)
+    if not isinstance(data, dict):
+        errors.append(f"{path}: expected a JSON object at the top level, got {kind(data)}")
+        return {}
+
+    sectioned = all(key in SECTIONS for key in data)
+    # The one ambiguous shape: a flat coordinator/nodemanager file holding only its "controller"
+    # address. A section name mapped to a non-object cannot be a section, so read it as flat.
+    if sectioned and section is not None and all(key in SCHEMA[section] for key in data):
+        sectioned = all(isinstance(value, dict) for value in data.values())
+    if not sectioned:
+        if section is None:
+            errors.append(f"{path}: flat config needs --section")
+            return {}
+        return {section: data}
+    result: dict[str, dict[str, Any]] = {}
+    for sec, values in data.items():
+        if isinstance(values, dict):
+            result[sec] = values
+        else:
+            errors.append(f"{path}: {sec}: expected object, got {describe(values)}")
+    return result
+
+
+# gRPC's default limit for all metadata of a call is 8 KiB; the key travels in it.
+_MAX_KEY_BYTES = 4096
+
+
+def read_key_file(path: str) -> str:
+    """The management key: the file's content without its trailing newline.
+
+    Refuses a file that group or others can access, since the key grants management rights.
+    Errors never include the content.
+    """
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # checked before open(): a FIFO would block
+            raise ConfigError(f"{path}: key file is not a regular file")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"{path}: key file must not be readable by group or others (chmod 600)")
+        with open(path, "rb") as f:
+            data = f.read(_MAX_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read key file: {exc.strerror or type(exc).__name__}") from None
+    if len(data) > _MAX_KEY_BYTES:
+        raise ConfigError(f"{path}: key file is larger than {_MAX_KEY_BYTES} bytes")
+    key = data.decode("latin-1").rstrip("\r\n")
+    if not key:
+        raise ConfigError(f"{path}: key file is empty")
+    if not all(" " <= c <= "~" for c in key):  # it is sent as gRPC metadata: printable ASCII only
+        raise ConfigError(f"{path}: key file must hold printable ASCII only")
+    return key

@@ -1,0 +1,158 @@
+"""The grpc.aio server every Motor service runs on (behaviour.md "Runtime rules").
+
+Health (``""`` plus each served service), reflection, keepalive policy, ``so_reuseport = 0``,
+message-size limits, raw-bytes method wrappers, interceptors (tracing, access log, management key),
+optional TLS/mTLS, the ``event=listening`` line, and the graceful stop sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.common import log, telemetry
+from services.common.config import read_key_file
+from services.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
+from services.common.rpc import service_handler
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SHUTDOWN_DRAIN_S = 1.0
+STOP_GRACE_S = 3.0
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        # Clients ping every 20 s on idle streams; allow down to 10 s so none is cut off with
+        # too_many_pings.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", 0),
+        # A second server on the same port must fail loudly, not share it.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class MotorServer:
+    """One gRPC server. ``readiness_gated``: ``""`` stays NOT_SERVING until ``set_ready(True)``
+    (the Coordinator's "routable"), instead of following the server's own liveness."""
+
+    def __init__(
+        self,
+        name: str,
+        cfg: dict[str, Any],
+        services: Sequence[tuple[ServiceDescriptor, object]],
+        *,
+        port: int,
+        readiness_gated: bool = False,
+    ) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.port = port
+        self.host = cfg.get("host", "127.0.0.1")
+        self.health = HealthServicer()
+        self._services = services
+        self._readiness_gated = readiness_gated
+        self._stop_hooks: list[Callable[[], Awaitable[None] | None]] = []
+        self._server: grpc.aio.Server | None = None
+        self._stopping = False
+        # Read the key before binding anything: a bad key file is a start-up error.
+        key_file = cfg.get("management_key_file") or ""
+        self._key = read_key_file(key_file) if key_file else None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def on_stop(self, hook: Callable[[], Awaitable[None] | None]) -> None:
+        """Run ``hook`` after the drain, before the server stops (to end open streams)."""
+        self._stop_hooks.append(hook)
+
+    async def start(self) -> int:
+        interceptors: list[Any] = telemetry.server_interceptors(self.name)
+        interceptors.append(AccessLogInterceptor())
+        if self._key is not None:
+            interceptors.append(ManagementKeyInterceptor(self._key))
+        server = grpc.aio.server(
+            interceptors=interceptors, options=server_options(int(self.cfg.get("max_message_bytes", 4 << 20)))
+        )
+        names = []
+        for descriptor, servicer in self._services:
+            server.add_generic_rpc_handlers((service_handler(descriptor, servicer),))
+            names.append(descriptor.full_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        bind = f"{self.host}:{self.port}"
+        creds = self._credentials()
+        try:
+            bound = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind gRPC {bind}: address in use or not available") from exc
+        if not bound:
+            raise OSError(f"cannot bind gRPC {bind}: address in use or not available")
+        self.port = bound
+        await server.start()
+        self._server = server
+        for n in names:
+            await self.health.set(n, SERVING)
+        await self.health.set("", NOT_SERVING if self._readiness_gated else SERVING)
+        return bound
+
+    def announce(self, **extra: str) -> None:
+        log.event("listening", service=self.name, grpc=self.address, **extra)
+
+    async def set_ready(self, ready: bool) -> None:
+        await self.health.set("", SERVING if ready else NOT_SERVING)
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        cert, key, ca = (self.cfg.get(k) or "" for k in ("tls_cert_file", "tls_key_file", "tls_ca_file"))
+        if not (cert and key):
+            return None
+        return grpc.ssl_server_credentials(
+            [(Path(key).read_bytes(), Path(cert).read_bytes())],
+            root_certificates=Path(ca).read_bytes() if ca else None,
+            require_client_auth=bool(ca),
+        )
+
+    async def stop(self) -> None:
+        """NOT_SERVING everywhere, drain, end streams, then stop with a grace period."""
+        if self._stopping or self._server is None:
+            return
+        self._stopping = True
+        log.event("stopping", service=self.name)
+        await self.health.enter_graceful_shutdown()
+        await asyncio.sleep(SHUTDOWN_DRAIN_S)
+        for hook in self._stop_hooks:
+            result = hook()
+            if asyncio.iscoroutine(result):
+                await result
+        await self._server.stop(grace=STOP_GRACE_S)
+        telemetry.shutdown()
+        log.event("stopped", service=self.name)
+
+
+def run(amain: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run one service's ``amain(stop)`` on a fresh loop; SIGTERM/SIGINT set ``stop``."""
+
+    async def wrapper() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await amain(stop)
+
+    return asyncio.run(wrapper())

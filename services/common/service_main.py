@@ -1,0 +1,50 @@
+"""The shared foreground entry point of ``motor controller|coordinator|nodemanager``.
+
+Parses ``--config`` and the few flags that override config keys, loads the configuration
+(printing every error and exiting 1 before anything binds), sets up logging, then runs the
+service's ``serve(cfg, stop)`` coroutine until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.common import log
+from services.common.config import ConfigError, load_config
+from services.common.server import run
+
+Serve = Callable[[dict[str, dict[str, Any]], Any], Awaitable[int]]
+
+
+def service_main(
+    section: str,
+    argv: list[str],
+    serve: Serve,
+    flags: dict[str, tuple[str, type]] | None = None,
+) -> int:
+    """``flags`` maps extra CLI flags to config keys: ``{"--port": ("port", int)}``."""
+    parser = argparse.ArgumentParser(prog=f"motor {section}", description=f"Run the Motor {section}.")
+    parser.add_argument("--config", metavar="FILE", help="JSON config file (sectioned or flat)")
+    parser.add_argument("--host", help=f"listen address (config {section}.host)")
+    flags = {"--port": ("port", int), **(flags or {})}
+    for flag, (key, typ) in flags.items():
+        parser.add_argument(flag, type=typ, dest=key, help=f"config {section}.{key}")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    try:
+        cfg = load_config(args.config, section=section, overrides={section: overrides})
+    except ConfigError as err:
+        for line in err.errors:
+            print(line, file=sys.stderr)
+        return 1
+    log.setup(section, cfg[section].get("log_format", "kv"))
+    try:
+        return run(lambda stop: serve(cfg, stop))
+    except (OSError, ConfigError) as err:
+        msg = "; ".join(err.errors) if isinstance(err, ConfigError) else str(err)
+        log.error("start_failed", reason=msg)
+        print(f"motor {section}: {msg}", file=sys.stderr)
+        return 1
