@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"event=listening .*?grpc=(\S+)(?: http=(\S+))?")
@@ -26,6 +27,7 @@ class Proc:
 
     def __init__(self, args: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None):
         self.lines: list[str] = []
+        self.stdout_lines: list[str] = []  # what the process wrote to stdout alone
         self._cond = threading.Condition()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
@@ -34,17 +36,20 @@ class Proc:
             env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        assert self.popen.stdout is not None and self.popen.stderr is not None
+        threading.Thread(target=self._pump, args=(self.popen.stdout, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.popen.stderr, False), daemon=True).start()
 
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
+    def _pump(self, stream: Any, is_stdout: bool) -> None:
+        for line in stream:
             with self._cond:
                 self.lines.append(line.rstrip("\n"))
+                if is_stdout:
+                    self.stdout_lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()

@@ -95,7 +95,9 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
         inner = _behaviour(handler)
         method = details.method
 
-        def record(context: grpc.aio.ServicerContext, start: float, exc: BaseException | None) -> None:
+        def record(
+            context: grpc.aio.ServicerContext, start: float, exc: BaseException | None, peer: str
+        ) -> None:
             code = context.code()  # set by abort(); None when the handler just returned or raised
             if not isinstance(code, grpc.StatusCode):
                 cancelled = isinstance(exc, asyncio.CancelledError)
@@ -111,14 +113,16 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                 "method": method,
                 "code": code.name,
                 "ms": round((time.perf_counter() - start) * 1000, 2),
-                "peer": context.peer(),
+                "peer": peer,
             }
             log.emit(level, "rpc", fields)
 
         if handler.response_streaming:
 
             async def logged_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                start, exc = time.perf_counter(), None
+                # Read the peer while the call is alive: context.peer() on a stream whose call
+                # the core already released (a cancelled stream finalized later) segfaults.
+                start, exc, peer = time.perf_counter(), None, context.peer()
                 try:
                     async for item in inner(request, context):
                         yield item
@@ -126,18 +130,18 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                     exc = e
                     raise
                 finally:
-                    record(context, start, exc)
+                    record(context, start, exc, peer)
 
             return _same_kind(handler, logged_stream)
 
         async def logged(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start, exc = time.perf_counter(), None
+            start, exc, peer = time.perf_counter(), None, context.peer()
             try:
                 return await inner(request, context)
             except BaseException as e:
                 exc = e
                 raise
             finally:
-                record(context, start, exc)
+                record(context, start, exc, peer)
 
         return _same_kind(handler, logged)

@@ -78,7 +78,8 @@ def test_grpc_port_in_use_fails_with_a_clear_message(motor_proc) -> None:
     first = motor_proc("controller", "--port", "0")
     addr, _ = first.listening()
     port = addr.rsplit(":", 1)[1]
-    second = motor_proc("controller", "--port", port)
+    # Its own state directory, so the port is the only thing the two share.
+    second = motor_proc("controller", "--port", port, env={"MOTOR_CONTROLLER_STATE_DIR": "second"})
     deadline = time.monotonic() + 20
     while second.popen.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

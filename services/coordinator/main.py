@@ -1,0 +1,10 @@
+"""``motor coordinator``: the management gRPC server and the inference HTTP server."""
+
+from __future__ import annotations
+
+from services.common.service_main import service_main
+from services.coordinator.runtime import serve
+
+
+def main(argv: list[str]) -> int:
+    return service_main("coordinator", argv, serve, flags={"--http-port": ("http_port", int)})

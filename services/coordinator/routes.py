@@ -1,0 +1,169 @@
+"""The routing view: what the inference path reads, rebuilt from the table on every change.
+
+A :class:`RoutingView` is immutable and swapped as one reference, so a request that started
+routing on one revision finishes on it. The per-instance *runtime* state (in-flight load, the
+round-robin cursor over its endpoints, endpoints that refused connections) lives in
+:class:`Target` / :class:`Upstream` objects that are carried over from one view to the next
+while the instance keeps its identity, so a table change never resets load accounting or
+re-admits an endpoint the circuit breaker took out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from motor.v1 import common_pb2
+
+from services.coordinator.table import TableState, identity
+from services.coordinator.validation import pd_protocol
+
+PREFILL, DECODE, UNION = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_UNION
+VLLM, SGLANG = common_pb2.PD_PROTOCOL_VLLM, common_pb2.PD_PROTOCOL_SGLANG
+ROLE_NAMES = {PREFILL: "prefill", DECODE: "decode", UNION: "union"}
+
+
+def netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Upstream:
+    """One serving engine endpoint."""
+
+    __slots__ = ("base", "bootstrap_port", "down", "host", "owner", "port")
+
+    def __init__(self, owner: Target, host: str, port: int, bootstrap_port: int) -> None:
+        self.owner = owner
+        self.host = host
+        self.port = port
+        self.bootstrap_port = bootstrap_port
+        self.base = f"http://{netloc(host, port)}"
+        # Set when a connection was refused; cleared by the health prober.
+        self.down = False
+
+
+class Target:
+    """One routable instance and its runtime state."""
+
+    __slots__ = ("_rr", "endpoints", "id", "key", "load", "model", "n_down", "protocol", "role")
+
+    # Endpoints out of rotation in this process. Zero almost always, and then the policies skip
+    # the health filter entirely: a routing decision stays O(1) in the common case.
+    down_total = 0
+
+    def __init__(self, inst: common_pb2.Instance) -> None:
+        self.id = inst.id
+        self.role = inst.role
+        self.model = inst.model_name
+        self.protocol = pd_protocol(inst)
+        self.endpoints = tuple(
+            Upstream(self, ep.host, ep.port, ep.bootstrap_port) for ep in inst.endpoints if not ep.headless
+        )
+        self.key = _runtime_key(inst)
+        self.load = 0  # in-flight token estimate
+        self.n_down = 0
+        self._rr = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.n_down < len(self.endpoints)
+
+    def set_down(self, ep: Upstream, down: bool) -> None:
+        if ep.down != down:
+            ep.down = down
+            step = 1 if down else -1
+            self.n_down += step
+            Target.down_total += step
+
+    def retire(self) -> None:
+        """This target left the routing view: its endpoints no longer count as down."""
+        Target.down_total -= self.n_down
+        self.n_down = 0
+
+    def pick_endpoint(self) -> Upstream:
+        """Round-robin over the endpoints that are not known to refuse connections."""
+        eps = self.endpoints
+        n = len(eps)
+        if n == 1:
+            return eps[0]
+        start = self._rr
+        self._rr = start + 1
+        if self.n_down:
+            for k in range(n):
+                ep = eps[(start + k) % n]
+                if not ep.down:
+                    return ep
+        return eps[start % n]
+
+    def __repr__(self) -> str:
+        return f"Target({self.id}, {ROLE_NAMES.get(self.role, self.role)}, {self.model!r})"
+
+
+def _runtime_key(inst: common_pb2.Instance) -> tuple[object, ...]:
+    eps = tuple(sorted((ep.host, ep.port, ep.bootstrap_port, ep.headless) for ep in inst.endpoints))
+    return (*identity(inst)[:2], inst.model_name, pd_protocol(inst), eps)
+
+
+@dataclass(frozen=True)
+class PdGroup:
+    protocol: int
+    prefill: tuple[Target, ...]
+    decode: tuple[Target, ...]
+
+
+@dataclass(frozen=True)
+class ModelRoutes:
+    """How one served model can be reached, in order of preference."""
+
+    pd: tuple[PdGroup, ...] = ()
+    union: tuple[Target, ...] = ()
+    # Prefill instances with no decode to pair with serve whole requests (vLLM only: a
+    # disaggregated SGLang prefill server cannot answer without a decode peer).
+    prefill_only: tuple[Target, ...] = ()
+
+
+@dataclass(frozen=True)
+class RoutingView:
+    revision: int = 0
+    models: dict[str, ModelRoutes] = field(default_factory=dict)
+    targets: tuple[Target, ...] = ()
+    # routable: one usable prefill+decode pair of the same model (and protocol) or one union.
+    routable: bool = False
+
+    def model_names(self) -> list[str]:
+        return sorted(self.models)
+
+
+def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingView:
+    """The routing view of ``state``, reusing the runtime state of unchanged instances."""
+    previous = tuple(previous)
+    old = {t.id: t for t in previous}
+    targets: list[Target] = []
+    for inst in sorted(state.available(), key=lambda i: i.id):
+        prev = old.get(inst.id)
+        target = prev if prev is not None and prev.key == _runtime_key(inst) else Target(inst)
+        if target.endpoints:
+            targets.append(target)
+    kept = {id(t) for t in targets}
+    for t in previous:
+        if id(t) not in kept:
+            t.retire()
+    by_model: dict[str, list[Target]] = {}
+    for t in targets:
+        by_model.setdefault(t.model, []).append(t)
+    models: dict[str, ModelRoutes] = {}
+    routable = False
+    for model, ts in by_model.items():
+        union = tuple(t for t in ts if t.role == UNION)
+        groups = []
+        for proto in (VLLM, SGLANG):
+            p = tuple(t for t in ts if t.role == PREFILL and t.protocol == proto)
+            d = tuple(t for t in ts if t.role == DECODE and t.protocol == proto)
+            if p and d:
+                groups.append(PdGroup(proto, p, d))
+        paired = {t.id for g in groups for t in g.prefill}
+        prefill_only = tuple(t for t in ts if t.role == PREFILL and t.protocol == VLLM and t.id not in paired)
+        routable = routable or bool(groups or union)
+        if groups or union or prefill_only:
+            models[model] = ModelRoutes(tuple(groups), union, prefill_only)
+    return RoutingView(state.revision, models, tuple(targets), routable)

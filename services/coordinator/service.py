@@ -1,0 +1,76 @@
+"""motor.v1.Coordinator servicer (management plane): the instance table over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from motor.v1 import coordinator_pb2 as pb
+
+from services.common import errors, log
+from services.coordinator import validation
+from services.coordinator.table import InstanceTable
+
+R = TypeVar("R")
+
+
+class CoordinatorService:
+    VALIDATORS = validation.VALIDATORS
+
+    def __init__(self, table: InstanceTable, on_change: Callable[[], Awaitable[None]]) -> None:
+        self.table = table
+        self._on_change = on_change
+
+    async def _applied(self, rpc: str, changed: bool, resp_cls: Callable[..., R]) -> R:
+        state = self.table.state
+        if changed:
+            log.event("table_changed", rpc=rpc, revision=state.revision, instances=len(state.instances))
+            # Routing and readiness follow before the caller hears "done".
+            await self._on_change()
+        return resp_cls(
+            revision=state.revision, instance_count=len(state.instances), incarnation=self.table.incarnation
+        )
+
+    async def SetInstances(self, request: pb.SetInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._applied("SetInstances", self.table.set(request.instances), pb.SetInstancesResponse)
+
+    async def AddInstances(self, request: pb.AddInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._applied("AddInstances", self.table.add(request.instances), pb.AddInstancesResponse)
+
+    async def DeleteInstances(
+        self, request: pb.DeleteInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        changed = self.table.delete(request.instances)
+        return await self._applied("DeleteInstances", changed, pb.DeleteInstancesResponse)
+
+    async def PauseInstances(
+        self, request: pb.PauseInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        return await self._applied("PauseInstances", self.table.pause(request.ids), pb.PauseInstancesResponse)
+
+    async def ResumeInstances(
+        self, request: pb.ResumeInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        changed = self.table.resume(request.ids)
+        return await self._applied("ResumeInstances", changed, pb.ResumeInstancesResponse)
+
+    async def ListInstances(
+        self, request: pb.CoordinatorListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        state = self.table.state
+        available, unavailable, paused = state.groups()
+        return pb.CoordinatorListInstancesResponse(
+            available=available,
+            unavailable=unavailable,
+            paused=paused,
+            revision=state.revision,
+            incarnation=self.table.incarnation,
+        )
+
+    async def ClearPrecisionAlarm(
+        self, request: pb.ClearPrecisionAlarmRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        raise errors.unimplemented(
+            "precision detection (ClearPrecisionAlarm): output-precision checking is not built yet"
+        )

@@ -1,0 +1,173 @@
+"""The Coordinator's instance table (contracts.md "service motor.v1.Coordinator", Rules).
+
+Pure data: no I/O, no gRPC context. Every mutation first checks the whole request against the
+current table and only then builds a *new* state, so a refused request changes nothing
+(all-or-nothing) and readers holding the previous state never see a half-applied change.
+Errors are :class:`services.common.errors.MotorError` naming the first bad ``instances[i]``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.rpc import error_details_pb2
+from motor.v1 import common_pb2
+
+from services.common import errors
+
+ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
+PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
+UNSPECIFIED = common_pb2.INSTANCE_STATUS_UNSPECIFIED
+
+Identity = tuple[int, str, frozenset[tuple[str, int]]]
+
+
+def identity(inst: common_pb2.Instance) -> Identity:
+    """(role, job_name, set of endpoint (host, port)): order, status and pid are not identity."""
+    return inst.role, inst.job_name, frozenset((ep.host, ep.port) for ep in inst.endpoints)
+
+
+def _stored(inst: common_pb2.Instance) -> common_pb2.Instance:
+    """The copy the table keeps: status UNSPECIFIED is stored ACTIVE."""
+    copy = common_pb2.Instance()
+    copy.CopyFrom(inst)
+    if copy.status == UNSPECIFIED:
+        copy.status = ACTIVE
+    return copy
+
+
+@dataclass(frozen=True)
+class TableState:
+    """One immutable revision of the table. Never mutated after construction."""
+
+    instances: dict[int, common_pb2.Instance] = field(default_factory=dict)
+    paused: frozenset[int] = frozenset()  # paused by PauseInstances
+    revision: int = 0
+
+    def is_paused(self, inst: common_pb2.Instance) -> bool:
+        return inst.id in self.paused or inst.status == PAUSED
+
+    def is_available(self, inst: common_pb2.Instance) -> bool:
+        return inst.status == ACTIVE and not self.is_paused(inst)
+
+    def groups(
+        self,
+    ) -> tuple[list[common_pb2.Instance], list[common_pb2.Instance], list[common_pb2.Instance]]:
+        """(available, unavailable, paused), each sorted by id."""
+        available, unavailable, paused = [], [], []
+        for iid in sorted(self.instances):
+            inst = self.instances[iid]
+            if self.is_paused(inst):
+                paused.append(inst)
+            elif inst.status == ACTIVE:
+                available.append(inst)
+            else:
+                unavailable.append(inst)
+        return available, unavailable, paused
+
+    def available(self) -> list[common_pb2.Instance]:
+        return [i for i in self.instances.values() if self.is_available(i)]
+
+
+def _conflict(i: int, iid: int, held: common_pb2.Instance) -> errors.MotorError:
+    return errors.already_exists(
+        "INSTANCE_ID_CONFLICT",
+        f"instances[{i}]: id {iid} is held by another instance "
+        f"(role {common_pb2.Role.Name(held.role)}, job {held.job_name!r})",
+        field=f"instances[{i}].id",
+        instance_id=str(iid),
+    )
+
+
+def _not_found(path: str, iid: int) -> errors.MotorError:
+    detail = error_details_pb2.ResourceInfo(
+        resource_type="instance", resource_name=str(iid), description=f"{path}: no instance with id {iid}"
+    )
+    return errors.MotorError(grpc.StatusCode.NOT_FOUND, f"{path}: instance {iid} not found", [detail])
+
+
+def _mismatch(inst: common_pb2.Instance, held: common_pb2.Instance) -> str | None:
+    """Which identity field given in a Delete request differs from the stored instance."""
+    if inst.role != common_pb2.ROLE_UNSPECIFIED and inst.role != held.role:
+        return f"role {common_pb2.Role.Name(inst.role)} != stored {common_pb2.Role.Name(held.role)}"
+    if inst.job_name and inst.job_name != held.job_name:
+        return f"job_name {inst.job_name!r} != stored {held.job_name!r}"
+    if inst.endpoints and identity(inst)[2] != identity(held)[2]:
+        return "endpoints differ from the stored endpoint set"
+    return None
+
+
+class InstanceTable:
+    """The table behind the management RPCs. Each method returns whether the table changed;
+    ``state`` is swapped as one reference only after a request was accepted."""
+
+    def __init__(self) -> None:
+        self.incarnation = uuid.uuid4().hex
+        self.state = TableState()
+
+    def _swap(self, instances: dict[int, common_pb2.Instance], paused: Iterable[int]) -> bool:
+        paused_set = frozenset(paused) & instances.keys()
+        old = self.state
+        if instances == old.instances and paused_set == old.paused:
+            return False
+        self.state = TableState(instances, paused_set, old.revision + 1)
+        return True
+
+    def set(self, instances: Sequence[common_pb2.Instance]) -> bool:
+        """Replace the table. The request is authoritative, pause flags included (a paused
+        instance is one sent with status PAUSED), so a full resync heals any lost Pause/Resume."""
+        return self._swap({inst.id: _stored(inst) for inst in instances}, ())
+
+    def add(self, instances: Sequence[common_pb2.Instance]) -> bool:
+        old = self.state
+        new = dict(old.instances)
+        for i, inst in enumerate(instances):
+            held = old.instances.get(inst.id)
+            if held is None:
+                new[inst.id] = _stored(inst)
+            elif identity(held) != identity(inst):
+                raise _conflict(i, inst.id, held)
+            # Same id and identity: success, nothing changes.
+        return self._swap(new, old.paused)
+
+    def delete(self, instances: Sequence[common_pb2.Instance]) -> bool:
+        old = self.state
+        for i, inst in enumerate(instances):
+            held = old.instances.get(inst.id)
+            if held is None:
+                raise _not_found(f"instances[{i}]", inst.id)
+            why = _mismatch(inst, held)
+            if why is not None:
+                raise errors.precondition(
+                    "INSTANCE_IDENTITY_MISMATCH",
+                    f"instances[{i}]",
+                    f"instances[{i}]: instance {inst.id} identity mismatch: {why}",
+                )
+        gone = {inst.id for inst in instances}
+        new = {iid: inst for iid, inst in old.instances.items() if iid not in gone}
+        return self._swap(new, old.paused - gone)
+
+    def _known(self, ids: Sequence[int]) -> None:
+        for i, iid in enumerate(ids):
+            if iid not in self.state.instances:
+                raise _not_found(f"ids[{i}]", iid)
+
+    def pause(self, ids: Sequence[int]) -> bool:
+        self._known(ids)
+        return self._swap(dict(self.state.instances), self.state.paused | set(ids))
+
+    def resume(self, ids: Sequence[int]) -> bool:
+        """Clear the pause flag; an instance stored with status PAUSED becomes ACTIVE, since
+        resuming it is the operator's (or Controller's) way of saying it may serve again."""
+        self._known(ids)
+        old = self.state
+        new = dict(old.instances)
+        for iid in ids:
+            if new[iid].status == PAUSED:
+                inst = _stored(new[iid])
+                inst.status = ACTIVE
+                new[iid] = inst
+        return self._swap(new, old.paused - set(ids))

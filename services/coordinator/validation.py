@@ -1,0 +1,134 @@
+"""Request checks for motor.v1.Coordinator: each returns [(field_path, problem)].
+
+They run before the handler (``VALIDATORS``), so a malformed request never reaches the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from motor.v1 import common_pb2, coordinator_pb2
+
+_ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
+_ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
+_PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
+_STATUSES = frozenset(common_pb2.InstanceStatus.values())
+_EP_STATUSES = frozenset(common_pb2.EndpointStatus.values())
+
+
+def pd_protocol(inst: common_pb2.Instance) -> int:
+    """The effective PD protocol: UNSPECIFIED follows engine_type (SGLANG -> SGLANG, else VLLM)."""
+    if inst.pd_protocol != common_pb2.PD_PROTOCOL_UNSPECIFIED:
+        return inst.pd_protocol
+    if inst.engine_type == common_pb2.ENGINE_TYPE_SGLANG:
+        return common_pb2.PD_PROTOCOL_SGLANG
+    return common_pb2.PD_PROTOCOL_VLLM
+
+
+def instance(inst: common_pb2.Instance, path: str) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if not inst.id:
+        bad.append((f"{path}.id", "required"))
+    if inst.role == common_pb2.ROLE_UNSPECIFIED:
+        bad.append((f"{path}.role", "required"))
+    elif inst.role not in _ROLES:
+        bad.append((f"{path}.role", f"unknown role {inst.role}"))
+    if not inst.model_name:
+        bad.append((f"{path}.model_name", "required"))
+    if inst.engine_type not in _ENGINE_TYPES:
+        bad.append((f"{path}.engine_type", f"unknown engine type {inst.engine_type}"))
+    if inst.pd_protocol not in _PD_PROTOCOLS:
+        bad.append((f"{path}.pd_protocol", f"unknown PD protocol {inst.pd_protocol}"))
+    if inst.status not in _STATUSES:
+        bad.append((f"{path}.status", f"unknown status {inst.status}"))
+    if not inst.endpoints:
+        bad.append((f"{path}.endpoints", "at least one endpoint required"))
+    elif all(ep.headless for ep in inst.endpoints):
+        bad.append((f"{path}.endpoints", "at least one endpoint must serve requests (not headless)"))
+    # The SGLang decode leg meets its prefill on the prefill endpoint's bootstrap port.
+    needs_bootstrap = (
+        inst.role == common_pb2.ROLE_PREFILL and pd_protocol(inst) == common_pb2.PD_PROTOCOL_SGLANG
+    )
+    seen: dict[tuple[str, int], int] = {}
+    for j, ep in enumerate(inst.endpoints):
+        ep_path = f"{path}.endpoints[{j}]"
+        if not ep.host:
+            bad.append((f"{ep_path}.host", "required"))
+        if not 0 < ep.port < 65536:
+            bad.append((f"{ep_path}.port", "must be 1..65535"))
+        if ep.bootstrap_port > 65535:
+            bad.append((f"{ep_path}.bootstrap_port", "must be 0..65535"))
+        elif needs_bootstrap and not ep.headless and not ep.bootstrap_port:
+            bad.append((f"{ep_path}.bootstrap_port", "required for an SGLang prefill endpoint"))
+        if ep.status not in _EP_STATUSES:
+            bad.append((f"{ep_path}.status", f"unknown status {ep.status}"))
+        key = (ep.host, ep.port)
+        if ep.host and key in seen:
+            bad.append((ep_path, f"duplicate endpoint {ep.host}:{ep.port} (also endpoints[{seen[key]}])"))
+        seen.setdefault(key, j)
+    return bad
+
+
+def instance_list(instances: Sequence[common_pb2.Instance]) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    seen: dict[int, int] = {}
+    for i, inst in enumerate(instances):
+        bad += instance(inst, f"instances[{i}]")
+        if inst.id and inst.id in seen:
+            bad.append((f"instances[{i}].id", f"duplicate id {inst.id} (also instances[{seen[inst.id]}])"))
+        seen.setdefault(inst.id, i)
+    return bad
+
+
+def set_instances(req: coordinator_pb2.SetInstancesRequest) -> list[tuple[str, str]]:
+    return instance_list(req.instances)
+
+
+def add_instances(req: coordinator_pb2.AddInstancesRequest) -> list[tuple[str, str]]:
+    return instance_list(req.instances)
+
+
+def delete_instances(req: coordinator_pb2.DeleteInstancesRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    for i, inst in enumerate(req.instances):
+        if not inst.id:
+            bad.append((f"instances[{i}].id", "required"))
+        elif inst.id in seen:
+            bad.append((f"instances[{i}].id", f"duplicate id {inst.id}"))
+        seen.add(inst.id)
+    return bad
+
+
+def id_list(ids: Sequence[int]) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    seen: dict[int, int] = {}
+    for i, iid in enumerate(ids):
+        if not iid:
+            bad.append((f"ids[{i}]", "required (non-zero)"))
+        elif iid in seen:
+            bad.append((f"ids[{i}]", f"duplicate id {iid} (also ids[{seen[iid]}])"))
+        seen.setdefault(iid, i)
+    return bad
+
+
+def pause_instances(req: coordinator_pb2.PauseInstancesRequest) -> list[tuple[str, str]]:
+    return id_list(req.ids)
+
+
+def resume_instances(req: coordinator_pb2.ResumeInstancesRequest) -> list[tuple[str, str]]:
+    return id_list(req.ids)
+
+
+def clear_precision_alarm(req: coordinator_pb2.ClearPrecisionAlarmRequest) -> list[tuple[str, str]]:
+    return [] if req.d_instance_id else [("d_instance_id", "required")]
+
+
+VALIDATORS = {
+    "SetInstances": set_instances,
+    "AddInstances": add_instances,
+    "DeleteInstances": delete_instances,
+    "PauseInstances": pause_instances,
+    "ResumeInstances": resume_instances,
+    "ClearPrecisionAlarm": clear_precision_alarm,
+}

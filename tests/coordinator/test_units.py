@@ -1,0 +1,139 @@
+"""Pure pieces of the router: body rewriting, SSE filtering, policies, the routing view, the breaker."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from motor.v1 import common_pb2 as c
+
+from services.coordinator import bodies
+from services.coordinator.health import Breaker
+from services.coordinator.policies import RoundRobin, least_load, power_of_two
+from services.coordinator.routes import RoutingView, Target, build_view
+from services.coordinator.table import InstanceTable
+from tests.coordinator.conftest import DECODE, PREFILL, UNION, instance
+
+
+def test_with_fields_splices_or_merges() -> None:
+    raw = b' {"model": "m", "messages": [{"role": "user", "content": "}"}]}\n'
+    req = json.loads(raw)
+    out = bodies.with_fields(raw, req, {"bootstrap_room": 7, "bootstrap_host": "h"})
+    assert json.loads(out) == {**req, "bootstrap_room": 7, "bootstrap_host": "h"}
+    assert out.startswith(b'{"model": "m"')  # the client's bytes, not a re-serialisation
+    # A field the client already sent is replaced, never duplicated.
+    req2 = {"model": "m", "kv_transfer_params": {"x": 1}}
+    out2 = bodies.with_fields(json.dumps(req2).encode(), req2, {"kv_transfer_params": {"y": 2}})
+    assert json.loads(out2) == {"model": "m", "kv_transfer_params": {"y": 2}}
+    assert json.loads(bodies.with_fields(b"{}", {}, {"a": 1})) == {"a": 1}
+
+
+def test_prefill_body() -> None:
+    req = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True},
+           "max_tokens": 50, "max_completion_tokens": 50}  # fmt: skip
+    leg = json.loads(bodies.prefill_body(req))
+    assert leg["stream"] is False and leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
+    assert "stream_options" not in leg
+    assert leg["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert "max_completion_tokens" not in json.loads(bodies.prefill_body({"model": "m"}))
+    assert req["stream"] is True  # the client's request is untouched
+
+
+def test_strip_kv_from_answers() -> None:
+    plain = b'{"id":"x","choices":[]}'
+    assert bodies.strip_kv(plain) is plain
+    with_kv = json.dumps({"id": "x", "kv_transfer_params": {"a": 1}, "choices": [{"kv_transfer_params": 1}]})
+    assert json.loads(bodies.strip_kv(with_kv.encode())) == {"id": "x", "choices": [{}]}
+
+
+def test_sse_filter_strips_even_when_split_across_reads() -> None:
+    events = [
+        b'data: {"id":"1","choices":[{"text":"a"}]}\n\n',
+        b'data: {"id":"2","choices":[{"text":"b"}],"kv_transfer_params":{"remote_host":"h"}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    stream = b"".join(events)
+    for size in (1, 3, 7, 64, len(stream)):
+        f = bodies.SseFilter()
+        out = b"".join(f.feed(stream[i : i + size]) for i in range(0, len(stream), size)) + f.flush()
+        assert b"kv_transfer_params" not in out
+        assert out.count(b"\n\n") == 3 and b'"text":"b"' in out and out.endswith(b"data: [DONE]\n\n")
+    # Complete events are released at once.
+    f = bodies.SseFilter()
+    assert f.feed(events[0] + b"data: {") == events[0]
+
+
+def test_estimate_tokens() -> None:
+    assert bodies.estimate_tokens(
+        {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 10}
+    ) == (11, 21)
+    assert bodies.estimate_tokens({"prompt": "x" * 8})[0] == 3
+
+
+def _targets(n: int) -> list[Target]:
+    return [Target(instance(i + 1, DECODE, 10000 + i)) for i in range(n)]
+
+
+def test_policies() -> None:
+    ts = _targets(3)
+    rr = RoundRobin()
+    assert [rr(ts, ()).id for _ in range(6)] == [1, 2, 3, 1, 2, 3]  # type: ignore[union-attr]
+    assert rr(ts, {1, 2, 3}) is None
+    ts[0].load, ts[1].load, ts[2].load = 50, 10, 30
+    assert least_load(ts, ()) is ts[1]
+    assert least_load(ts, {2}) is ts[2]
+    picks = Counter(power_of_two(ts, ()).id for _ in range(300))  # type: ignore[union-attr]
+    assert picks[1] == 0 and picks[2] > picks[3]  # the most loaded never wins a pair
+    # Endpoints out of rotation are skipped, unless nothing else is left.
+    ts[1].set_down(ts[1].endpoints[0], True)
+    try:
+        assert least_load(ts, ()) is ts[2]
+        assert least_load(ts, {1, 3}) is ts[1]
+    finally:
+        ts[1].set_down(ts[1].endpoints[0], False)
+
+
+def test_view_pairs_by_model_and_protocol_and_keeps_runtime_state() -> None:
+    table = InstanceTable()
+    sglang = dict(engine_type=c.ENGINE_TYPE_SGLANG)
+    table.add([
+        instance(1, PREFILL, 10000),
+        instance(2, DECODE, 10002, **sglang),  # another protocol: no pair
+        instance(3, DECODE, 10004, model="other"),  # another model: no pair
+    ])  # fmt: skip
+    view = build_view(table.state)
+    assert not view.routable
+    assert [t.id for t in view.models["motor-sim"].prefill_only] == [1]
+    table.add([instance(4, DECODE, 10006)])
+    view2 = build_view(table.state, view.targets)
+    assert view2.routable and [t.id for t in view2.models["motor-sim"].pd[0].decode] == [4]
+    old = next(t for t in view.targets if t.id == 1)
+    assert next(t for t in view2.targets if t.id == 1) is old  # load and breaker state survive
+    table.set([instance(9, UNION, 10008, 10010)])
+    assert build_view(table.state).routable
+
+
+def test_breaker_never_takes_out_the_last_instance_of_a_role() -> None:
+    down_before = Target.down_total
+    table = InstanceTable()
+    table.add([instance(1, PREFILL, 10000), instance(2, PREFILL, 10002), instance(3, DECODE, 10004)])
+    view = build_view(table.state)
+    breaker = Breaker(lambda: view)
+    p1, p2, d = (next(t for t in view.targets if t.id == i) for i in (1, 2, 3))
+    breaker.refused(p1.endpoints[0], "prefill")
+    assert p1.endpoints[0].down
+    breaker.refused(p2.endpoints[0], "prefill")
+    assert not p2.endpoints[0].down  # the last healthy prefill stays
+    breaker.refused(d.endpoints[0], "decode")
+    assert not d.endpoints[0].down
+    table.set([])
+    assert not build_view(table.state, view.targets).targets  # retiring p1 clears its mark
+    assert Target.down_total == down_before
+    assert RoutingView().routable is False

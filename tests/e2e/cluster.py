@@ -1,0 +1,132 @@
+"""A real ``motor up`` cluster on free ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.procs import recorded_pgids
+from tests.procs import Proc, grpcurl, motor_argv
+
+CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_offset(nodes: int) -> int:
+    """A --port-offset whose every port (services, NodeManagers, engines) is free now."""
+    for _ in range(200):
+        off = random.randrange(20000, 50000, 10)
+        ports = [CONTROLLER, COORDINATOR, HTTP, *(NM + i for i in range(nodes))]
+        ports += [ENGINE + 2 * k + j for k in range(nodes) for j in (0, 1)]
+        if all(port_free(p + off) for p in ports):
+            return off
+    raise RuntimeError("no free port offset")
+
+
+def poll(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
+    """Call ``fn`` until it returns something truthy (exceptions count as not yet)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            result = fn()
+            if result:
+                return result
+        except Exception as exc:
+            last = exc
+        time.sleep(every)
+    raise AssertionError(f"condition not met in {timeout}s (last error: {last!r})")
+
+
+class Cluster:
+    def __init__(self, tmp: Path, *args: str, nodes: int = 2) -> None:
+        self.nodes = nodes
+        self.off = free_offset(nodes)
+        self.state = tmp / "state"
+        self.proc = Proc(
+            motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *args), cwd=tmp
+        )
+
+    # addresses
+    def grpc(self, base: int) -> str:
+        return f"127.0.0.1:{base + self.off}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{HTTP + self.off}"
+
+    def engine_url(self, k: int) -> str:
+        return f"http://127.0.0.1:{ENGINE + 2 * k + self.off}"
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        line = self.proc.wait_line(lambda s: s.startswith("READY "), timeout)
+        assert line in self.proc.stdout_lines
+        return line
+
+    # observations
+    def call(self, addr: str, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = grpcurl("-d", json.dumps(body or {}), addr, method)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout or "{}")
+
+    def controller_instances(self) -> list[dict[str, Any]]:
+        return self.call(self.grpc(CONTROLLER), "motor.v1.Controller/ListInstances").get("instances", [])
+
+    def pd_legs(self, k: int) -> dict[tuple[str, str], float]:
+        text = urllib.request.urlopen(f"{self.engine_url(k)}/metrics", timeout=5).read().decode()
+        legs = {}
+        for m in re.finditer(r"^motor_sim_pd_legs_total\{([^}]*)\} (\S+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            legs[(labels["side"], labels["protocol"])] = float(m.group(2))
+        return legs
+
+    def engine_pgids(self) -> list[int]:
+        return [g for i in range(self.nodes) for g in recorded_pgids(self.state / f"nm-{i}" / "engines.json")]
+
+    def component_pid(self, name: str) -> int:
+        """The pid of a child of ``motor up`` by its command line (controller, coordinator, nodemanager)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.popen.pid and name.encode() in cmd:
+                found.append(int(entry.name))
+        return found[0] if len(found) == 1 else 0
+
+    def stop(self, timeout: float = 15.0) -> int:
+        self.proc.signal(signal.SIGTERM)
+        try:
+            return self.proc.popen.wait(timeout)
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        self.proc.kill()
+        for g in self.engine_pgids():
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
