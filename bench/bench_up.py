@@ -52,7 +52,8 @@ def main() -> None:
         [
             "# motor up → READY (simulated engines, 1 prefill + 1 decode)",
             "",
-            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {platform.python_version()}, {RUNS} runs",
+            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, {RUNS} runs",
             "",
             "| measure | seconds | ratio to 5 s target |",
             "|---|---|---|",

@@ -1,0 +1,21 @@
+"""The simulated engine (`motor engine-sim`): a vLLM/SGLang-compatible HTTP server without a model.
+
+Business port (`--host`/`--port`, default 127.0.0.1:10000; `--port 0` binds an ephemeral port and
+the real one is logged as `event=listening service=engine-sim http=H:P [bootstrap=H:B]`):
+  POST /v1/chat/completions, /v1/completions   OpenAI, stream or not, usage, logprobs
+  GET  /v1/models, /health, /health_generate, /metrics, /get_model_info, /get_server_info, /version
+  POST /flush_cache
+  GET|POST /sim/fault                          fault injection, loopback clients only
+
+PD hand-off:
+  vLLM   request `kv_transfer_params.do_remote_decode: true` -> prefill leg (1 token); the answer
+         carries top-level `kv_transfer_params` {do_remote_prefill: true, do_remote_decode: false,
+         remote_engine_id, remote_block_ids, remote_host, remote_port, remote_request_id, tp_size};
+         sending those back (do_remote_prefill: true) makes a decode leg.
+  SGLang request `bootstrap_host`, `bootstrap_port`, `bootstrap_room`; a prefill-role engine
+         registers the room on its bootstrap port, a decode-role engine long-polls
+         `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py).
+
+Modules: cli (argv), server (process runtime), app (routes), openai_api (bodies), generation
+(deterministic text), latency, faults, pd, metrics, worker (child processes).
+"""

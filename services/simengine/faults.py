@@ -1,0 +1,125 @@
+"""Fault injection state.
+
+A fault is *armed* by a start flag or `POST /sim/fault` and becomes *active* once N further
+completion requests have been served AND S seconds have passed since arming (0 = at once).
+Request number N+1 is the first one that sees the fault. Only completion requests are counted,
+so health probes and metric scrapes never move a fault forward.
+
+`hang` is absolute: once active every route on the business port stops answering, `/sim/fault`
+included, exactly like a wedged engine; the only way out is to kill the process (what the
+NodeManager does after `engine_hang_timeout_s`). The SGLang bootstrap port keeps answering, but a
+hung prefill engine registers no more rooms, so its decode peers time out as they would for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+MODES = ("none", "crash", "hang", "unhealthy", "error", "disconnect", "precision")
+
+
+class FaultError(ValueError):
+    """A /sim/fault body that does not describe a fault."""
+
+
+class FaultState:
+    def __init__(self, on_crash: Callable[[], None], default_status: int = 500) -> None:
+        self._on_crash = on_crash
+        self.default_status = default_status
+        self.mode = "none"
+        self.after_requests = 0
+        self.after_s = 0.0
+        self.status = default_status
+        self.requests = 0
+        self._armed_at = time.monotonic()
+        self._active = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(
+        self, mode: str, after_requests: int = 0, after_s: float = 0.0, status: int | None = None
+    ) -> None:
+        if mode not in MODES:
+            raise FaultError(f"unknown fault mode {mode!r}; one of {', '.join(MODES)}")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.mode = mode
+        self.after_requests = after_requests
+        self.after_s = after_s
+        self.status = self.default_status if status is None else status
+        self.requests = 0
+        self._armed_at = time.monotonic()
+        self._active = False
+        # A crash must fire on time even when no request arrives to notice it.
+        if mode == "crash":
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(after_s, self._crash_if_due)
+
+    def _crash_if_due(self) -> None:
+        self._timer = None
+        if self.mode == "crash" and self.is_active():
+            self._on_crash()
+
+    def is_active(self) -> bool:
+        if self._active:
+            return True
+        if self.mode == "none" or self.requests < self.after_requests:
+            return False
+        if self.after_s and time.monotonic() - self._armed_at < self.after_s:
+            return False
+        self._active = True
+        return True
+
+    def on_completion(self) -> str | None:
+        """Count one completion request; returns the fault mode it must suffer, if any."""
+        if self.mode == "none":
+            return None
+        active = self.is_active()
+        self.requests += 1
+        if not active:
+            return None
+        if self.mode == "crash":
+            self._on_crash()
+        return self.mode
+
+    def hanging(self) -> bool:
+        return self.mode == "hang" and self.is_active()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "armed": self.mode != "none",
+            "active": self.is_active(),
+            "after_requests": self.after_requests,
+            "after_s": self.after_s,
+            "status": self.status,
+            "requests": self.requests,
+            "armed_for_s": round(time.monotonic() - self._armed_at, 3),
+        }
+
+
+def parse_fault_body(body: Any) -> tuple[str, int, float, int | None]:
+    """Validate a `POST /sim/fault` body: {"mode", "after_requests"?, "after_s"?, "status"?}."""
+    if not isinstance(body, dict):
+        raise FaultError("body must be a JSON object")
+    unknown = set(body) - {"mode", "after_requests", "after_s", "status"}
+    if unknown:
+        raise FaultError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    mode = body.get("mode")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise FaultError(f"mode must be one of {', '.join(MODES)}")
+    after_requests = body.get("after_requests") or 0
+    if isinstance(after_requests, bool) or not isinstance(after_requests, int) or after_requests < 0:
+        raise FaultError("after_requests must be an integer >= 0")
+    after_s = body.get("after_s") or 0
+    if isinstance(after_s, bool) or not isinstance(after_s, int | float) or not 0 <= after_s < 1e9:
+        raise FaultError("after_s must be a number >= 0")
+    status = body.get("status")
+    if status is not None and (
+        isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599
+    ):
+        raise FaultError("status must be an HTTP status code (100-599)")
+    return mode, after_requests, float(after_s), status

@@ -1,0 +1,73 @@
+"""Latency model and the `--max-num-seqs` admission queue.
+
+With every latency at zero nothing here sleeps, so the engine costs only its HTTP handling: it
+is the physical-limit baseline that router benchmarks are compared against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from services.simengine.config import EngineConfig
+
+
+class LatencyModel:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.ttft_s = cfg.ttft_ms / 1000
+        self.prefill_s_per_token = cfg.prefill_ms_per_token / 1000
+        self.tpot_s = cfg.tpot_ms / 1000
+        self.kv_transfer_s = cfg.kv_transfer_ms / 1000
+
+    def first_token_s(self, prompt_tokens: int, kv_transfer: bool) -> float:
+        """Time to the first token: the prefill, or for a decode leg the KV transfer instead."""
+        if kv_transfer:
+            return self.kv_transfer_s
+        return self.ttft_s + self.prefill_s_per_token * prompt_tokens
+
+    def decode_s(self, tokens: int) -> float:
+        """Time for every token after the first."""
+        return self.tpot_s * max(0, tokens - 1)
+
+
+async def pause(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+class Slots:
+    """At most `limit` running sequences (0 = unlimited); the rest wait in FIFO order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.limit <= 0 or (self.running < self.limit and not self._waiters):
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                # The slot was handed to us just as we were cancelled: pass it on.
+                self.release()
+            else:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        # A finishing sequence hands its slot straight to the oldest waiter.
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1

@@ -1,0 +1,205 @@
+"""Prefill/decode hand-off: vLLM `kv_transfer_params` tickets and the SGLang bootstrap rendezvous.
+
+vLLM: the prefill leg answers `kv_transfer_params` naming a ticket (`remote_request_id`) and the
+blocks it "holds"; the decode leg carries them back. The decode engine is usually another
+process, so an unknown ticket is accepted (and counted), never refused.
+
+SGLang: both legs carry (bootstrap_host, bootstrap_port, bootstrap_room). The prefill engine runs
+a tiny HTTP rendezvous server on its bootstrap port and registers the room once its prefill is
+done; the decode engine long-polls `GET /room/{room}?timeout_s=T` on that server. Either leg may
+arrive first. Protocol (bootstrap port):
+  GET  /room/{room}?timeout_s=T  200 {"room", "engine_id", "prompt_tokens", ...} once registered
+                                 (the room is consumed), 408 OpenAI-style error after T seconds
+  POST /room/{room}              register a room by hand (body: optional JSON object)
+  GET  /health                   200
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+BLOCK_SIZE = 16
+MAX_POLL_S = 600.0
+
+
+class TicketStore:
+    """Tickets issued by vLLM-style prefill legs, redeemable once by a decode leg."""
+
+    def __init__(self, ttl_s: float = 300.0, max_size: int = 100_000) -> None:
+        self._ttl_s = ttl_s
+        self._max_size = max_size
+        self._tickets: dict[str, float] = {}
+        self._next_block = 0
+
+    def issue(self, prompt_tokens: int) -> tuple[str, list[int]]:
+        now = time.monotonic()
+        self._expire(now)
+        ticket = uuid.uuid4().hex
+        n = max(1, math.ceil(prompt_tokens / BLOCK_SIZE))
+        start = self._next_block
+        self._next_block = (start + n) % (1 << 31)
+        self._tickets[ticket] = now
+        return ticket, list(range(start, start + n))
+
+    def redeem(self, ticket: object) -> bool:
+        return isinstance(ticket, str) and self._tickets.pop(ticket, None) is not None
+
+    def _expire(self, now: float) -> None:
+        # dicts keep insertion order, so the oldest tickets are first.
+        while self._tickets:
+            oldest = next(iter(self._tickets))
+            if len(self._tickets) < self._max_size and now - self._tickets[oldest] < self._ttl_s:
+                break
+            del self._tickets[oldest]
+
+
+class RoomTimeout(Exception):
+    pass
+
+
+class Rendezvous:
+    """The prefill side of the SGLang bootstrap: rooms registered by finished prefills."""
+
+    def __init__(self, engine_id: str, ttl_s: float = 300.0) -> None:
+        self.engine_id = engine_id
+        self._ttl_s = ttl_s
+        self._rooms: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._waiters: dict[int, list[asyncio.Future[dict[str, Any]]]] = {}
+
+    def register(self, room: int, info: dict[str, Any]) -> None:
+        info = {"room": room, "engine_id": self.engine_id, **info}
+        waiters = self._waiters.pop(room, None)
+        if waiters:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(info)
+            return
+        now = time.monotonic()
+        # A room nobody claims (its decode leg was cancelled) must not live forever.
+        while self._rooms:
+            oldest = next(iter(self._rooms))
+            if now - self._rooms[oldest][0] < self._ttl_s:
+                break
+            del self._rooms[oldest]
+        self._rooms[room] = (now, info)
+
+    async def wait(self, room: int, timeout_s: float) -> dict[str, Any]:
+        found = self._rooms.pop(room, None)
+        if found is not None:
+            return found[1]
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(room, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise RoomTimeout(f"bootstrap room {room} was not registered within {timeout_s:g} s") from None
+        finally:
+            waiters = self._waiters.get(room)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[room]
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/room/{room}", self._get_room)
+        app.router.add_post("/room/{room}", self._post_room)
+        app.router.add_get("/health", _ok)
+        return app
+
+    async def _get_room(self, request: web.Request) -> web.Response:
+        room = parse_room(request.match_info["room"])
+        if room is None:
+            return _error(400, "room must be an integer", "invalid_room")
+        try:
+            timeout_s = min(MAX_POLL_S, max(0.0, float(request.query.get("timeout_s", "30"))))
+        except ValueError:
+            return _error(400, "timeout_s must be a number", "invalid_timeout")
+        try:
+            info = await self.wait(room, timeout_s)
+        except RoomTimeout as exc:
+            return _error(408, str(exc), "bootstrap_timeout")
+        return web.json_response(info)
+
+    async def _post_room(self, request: web.Request) -> web.Response:
+        room = parse_room(request.match_info["room"])
+        if room is None:
+            return _error(400, "room must be an integer", "invalid_room")
+        info: Any = {}
+        if request.can_read_body:
+            try:
+                info = await request.json()
+            except ValueError:
+                return _error(400, "body must be JSON", "invalid_json")
+            if not isinstance(info, dict):
+                return _error(400, "body must be a JSON object", "invalid_json")
+        self.register(room, info)
+        return web.json_response({"room": room})
+
+
+def parse_room(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+async def wait_for_room(
+    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_s: float
+) -> dict[str, Any]:
+    """Decode side: wait until the prefill engine at host:port registered `room`.
+
+    Connection failures are retried until the deadline: the prefill engine may still be
+    starting, and the router sends both legs at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    url = f"http://{netloc}/room/{room}"
+    delay = 0.02
+    last_error = ""
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            break
+        try:
+            async with session.get(
+                url,
+                params={"timeout_s": f"{remaining:.3f}"},
+                timeout=aiohttp.ClientTimeout(total=remaining + 1.0),
+            ) as resp:
+                if resp.status == 200:
+                    info: dict[str, Any] = await resp.json()
+                    return info
+                if resp.status == 408:
+                    break
+                last_error = f"bootstrap server answered HTTP {resp.status}"
+        except TimeoutError:
+            break
+        except aiohttp.ClientError as exc:
+            last_error = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+        delay = min(delay * 2, 0.5)
+    detail = f" (last error: {last_error})" if last_error else ""
+    raise RoomTimeout(
+        f"bootstrap room {room} was not filled by the prefill engine at {netloc} "
+        f"within {timeout_s:g} s{detail}"
+    )
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response()

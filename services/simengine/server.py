@@ -1,0 +1,117 @@
+"""Process runtime: workers, listeners, signals and shutdown of one simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+from aiohttp import web
+
+from services.common import log
+from services.simengine.app import Engine
+from services.simengine.config import EngineConfig
+
+# In-flight requests get this long to finish on SIGTERM; hung ones are then cancelled.
+DRAIN_S = 1.0
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def start_workers(count: int) -> list[asyncio.subprocess.Process]:
+    """Children that live exactly as long as the leader: each holds the read end of a pipe whose
+    only writer is the leader, so the leader's death (even SIGKILL) reaches them as EOF. They
+    stay in the leader's process group so killpg takes them too."""
+    procs = []
+    for i in range(count):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.simengine.worker",
+            "--index",
+            str(i),
+            stdin=asyncio.subprocess.PIPE,
+        )
+        procs.append(proc)
+        log.event("worker_started", index=i, pid=proc.pid)
+    return procs
+
+
+async def stop_workers(procs: list[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), 2.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=DRAIN_S, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, int(bound)
+
+
+async def serve(cfg: EngineConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(cfg)
+    runners: list[web.AppRunner] = []
+    workers = await start_workers(cfg.workers)
+    try:
+        if cfg.fault != "none":
+            engine.faults.arm(cfg.fault, cfg.fault_after_requests, cfg.fault_after_s)
+            log.event(
+                "fault_armed",
+                mode=cfg.fault,
+                after_requests=cfg.fault_after_requests,
+                after_s=cfg.fault_after_s,
+            )
+        fields: dict[str, object] = {
+            "model": engine.model_id,
+            "protocol": cfg.protocol,
+            "role": cfg.role,
+            "engine_id": cfg.engine_id,
+        }
+        if cfg.headless:
+            log.event("headless", **fields)
+        else:
+            runner, engine.port = await _listen(engine.make_app(), cfg.host, cfg.port)
+            runners.append(runner)
+            fields = {"http": _netloc(cfg.host, engine.port), **fields}
+            if engine.rendezvous is not None:
+                boot_runner, boot_port = await _listen(
+                    engine.rendezvous.app(), cfg.host, cfg.bootstrap_port or 0
+                )
+                runners.append(boot_runner)
+                fields["bootstrap"] = _netloc(cfg.host, boot_port)
+            log.event("listening", **fields)
+        await stop.wait()
+        log.event("stopping")
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        await engine.close()
+        await stop_workers(workers)
+    log.event("stopped")
+    return 0
+
+
+def run(cfg: EngineConfig) -> int:
+    try:
+        return asyncio.run(serve(cfg))
+    except OSError as exc:
+        log.error("bind_failed", error=str(exc), host=cfg.host, port=cfg.port)
+        return 1
