@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ import aiohttp
 
 from services.common import log
 from services.common.config import ConfigError, load_config
-from services.common.procs import become_subreaper, kill_recorded_engines
+from services.common.procgroup import Reaper, become_subreaper
+from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_RUN_S = 1.0, 10.0, 30.0
 STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover engines
@@ -39,7 +40,7 @@ class Child:
     pump: asyncio.Task[None] | None = None
     restarts: int = 0
     backoff: float = BACKOFF_START_S
-    extra: dict[str, Any] = field(default_factory=dict)
+    started: float = 0.0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -74,7 +75,9 @@ class Cluster:
         self.http_port = cfg["coordinator"]["http_port"] + off
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
-        self.ready_printed = False
+        # Engines of a NodeManager that died re-parent to us (subreaper): reap them, but leave
+        # our own children to asyncio, which waits on them by pid.
+        self.reaper = Reaper()
 
     # -- what to run -------------------------------------------------------------------------
     def plan(self) -> None:
@@ -144,8 +147,9 @@ class Cluster:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
+        self.reaper.watch(child.proc.pid)
         child.pump = asyncio.create_task(self._pump(child, child.proc))
-        child.extra["started"] = asyncio.get_running_loop().time()
+        child.started = asyncio.get_running_loop().time()
 
     async def _pump(self, child: Child, proc: asyncio.subprocess.Process) -> None:
         prefix = f"[{child.name}] ".encode()
@@ -161,11 +165,12 @@ class Cluster:
         while not self.stopping.is_set():
             assert child.proc is not None
             rc = await child.proc.wait()
+            self.reaper.unwatch(child.proc.pid)
             if child.pump:
                 await child.pump
             if self.stopping.is_set():
                 return
-            ran = loop.time() - child.extra.get("started", loop.time())
+            ran = loop.time() - child.started
             if ran > HEALTHY_RUN_S:
                 child.backoff = BACKOFF_START_S
             log.warn("restart", component=child.name, rc=rc, in_s=child.backoff)
@@ -202,7 +207,6 @@ class Cluster:
                     async with http.get(f"{url}/readiness") as resp:
                         if resp.status == 200:
                             print(f"READY {url}", flush=True)
-                            self.ready_printed = True
                             return
                 except aiohttp.ClientError:
                     pass
@@ -212,6 +216,7 @@ class Cluster:
 
     async def run(self) -> int:
         self.plan()
+        reaping = asyncio.create_task(self.reaper.run())
         supervisors = []
         core, nodes = self.children[:2], self.children[2:]
         for child in core:
@@ -232,6 +237,7 @@ class Cluster:
         await self.shutdown()
         for s in supervisors:
             s.cancel()
+        reaping.cancel()
         return 0
 
     async def shutdown(self) -> None:
@@ -244,7 +250,7 @@ class Cluster:
         # A NodeManager that died hard leaves engines behind: its record says which.
         for c in nodes:
             if c.state_dir is not None:
-                await kill_recorded_engines(c.state_dir / "engines.json")
+                await kill_recorded_engines(StateFile(c.state_dir), self.reaper)
         log.event("stopped", component="up")
 
     async def _terminate(self, children: list[Child], budget: float) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.procs import recorded_pgids
+from services.nodemanager.statefile import StateFile
 from tests.procs import Proc, grpcurl, motor_argv
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
@@ -98,7 +98,7 @@ class Cluster:
         return legs
 
     def engine_pgids(self) -> list[int]:
-        return [g for i in range(self.nodes) for g in recorded_pgids(self.state / f"nm-{i}" / "engines.json")]
+        return [r.pgid for i in range(self.nodes) for r in StateFile(self.state / f"nm-{i}").read()]
 
     def component_pid(self, name: str) -> int:
         """The pid of a child of ``motor up`` by its command line (controller, coordinator, nodemanager)."""

@@ -1,0 +1,309 @@
+"""One engine endpoint: its process group, its readiness and its death (behaviour.md
+"Readiness", "Death detection", "Stopping engines").
+
+Status: INITIAL until the process runs, WAIT_TO_START until ``/health`` answers 200 and
+``/v1/models`` lists the model, then NORMAL. Headless engines have no HTTP server and are NORMAL
+while alive. ``max_probe_failures`` consecutive failures make an endpoint ABNORMAL, but only once
+it was NORMAL or its start-up window is over (a model may take minutes to load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+import aiohttp
+from motor.v1 import common_pb2
+
+from services.common import log, procgroup
+from services.nodemanager.launch import EndpointSpec, LaunchParams
+
+Status: TypeAlias = common_pb2.EndpointStatus.ValueType
+_LINE_LIMIT = 1 << 20
+_EXIT_POLL_S = 0.05
+INITIAL = common_pb2.ENDPOINT_STATUS_INITIAL
+WAIT_TO_START = common_pb2.ENDPOINT_STATUS_WAIT_TO_START
+NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
+ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
+
+
+@dataclass(frozen=True)
+class Timing:
+    poll_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    max_failures: int = 2
+    startup_timeout_s: float = 1800.0
+    hang_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, c: Mapping[str, Any]) -> Timing:
+        return cls(
+            poll_s=float(c["status_poll_interval_s"]),
+            probe_timeout_s=float(c["status_probe_timeout_s"]),
+            max_failures=int(c["max_probe_failures"]),
+            startup_timeout_s=float(c["engine_startup_timeout_s"]),
+            hang_timeout_s=float(c["engine_hang_timeout_s"]),
+        )
+
+
+class EngineHooks(Protocol):
+    def status_changed(self, engine: Engine) -> None: ...
+
+    def engine_died(self, engine: Engine, pid: int, detail: str) -> None: ...
+
+    def engine_unhealthy(self, engine: Engine, detail: str) -> None: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        spec: EndpointSpec,
+        params: LaunchParams,
+        bootstrap_port: int,
+        timing: Timing,
+        hooks: EngineHooks,
+        reaper: procgroup.Reaper,
+        http: aiohttp.ClientSession,
+    ) -> None:
+        self.spec = spec
+        self.params = params
+        self.bootstrap_port = bootstrap_port
+        self.timing = timing
+        self.hooks = hooks
+        self.reaper = reaper
+        self.http = http
+        self.status: Status = INITIAL
+        self.pid = 0  # the leader (= pgid) of the current process group; 0 = none
+        self.last_pid = 0
+        self.alive = False
+        self.ever_normal = False
+        self.failures = 0
+        self.started_at = 0.0
+        self.abnormal_since: float | None = None
+        self.stopping = False
+        self._hung = ""
+        self._proc: asyncio.subprocess.Process | None = None
+        self._exited = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pump: asyncio.Task[None] | None = None
+
+    # --- reporting ---------------------------------------------------------------------------
+
+    def in_startup_window(self) -> bool:
+        return not self.ever_normal and time.monotonic() - self.started_at < self.timing.startup_timeout_s
+
+    def to_proto(self, status: Status | None = None) -> common_pb2.Endpoint:
+        return common_pb2.Endpoint(
+            id=self.spec.id,
+            host=self.spec.host,
+            port=self.spec.port,
+            bootstrap_port=self.bootstrap_port,
+            status=self.status if status is None else status,
+            headless=self.spec.headless,
+            device_ids=list(self.spec.device_ids),
+            pid=self.pid,
+        )
+
+    def _set(self, status: Status, *, force: bool = False) -> None:
+        if status == self.status and not force:
+            return
+        old, self.status = self.status, status
+        if status == NORMAL:
+            self.ever_normal = True
+        log.event(
+            "endpoint_status",
+            endpoint_id=self.spec.id,
+            port=self.spec.port,
+            pid=self.pid or self.last_pid,
+            status=common_pb2.EndpointStatus.Name(status),
+            previous=common_pb2.EndpointStatus.Name(old),
+        )
+        self.hooks.status_changed(self)
+
+    # --- process -----------------------------------------------------------------------------
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log_prefix: bytes | None = None) -> int:
+        """Start the engine in a new session (its own process group). Its stdout/stderr are ours
+        (whoever runs us sees the engine's logs), or, with ``log_prefix``, piped through us with
+        every line prefixed (``motor up`` shows ``[engine-<k>] ``)."""
+        out = asyncio.subprocess.PIPE if log_prefix is not None else None
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT if out is not None else None,
+            start_new_session=True,
+            limit=_LINE_LIMIT,
+        )
+        if log_prefix is not None and proc.stdout is not None:
+            # Not in self._tasks: it drains to EOF even after the leader exits.
+            self._pump = asyncio.create_task(
+                _pump(proc.stdout, log_prefix), name=f"engine-{self.spec.id}-log"
+            )
+        self.reaper.watch(proc.pid)
+        self._proc = proc
+        self.pid = self.last_pid = proc.pid
+        self.alive = True
+        self.started_at = time.monotonic()
+        log.event(
+            "engine_started", endpoint_id=self.spec.id, port=self.spec.port, pid=proc.pid, argv0=argv[0]
+        )
+        self._tasks.append(asyncio.create_task(self._watch_exit(proc), name=f"engine-{self.spec.id}-exit"))
+        if self.spec.headless:
+            self._set(NORMAL)
+        else:
+            self._set(WAIT_TO_START)
+            self._tasks.append(asyncio.create_task(self._probe_loop(), name=f"engine-{self.spec.id}-probe"))
+        return proc.pid
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
+        rc = await _leader_exit(proc)
+        self.reaper.unwatch(proc.pid)
+        self.alive = False
+        self.pid = 0
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        try:
+            if self.stopping:
+                log.event("engine_stopped", endpoint_id=self.spec.id, pid=proc.pid, rc=rc)
+                return
+            detail = self._hung or (f"killed by {_signame(-rc)}" if rc < 0 else f"exit code {rc}")
+            log.error(
+                "engine_died", endpoint_id=self.spec.id, port=self.spec.port, pid=proc.pid, detail=detail
+            )
+            # Report first: the Controller should know within a second.
+            self.hooks.engine_died(self, proc.pid, detail)
+            self._set(ABNORMAL, force=True)  # pid is 0 now: always worth a beat
+            # The leader is gone; anything left in its group (workers) must not keep a port.
+            await procgroup.stop_group(proc.pid, 0, self.reaper)
+        finally:
+            self._exited.set()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop the process group; returns once no member is left (ESRCH)."""
+        self.stopping = True
+        proc = self._proc
+        if proc is None:
+            return
+        for task in self._tasks:
+            if task.get_name().endswith("-probe"):
+                task.cancel()
+        await procgroup.stop_group(proc.pid, grace_s, self.reaper)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._exited.wait(), 10)
+        if self._pump is not None:
+            # The group is gone, so the pipe is at EOF once its last bytes are read.
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._pump, 2)
+
+    def kill_now(self, reason: str) -> None:
+        """Kill a hung group; the exit watcher then reports it DEAD with ``reason``."""
+        if self._proc is not None and self.alive:
+            self._hung = reason
+            procgroup.signal_group(self._proc.pid, signal.SIGKILL)
+
+    # --- readiness ---------------------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        while self.alive:
+            await asyncio.sleep(self.timing.poll_s)
+            if not self.alive or self.stopping:
+                return
+            ok, why = await self._probe()
+            if self.alive and not self.stopping:
+                self.observe(ok, why)
+
+    def observe(self, ok: bool, why: str) -> None:
+        now = time.monotonic()
+        if ok:
+            self.failures = 0
+            self.abnormal_since = None
+            self._set(NORMAL)
+            return
+        if not (self.ever_normal or now - self.started_at >= self.timing.startup_timeout_s):
+            return  # still loading: failures do not count in the start-up window
+        self.failures += 1
+        if self.status != ABNORMAL:
+            if self.failures >= self.timing.max_failures:
+                self.abnormal_since = now
+                self._set(ABNORMAL)
+                if self.ever_normal:
+                    self.hooks.engine_unhealthy(self, why)
+            return
+        since = self.abnormal_since or now
+        if self.ever_normal and now - since >= self.timing.hang_timeout_s:
+            log.error("engine_hung", endpoint_id=self.spec.id, pid=self.pid, abnormal_s=round(now - since, 1))
+            self.kill_now(f"hung: ABNORMAL for {now - since:.0f}s ({why})")
+
+    async def _probe(self) -> tuple[bool, str]:
+        host = self.spec.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        base = f"http://{host}:{self.spec.port}"
+        timeout = aiohttp.ClientTimeout(total=self.timing.probe_timeout_s)
+        try:
+            async with self.http.get(base + "/health", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return False, f"/health answered {resp.status}"
+            async with self.http.get(base + "/v1/models", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return False, f"/v1/models answered {resp.status}"
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
+            return False, f"probe failed: {type(exc).__name__}"
+        ids = (
+            [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+            if isinstance(body, dict)
+            else []
+        )
+        # The engine may report the served name or the model path; any single model will do.
+        if self.params.served_model_name in ids or self.params.model in ids or len(ids) == 1:
+            return True, ""
+        return False, f"/v1/models does not list {self.params.served_model_name!r}"
+
+
+async def _leader_exit(proc: asyncio.subprocess.Process) -> int:
+    """The leader's exit status, as soon as it is known.
+
+    With piped output, Python 3.11's ``Process.wait()`` returns only once every holder of the
+    pipe closed it, and an engine's workers may hold it after the leader died; the return code
+    itself is set the moment the child watcher reaps the leader, so we watch for that too."""
+    if proc.stdout is None:
+        return await proc.wait()
+    waiter = asyncio.ensure_future(proc.wait())
+    try:
+        while proc.returncode is None:
+            await asyncio.wait([waiter], timeout=_EXIT_POLL_S)
+        return proc.returncode
+    finally:
+        waiter.cancel()
+
+
+async def _pump(stream: asyncio.StreamReader, prefix: bytes) -> None:
+    out = sys.stdout.buffer
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line over the limit: pass it on in pieces
+            line = await stream.read(_LINE_LIMIT)
+        if not line:
+            return
+        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        out.flush()
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"

@@ -1,0 +1,297 @@
+"""The NodeManager's connection to the Controller: ``Register`` and the ``Heartbeat`` stream.
+
+Registration retries on UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and ALREADY_EXISTS
+(1 s doubling to 30 s, plus jitter) and gives up for good on INVALID_ARGUMENT, UNAUTHENTICATED
+and PERMISSION_DENIED. The stream stays open for the node's life: a beat every interval and at
+once on any status change, an engine event the instant an engine dies; it reconnects with
+0.2 s doubling to 2 s plus jitter, and on ``DIRECTIVE_REREGISTER`` registers again with its
+instance id (the engines keep running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2
+from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+
+from services.common import errors, log
+from services.common.channel import open_channel
+from services.common.config import read_key_file
+from services.nodemanager import launch
+from services.nodemanager.supervisor import EngineSupervisor
+
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+REGISTER_BACKOFF = (1.0, 30.0)
+STREAM_BACKOFF = (0.2, 2.0)
+REGISTER_TIMEOUT_S = 5.0
+DEFAULT_INTERVAL_S = 3.0
+# No ack for this many beat intervals (and at least ACK_MIN_S): the stream is dead even if TCP
+# has not noticed yet.
+ACK_INTERVALS = 4
+ACK_MIN_S = 10.0
+
+
+class RegistrationRefused(Exception):
+    """The Controller refused this node for good (exit 1)."""
+
+
+def jittered(delay: float) -> float:
+    return delay + random.uniform(0, delay / 4)
+
+
+class ControllerLink:
+    def __init__(self, nm: Mapping[str, Any], nm_port: int, supervisor: EngineSupervisor) -> None:
+        self.nm = nm
+        self.nm_port = nm_port
+        self.sup = supervisor
+        key_file = nm.get("controller_key_file") or ""
+        self.channel = open_channel(
+            nm["controller"],
+            key=read_key_file(key_file) if key_file else None,
+            tls=dict(nm) if nm.get("tls_ca_file") else None,
+            max_message_bytes=int(nm["max_message_bytes"]),
+            service="nodemanager",
+        )
+        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.node_id = 0
+        self.session_epoch = 0
+        self.interval_s = DEFAULT_INTERVAL_S
+        self.relaunch_enabled = False
+        self.registered = asyncio.Event()
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._beat_wanted = False
+        # Events not yet sent, and events sent but not acked (re-sent on a new stream).
+        self._unsent: collections.deque[tuple[controller_pb2.EngineEvent, asyncio.Future[bool]]] = (
+            collections.deque()
+        )
+        self._unacked: dict[int, tuple[controller_pb2.EngineEvent, asyncio.Future[bool]]] = {}
+        self._last_rx = time.monotonic()
+
+    # --- the EventSink the supervisor reports to ---------------------------------------------
+
+    def beat_now(self) -> None:
+        self._beat_wanted = True
+        self._wake.set()
+
+    def engine_event(
+        self, type_: controller_pb2.EngineEventType.ValueType, endpoint_id: int, pid: int, detail: str
+    ) -> asyncio.Future[bool]:
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        ev = controller_pb2.EngineEvent(endpoint_id=endpoint_id, pid=pid, type=type_, detail=detail)
+        self._unsent.append((ev, fut))
+        self._wake.set()
+        return fut
+
+    # --- registration ------------------------------------------------------------------------
+
+    def register_request(self) -> controller_pb2.RegisterRequest:
+        nm = self.nm
+        par = nm["parallel"]
+        return controller_pb2.RegisterRequest(
+            job_name=nm["job_name"],
+            role=launch.ROLE_ENUMS[nm["role"]],
+            model_name=nm["served_model_name"] or nm["model"],
+            engine_type=launch.ENGINE_TYPES[nm["engine_type"]],
+            host=nm["host"],
+            nm_port=self.nm_port,
+            ports=[int(p) for p in nm["ports"]],
+            device_count=int(nm["device_count"]),
+            parallel=common_pb2.ParallelConfig(
+                dp=int(par.get("dp", 1)),
+                tp=int(par.get("tp", 1)),
+                pp=int(par.get("pp", 1)),
+                ep=int(par.get("ep", 1)),
+                nnodes=int(par.get("nnodes", 1)),
+            ),
+            node_rank=int(nm["node_rank"]),
+            instance_id=self.sup.instance_id,
+            pd_protocol=launch.pd_protocol(nm["engine_type"], nm["sim_protocol"]),  # type: ignore[arg-type]
+        )
+
+    async def register(self) -> None:
+        delay = REGISTER_BACKOFF[0]
+        self.registered.clear()
+        while True:
+            req = self.register_request()
+            try:
+                resp = await self.stub.Register(req, timeout=REGISTER_TIMEOUT_S, wait_for_ready=False)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code in FATAL:
+                    log.error("register_refused", code=code.name, message=err.details() or "")
+                    raise RegistrationRefused(f"{code.name}: {err.details()}") from None
+                wait = jittered(delay)
+                log.warn(
+                    "register_failed",
+                    controller=self.nm["controller"],
+                    code=code.name,
+                    message=err.details() or "",
+                    retry_in_s=round(wait, 2),
+                )
+                await asyncio.sleep(wait)
+                delay = min(delay * 2, REGISTER_BACKOFF[1])
+                continue
+            self.node_id = resp.node_id
+            self.session_epoch = resp.session_epoch
+            self.interval_s = (
+                resp.heartbeat_interval_ms / 1000 if resp.heartbeat_interval_ms else DEFAULT_INTERVAL_S
+            )
+            self.relaunch_enabled = resp.engine_relaunch_enabled
+            if resp.instance_id and not self.sup.instance_id:
+                self.sup.instance_id = resp.instance_id
+            log.event(
+                "registered",
+                controller=self.nm["controller"],
+                node_id=self.node_id,
+                session_epoch=self.session_epoch,
+                instance_id=resp.instance_id,
+                heartbeat_interval_ms=resp.heartbeat_interval_ms,
+                engine_relaunch_enabled=self.relaunch_enabled,
+            )
+            self.registered.set()
+            return
+
+    # --- heartbeat stream --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Register, then keep the stream open until cancelled. Raises RegistrationRefused."""
+        await self.register()
+        delay = STREAM_BACKOFF[0]
+        while True:
+            outcome, healthy = await self._stream_once()
+            if outcome == "reregister":
+                await self.register()
+                delay = STREAM_BACKOFF[0]
+                continue
+            if healthy:
+                delay = STREAM_BACKOFF[0]
+            wait = jittered(delay)
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, STREAM_BACKOFF[1])
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _beat(self) -> controller_pb2.HeartbeatRequest:
+        self._beat_wanted = False
+        return controller_pb2.HeartbeatRequest(
+            beat=controller_pb2.Beat(
+                node_id=self.node_id,
+                session_epoch=self.session_epoch,
+                seq=self._next_seq(),
+                endpoints=self.sup.endpoints(),
+            )
+        )
+
+    def _stamp(
+        self, ev: controller_pb2.EngineEvent, fut: asyncio.Future[bool]
+    ) -> controller_pb2.HeartbeatRequest:
+        ev.seq = self._next_seq()
+        ev.node_id = self.node_id
+        ev.session_epoch = self.session_epoch
+        self._unacked[ev.seq] = (ev, fut)
+        return controller_pb2.HeartbeatRequest(engine_event=ev)
+
+    async def _requests(self) -> AsyncIterator[controller_pb2.HeartbeatRequest]:
+        # Events first: a death report must not wait behind anything.
+        for seq in sorted(self._unacked):
+            ev, fut = self._unacked.pop(seq)
+            yield self._stamp(ev, fut)
+        yield self._beat()
+        next_beat = time.monotonic() + self.interval_s
+        while True:
+            left = next_beat - time.monotonic()
+            if left > 0 and not self._wake.is_set():
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    pass
+            self._wake.clear()
+            while self._unsent:
+                ev, fut = self._unsent.popleft()
+                yield self._stamp(ev, fut)
+            if self._beat_wanted or time.monotonic() >= next_beat:
+                yield self._beat()
+                next_beat = time.monotonic() + self.interval_s
+
+    def _on_ack(self, seq: int) -> None:
+        # Acks arrive in order on one stream: an ack of N covers every event up to N.
+        for s in [s for s in self._unacked if s <= seq]:
+            _, fut = self._unacked.pop(s)
+            if not fut.done():
+                fut.set_result(True)
+
+    async def _watchdog(self, call: Any) -> None:
+        limit = max(ACK_INTERVALS * self.interval_s, ACK_MIN_S)
+        while True:
+            await asyncio.sleep(min(limit / 4, 1.0))
+            if time.monotonic() - self._last_rx > limit:
+                log.warn("heartbeat_stream_silent", seconds=round(limit, 1))
+                call.cancel()
+                return
+
+    async def _stream_once(self) -> tuple[str, bool]:
+        """One stream's life: ("broken" | "reregister", whether it carried any ack)."""
+        call = self.stub.Heartbeat(self._requests(), wait_for_ready=False)
+        self._last_rx = time.monotonic()
+        watchdog = asyncio.create_task(self._watchdog(call))
+        healthy = False
+        try:
+            async for resp in call:
+                self._last_rx = time.monotonic()
+                kind = resp.WhichOneof("kind")
+                if kind == "ack":
+                    if not healthy:
+                        log.event(
+                            "heartbeat_stream_open", node_id=self.node_id, session_epoch=self.session_epoch
+                        )
+                    healthy = True
+                    self._on_ack(resp.ack.seq)
+                elif kind == "directive" and resp.directive == controller_pb2.DIRECTIVE_REREGISTER:
+                    log.warn("reregister_requested", node_id=self.node_id, session_epoch=self.session_epoch)
+                    call.cancel()
+                    return "reregister", healthy
+            log.warn("heartbeat_stream_ended", node_id=self.node_id)
+            return "broken", healthy
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and _stale_session(err):
+                log.warn("session_stale", node_id=self.node_id, message=err.details() or "")
+                return "reregister", healthy
+            if err.code() != grpc.StatusCode.CANCELLED:
+                log.warn("heartbeat_stream_broken", code=err.code().name, message=err.details() or "")
+            return "broken", healthy
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                call.cancel()
+                raise
+            # The watchdog cancelled the call (grpc raises CancelledError for a local cancel).
+            return "broken", healthy
+        finally:
+            watchdog.cancel()
+            # Events taken from the queue by a dead stream are re-sent by the next one.
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+
+def _stale_session(err: grpc.aio.AioRpcError) -> bool:
+    for d in errors.details_of(err):
+        if isinstance(d, error_details_pb2.PreconditionFailure):
+            return any(v.type == "STALE_SESSION" for v in d.violations)
+    return False

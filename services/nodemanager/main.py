@@ -1,0 +1,111 @@
+"""``motor nodemanager``: one node's engine supervisor in the foreground.
+
+Start-up: kill the engines an earlier NodeManager left behind (``state_dir/engines.json``),
+become child subreaper, serve motor.v1.NodeManager, then register with the Controller and keep
+the heartbeat stream open. Exit: SIGTERM (rc 0), ``Stop`` or suicide arbitration or a refused
+registration (rc 1); every path stops the engines first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from motor.v1 import nodemanager_pb2
+
+from services.common import log, procgroup
+from services.common.server import MotorServer
+from services.common.service_main import service_main
+from services.nodemanager.arbiter import SuicideArbiter
+from services.nodemanager.link import ControllerLink, RegistrationRefused
+from services.nodemanager.service import NodeManagerService
+from services.nodemanager.statefile import StateFile, kill_recorded_engines
+from services.nodemanager.supervisor import EngineSupervisor, cancel_quietly
+
+# On shutdown engines get at most this long after SIGTERM before SIGKILL, whatever
+# engine_stop_grace_s says: a stopping NodeManager must be gone within seconds (motor up stops
+# everything within 15 s), and a stopped node's engines are not coming back anyway.
+SHUTDOWN_ENGINE_GRACE_S = 5.0
+
+
+async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
+    c = cfg["nodemanager"]
+    reaper = procgroup.Reaper()
+    state = StateFile(c["state_dir"])
+    stale = await kill_recorded_engines(state, reaper)
+    if stale:
+        log.event("stale_engines_cleaned", count=stale)
+    procgroup.become_subreaper()
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    exit_rc: list[int] = []
+
+    def request_exit(rc: int, reason: str, delay: float = 0.0) -> None:
+        if exit_rc:
+            return
+        exit_rc.append(rc)
+        log.event("exiting", rc=rc, reason=reason)
+        loop.call_later(delay, done.set)
+
+    sup = EngineSupervisor(c, cfg["engine"], state, reaper)
+    servicer = NodeManagerService(sup, request_exit)
+    server = MotorServer(
+        "nodemanager",
+        c,
+        [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], servicer)],
+        port=c["port"],
+    )
+    port = await server.start()
+    sup.address = server.address
+    server.announce()
+
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(reaper.run(), name="reaper")]
+    link: ControllerLink | None = None
+    if c["job_name"]:
+        link = ControllerLink(c, port, sup)
+        sup.sink = link
+        link_task = asyncio.create_task(link.run(), name="controller-link")
+
+        def link_done(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if isinstance(exc, RegistrationRefused):
+                request_exit(1, f"registration refused: {exc}")
+            elif exc is not None:
+                log.error("controller_link_failed", reason=f"{type(exc).__name__}: {exc}")
+                request_exit(1, "controller link failed")
+
+        link_task.add_done_callback(link_done)
+        tasks.append(link_task)
+    else:
+        log.event("registration_disabled", reason="empty job_name")
+    arbiter = SuicideArbiter(
+        sup,
+        float(c["suicide_check_interval_s"]),
+        int(c["suicide_threshold"]),
+        lambda reason: request_exit(1, f"suicide: {reason}"),
+    )
+    tasks.append(asyncio.create_task(arbiter.run(), name="suicide-arbiter"))
+
+    stop_wait = asyncio.create_task(stop.wait())
+    done_wait = asyncio.create_task(done.wait())
+    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    done_wait.cancel()
+    rc = exit_rc[0] if exit_rc else 0
+
+    for task in reversed(tasks[1:]):
+        await cancel_quietly(task)
+    grace = min(float(c["engine_stop_grace_s"]), SHUTDOWN_ENGINE_GRACE_S)
+    await asyncio.gather(sup.close(grace), server.stop())
+    await cancel_quietly(tasks[0])
+    reaper.reap()
+    if link is not None:
+        await link.close()
+    return rc
+
+
+def main(argv: list[str]) -> int:
+    return service_main("nodemanager", argv, serve)

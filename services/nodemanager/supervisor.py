@@ -1,0 +1,372 @@
+"""The engines of this node: start command, launch, stop, relaunch, and what they report.
+
+``EngineSupervisor`` owns every :class:`Engine`; the servicer and the Controller link only talk
+to it. Status changes and deaths go to an :class:`EventSink` (the heartbeat stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import aiohttp
+import grpc
+from motor.v1 import common_pb2, controller_pb2
+from motor.v1 import nodemanager_pb2 as pb
+
+from services.common import errors, log, procgroup
+from services.nodemanager import launch
+from services.nodemanager.arbiter import Freeze
+from services.nodemanager.engine import NORMAL, WAIT_TO_START, Engine, Status, Timing
+from services.nodemanager.launch import EndpointSpec, LaunchError, LaunchParams
+from services.nodemanager.statefile import EngineRecord, StateFile
+
+PAUSED = common_pb2.ENDPOINT_STATUS_PAUSED
+ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
+INITIAL = common_pb2.ENDPOINT_STATUS_INITIAL
+ENGINE_INDEX_ENV = "MOTOR_UP_ENGINE_INDEX"
+# A death report not acked within this long freezes nothing: the Controller is unreachable.
+ACK_WAIT_S = 10.0
+
+
+class EventSink(Protocol):
+    relaunch_enabled: bool
+
+    def beat_now(self) -> None: ...
+
+    def engine_event(
+        self, type_: controller_pb2.EngineEventType.ValueType, endpoint_id: int, pid: int, detail: str
+    ) -> asyncio.Future[bool]: ...
+
+
+class NullSink:
+    """Registration disabled: nobody to tell."""
+
+    relaunch_enabled = False
+
+    def beat_now(self) -> None:
+        pass
+
+    def engine_event(
+        self, type_: controller_pb2.EngineEventType.ValueType, endpoint_id: int, pid: int, detail: str
+    ) -> asyncio.Future[bool]:
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut.set_result(False)
+        return fut
+
+
+def _command_key(req: pb.StartEnginesRequest) -> tuple[Any, ...]:
+    """What makes two start commands the same (status and pid are not identity)."""
+    eps = sorted((e.id, e.host.lower(), e.port, e.headless, tuple(e.device_ids)) for e in req.endpoints)
+    return (req.job_name, req.instance_id, req.role, req.master_host, tuple(eps))
+
+
+class EngineSupervisor:
+    def __init__(
+        self, nm: Mapping[str, Any], engine_cfg: Mapping[str, Any], state: StateFile, reaper: procgroup.Reaper
+    ) -> None:
+        self.nm = nm
+        self.engine_cfg = engine_cfg
+        self.state = state
+        self.reaper = reaper
+        self.timing = Timing.from_config(nm)
+        self.sink: EventSink = NullSink()
+        self.address = f"{nm['host']}:{nm['port']}"  # set to the bound address by main
+        self.engines: dict[int, Engine] = {}
+        self.command: pb.StartEnginesRequest | None = None
+        self.instance_id = 0
+        self.paused = False
+        self.relaunching = False
+        self.relaunch_count = 0
+        self.generation = 0
+        self.freeze = Freeze()
+        self.lock = asyncio.Lock()
+        self.closed = False
+        self._http: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # --- what we report ----------------------------------------------------------------------
+
+    def current_engines(self) -> Iterable[Engine]:
+        return [self.engines[k] for k in sorted(self.engines)]
+
+    def _reported(self, e: Engine) -> Status:
+        if self.relaunching:
+            return INITIAL  # engines are down on purpose: nothing status-driven to report
+        if self.paused and e.status != ABNORMAL:
+            return PAUSED
+        return e.status
+
+    def endpoints(self) -> list[common_pb2.Endpoint]:
+        return [e.to_proto(self._reported(e)) for e in self.current_engines()]
+
+    def ready(self, relaxed: bool) -> bool:
+        engines = list(self.current_engines())
+        if not engines or self.relaunching:
+            return False
+        # Judged on what we report: a paused endpoint is not NORMAL, so a paused node is not ready.
+        for e in engines:
+            status = self._reported(e)
+            if not e.alive:
+                return False
+            if status == NORMAL or (relaxed and e.spec.headless and status == WAIT_TO_START):
+                continue
+            return False
+        return True
+
+    # --- engine hooks ------------------------------------------------------------------------
+
+    def status_changed(self, engine: Engine) -> None:
+        if engine in self.engines.values():
+            self.sink.beat_now()
+
+    def engine_died(self, engine: Engine, pid: int, detail: str) -> None:
+        acked = self.sink.engine_event(controller_pb2.ENGINE_EVENT_TYPE_DEAD, engine.spec.id, pid, detail)
+        self._spawn_task(self._freeze_when_acked(acked, pid))
+
+    def engine_unhealthy(self, engine: Engine, detail: str) -> None:
+        log.warn("engine_unhealthy", endpoint_id=engine.spec.id, pid=engine.pid, detail=detail)
+        self.sink.engine_event(controller_pb2.ENGINE_EVENT_TYPE_UNHEALTHY, engine.spec.id, engine.pid, detail)
+
+    async def _freeze_when_acked(self, acked: asyncio.Future[bool], pid: int) -> None:
+        # Freeze only when the Controller has the report and will relaunch; otherwise the
+        # suicide fallback must go ahead.
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(acked), ACK_WAIT_S)
+        except TimeoutError:
+            log.warn("death_report_unacked", pid=pid)
+            return
+        if ok and self.sink.relaunch_enabled:
+            self.freeze.freeze(float(self.nm["engine_restart_wait_timeout_s"]), reason=f"engine {pid} died")
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- start -------------------------------------------------------------------------------
+
+    def check_command(self, req: pb.StartEnginesRequest) -> None:
+        """FAILED_PRECONDITION ``NODE_MISMATCH`` unless the command is for this node."""
+        problems = []
+        job = self.nm["job_name"]
+        if job and req.job_name != job:
+            problems.append(f"job_name {req.job_name!r} is not this node's job {job!r}")
+        if req.role != launch.ROLE_ENUMS[self.nm["role"]]:
+            problems.append(
+                f"role {common_pb2.Role.Name(req.role)} is not this node's role {self.nm['role']}"
+            )
+        ports = [int(p) for p in self.nm["ports"]]
+        got = [e.port for e in req.endpoints]
+        if len(got) != len(ports) or set(got) != set(ports):
+            problems.append(f"endpoint ports {sorted(got)} are not this node's ports {sorted(ports)}")
+        host = str(self.nm["host"]).lower()
+        for i, e in enumerate(req.endpoints):
+            if e.host.lower() != host:
+                problems.append(f"endpoints[{i}].host {e.host!r} is not this node ({host})")
+        if problems:
+            raise errors.precondition("NODE_MISMATCH", f"node/{self.address}", "; ".join(problems))
+
+    def launch_params(self, req: pb.StartEnginesRequest) -> LaunchParams:
+        nm, par = self.nm, self.nm["parallel"]
+        return LaunchParams(
+            engine_type=nm["engine_type"],
+            model=nm["model"],
+            served_model_name=nm["served_model_name"] or nm["model"],
+            role=launch.ROLE_NAMES[req.role],
+            instance_id=req.instance_id,
+            tp=int(par.get("tp", 1)),
+            dp=int(par.get("dp", 1)),
+            nnodes=int(par.get("nnodes", 1)),
+            master_host=req.master_host,
+            sim_protocol=nm["sim_protocol"],
+            kv_connector=self.engine_cfg["kv_connector"],
+            args=dict(self.engine_cfg["args"]),
+            env=dict(self.engine_cfg["env"]),
+            device_env=nm["device_env"],
+        )
+
+    async def start(self, req: pb.StartEnginesRequest) -> list[common_pb2.Endpoint]:
+        self.check_command(req)
+        async with self.lock:
+            running = self.engines and all(e.alive for e in self.engines.values())
+            if self.command is not None and running and _command_key(req) == _command_key(self.command):
+                log.event("start_engines_repeated", instance_id=req.instance_id)
+                return self.endpoints()
+            if self.engines:
+                log.event(
+                    "start_engines_replacing", old_instance_id=self.instance_id, instance_id=req.instance_id
+                )
+                await self._stop_engines(float(self.nm["engine_stop_grace_s"]))
+            self.command = pb.StartEnginesRequest()
+            self.command.CopyFrom(req)
+            self.instance_id = req.instance_id
+            try:
+                await self._launch(req)
+            except LaunchError as exc:
+                raise errors.error_info(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "ENGINE_LAUNCH_FAILED",
+                    f"cannot launch engine: {exc}",
+                ) from None
+            return self.endpoints()
+
+    async def _launch(self, req: pb.StartEnginesRequest) -> None:
+        """Spawn one process group per endpoint; on any failure stop what was spawned."""
+        if self.closed:
+            raise LaunchError("the NodeManager is shutting down")
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        params = self.launch_params(req)
+        specs = [
+            EndpointSpec(e.id, e.host, e.port, e.headless, tuple(e.device_ids))
+            for e in sorted(req.endpoints, key=lambda e: e.id)
+        ]
+        self.generation += 1
+        engines: dict[int, Engine] = {}
+        try:
+            for spec in specs:
+                argv = launch.build_argv(params, spec)
+                env = launch.build_env(params, spec)
+                argv = launch.resolve(argv, env)
+                engine = Engine(
+                    spec,
+                    params,
+                    launch.bootstrap_port(params, spec),
+                    self.timing,
+                    self,
+                    self.reaper,
+                    self._http,
+                )
+                engines[spec.id] = engine
+                self.engines = dict(engines)
+                try:
+                    await engine.spawn(argv, env, self._log_prefix(len(engines) - 1))
+                except OSError as exc:
+                    raise LaunchError(f"{argv[0]}: {exc.strerror or exc}") from exc
+        except LaunchError as exc:
+            log.error("engine_launch_failed", instance_id=req.instance_id, reason=str(exc))
+            self.engines = engines
+            await self._stop_engines(0)
+            raise
+        finally:
+            self._record()
+        log.event(
+            "engines_launched",
+            instance_id=req.instance_id,
+            engine_type=params.engine_type,
+            pids=[e.pid for e in self.current_engines()],
+        )
+        self.sink.beat_now()
+
+    def _log_prefix(self, position: int) -> bytes | None:
+        """``[engine-<k>] `` under ``motor up``, which numbers the engines and passes this node's
+        first k in MOTOR_UP_ENGINE_INDEX; None elsewhere (engine output is inherited as is)."""
+        base = os.environ.get(ENGINE_INDEX_ENV, "")
+        if not base.isdigit():
+            return None
+        return f"[engine-{int(base) + position}] ".encode()
+
+    def _record(self) -> None:
+        records = []
+        for e in self.current_engines():
+            if not e.alive:
+                continue
+            info = procgroup.proc_info(e.pid)
+            markers = ["engine-sim", "vllm", "VLLM", "sglang", f"--port {e.spec.port}"]
+            records.append(
+                EngineRecord(e.spec.id, e.spec.port, e.pid, e.pid, info.start_ticks if info else 0, markers)
+            )
+        try:
+            self.state.write(records)
+        except OSError as exc:
+            log.error("engine_state_write_failed", path=str(self.state.path), reason=str(exc))
+
+    # --- stop --------------------------------------------------------------------------------
+
+    async def _stop_engines(self, grace_s: float) -> None:
+        engines = list(self.engines.values())
+        if not engines:
+            return
+        await asyncio.gather(*(e.stop(grace_s) for e in engines))
+        self.engines = {}
+        self._record()
+        log.event("engines_stopped", count=len(engines))
+
+    async def stop_all(self, grace_s: float) -> None:
+        async with self.lock:
+            await self._stop_engines(grace_s)
+        self.sink.beat_now()
+
+    async def close(self, grace_s: float) -> None:
+        """Shutdown: stop every engine (without waiting for a relaunch in progress)."""
+        self.closed = True
+        for e in list(self.engines.values()):
+            e.stopping = True
+        await asyncio.gather(*(e.stop(grace_s) for e in list(self.engines.values())))
+        self.engines = {}
+        self._record()
+        for task in list(self._background):
+            task.cancel()
+        if self._http is not None:
+            await self._http.close()
+
+    # --- pause / relaunch --------------------------------------------------------------------
+
+    def set_paused(self, paused: bool) -> None:
+        if paused != self.paused:
+            self.paused = paused
+            log.event("paused" if paused else "resumed")
+            self.sink.beat_now()
+
+    async def restart(self, req: pb.RestartEnginesRequest) -> int:
+        if req.instance_id and self.instance_id and req.instance_id != self.instance_id:
+            raise errors.precondition(
+                "INSTANCE_MISMATCH",
+                f"instance/{req.instance_id}",
+                f"this node serves instance {self.instance_id}, not {req.instance_id}",
+            )
+        if req.action == pb.RESTART_ACTION_ABORT:
+            self.freeze.unfreeze(reason="relaunch aborted")
+            return self.relaunch_count
+        if self.relaunching:
+            raise errors.error_info(
+                grpc.StatusCode.ABORTED, "RELAUNCH_IN_PROGRESS", "a relaunch is already running"
+            )
+        if self.command is None:
+            raise errors.precondition(
+                "NO_START_RECORDED", f"node/{self.address}", "no start command recorded"
+            )
+        self.relaunching = True
+        self.freeze.freeze(float(self.nm["engine_restart_freeze_s"]), reason="relaunch")
+        self.sink.beat_now()
+        try:
+            async with self.lock:
+                await self._stop_engines(float(self.nm["engine_stop_grace_s"]))
+                self.relaunch_count += 1
+                stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                print(f"[ENGINE RELAUNCH #{self.relaunch_count} {stamp}]", flush=True)
+                log.event("engine_relaunch", relaunch_count=self.relaunch_count, instance_id=self.instance_id)
+                try:
+                    await self._launch(self.command)
+                except LaunchError as exc:
+                    self.freeze.unfreeze(reason="relaunch failed")
+                    raise errors.error_info(
+                        grpc.StatusCode.INTERNAL, "RELAUNCH_FAILED", f"relaunch failed: {exc}"
+                    ) from None
+            return self.relaunch_count
+        finally:
+            self.relaunching = False
+            self.sink.beat_now()
+
+
+async def cancel_quietly(task: asyncio.Task[Any] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

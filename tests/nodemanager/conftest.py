@@ -1,0 +1,353 @@
+"""Helpers for NodeManager tests: a fake Controller served in-process, and real NodeManager
+processes (``motor nodemanager``) whose engines are killed at teardown whatever happened."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2, nodemanager_pb2_grpc
+
+from services.common import errors
+from services.common.channel import open_channel
+from services.common.config import load_config
+from services.common.server import MotorServer
+from tests.procs import Proc, motor_argv
+
+CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
+_LISTEN = re.compile(r"event=listening .*?grpc=(\S+)")
+
+
+async def until(pred: Callable[[], Any], wait_s: float = 15.0, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy (and return it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {wait_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def free_port_pair() -> int:
+    """A port P with P+1 free too (engines use P+1 for bootstrap / DP RPC)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engines bind
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def group_gone(pgid: int) -> bool:
+    """What the NodeManager waits for: ``killpg(pgid, 0)`` raises ESRCH (zombies count as alive)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group exists and is not a zombie."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+# --- a fake Controller --------------------------------------------------------------------------
+
+
+class FakeController:
+    """Register and Heartbeat only; records what it receives and acks every message by seq."""
+
+    def __init__(self) -> None:
+        self.registers: list[controller_pb2.RegisterRequest] = []
+        self.received: list[controller_pb2.HeartbeatRequest] = []
+        self.register_errors: list[errors.MotorError] = []  # raised in order, before any success
+        self.interval_ms = 200
+        self.relaunch_enabled = False
+        self.epoch = 0
+        self.streams_opened = 0
+        self._streams: list[asyncio.Queue[Any]] = []
+
+    # what the tests look at
+    def beats(self) -> list[controller_pb2.Beat]:
+        return [r.beat for r in self.received if r.HasField("beat")]
+
+    def events(self) -> list[controller_pb2.EngineEvent]:
+        return [r.engine_event for r in self.received if r.HasField("engine_event")]
+
+    def last_endpoints(self) -> list[common_pb2.Endpoint]:
+        beats = self.beats()
+        return list(beats[-1].endpoints) if beats else []
+
+    def reregister(self) -> None:
+        """What the Controller does on a stale session: the directive, then end the stream."""
+        for q in self._streams:
+            q.put_nowait(controller_pb2.HeartbeatResponse(directive=controller_pb2.DIRECTIVE_REREGISTER))
+            q.put_nowait(errors.precondition("STALE_SESSION", "node/7", "stale session"))
+
+    def break_streams(self) -> None:
+        """End every open stream with UNAVAILABLE (a Controller hiccup, the session stays valid)."""
+        for q in self._streams:
+            q.put_nowait(errors.unavailable("going away"))
+
+    # motor.v1.Controller
+    async def Register(self, request: Any, context: Any) -> controller_pb2.RegisterResponse:
+        self.registers.append(request)
+        if self.register_errors:
+            raise self.register_errors.pop(0)
+        self.epoch += 1
+        return controller_pb2.RegisterResponse(
+            node_id=7,
+            session_epoch=self.epoch,
+            heartbeat_interval_ms=self.interval_ms,
+            engine_relaunch_enabled=self.relaunch_enabled,
+        )
+
+    async def Heartbeat(self, requests: Any, context: Any) -> AsyncIterator[controller_pb2.HeartbeatResponse]:
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams.append(out)
+        self.streams_opened += 1
+
+        async def read() -> None:
+            with contextlib.suppress(Exception):
+                async for r in requests:
+                    self.received.append(r)
+                    seq = r.beat.seq if r.HasField("beat") else r.engine_event.seq
+                    out.put_nowait(controller_pb2.HeartbeatResponse(ack=controller_pb2.Ack(seq=seq)))
+            out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    return
+                if isinstance(item, errors.MotorError):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+            self._streams.remove(out)
+
+    def __getattr__(self, name: str) -> Any:
+        if not name[:1].isupper() or name == "VALIDATORS":
+            raise AttributeError(name)
+
+        async def unimplemented(request: Any, context: Any) -> Any:
+            raise errors.unimplemented(name)
+
+        return unimplemented
+
+
+class ControllerServer:
+    def __init__(self, port: int = 0) -> None:
+        self.fake = FakeController()
+        cfg = load_config(None, env={}, overrides={"controller": {"port": port}})["controller"]
+        self.server = MotorServer("controller", cfg, [(CONTROLLER, self.fake)], port=port)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> ControllerServer:
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+@pytest.fixture
+async def controller() -> AsyncIterator[ControllerServer]:
+    srv = await ControllerServer().start()
+    yield srv
+    await srv.stop()
+
+
+# --- NodeManager processes ----------------------------------------------------------------------
+
+
+def nm_config(tmp_path: Path, ports: list[int], **overrides: Any) -> dict[str, Any]:
+    """A sectioned config for a test NodeManager (fast probes, short graces)."""
+    engine = overrides.pop("engine", {})
+    nm = {
+        "port": 0,
+        "controller": "127.0.0.1:1",
+        "job_name": "",
+        "role": "prefill",
+        "model": "m1",
+        "served_model_name": "served-1",
+        "engine_type": "sim",
+        "ports": ports,
+        "state_dir": str(tmp_path / "state"),
+        "status_poll_interval_s": 0.1,
+        "status_probe_timeout_s": 1,
+        "max_probe_failures": 2,
+        "engine_stop_grace_s": 3,
+        "engine_hang_timeout_s": 1,
+        "suicide_check_interval_s": 0.2,
+        "suicide_threshold": 3,
+        **overrides,
+    }
+    return {"nodemanager": nm, "engine": engine}
+
+
+class NodeManagerProc:
+    def __init__(self, proc: Proc, address: str, cfg: dict[str, Any], tracker: set[int]) -> None:
+        self.proc = proc
+        self.address = address
+        self.port = int(address.rsplit(":", 1)[1])
+        self.cfg = cfg
+        self._tracker = tracker
+        self.channel = open_channel(address)
+        self.stub = nodemanager_pb2_grpc.NodeManagerStub(self.channel)
+
+    def track(self, *pids: int) -> None:
+        self._tracker.update(p for p in pids if p > 0)
+
+    def start_request(self, instance_id: int = 5, **overrides: Any) -> nodemanager_pb2.StartEnginesRequest:
+        nm = self.cfg["nodemanager"]
+        role = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}.get(
+            nm["role"], common_pb2.ROLE_UNION
+        )
+        fields: dict[str, Any] = {
+            "job_name": nm["job_name"] or "job-a",
+            "instance_id": instance_id,
+            "role": role,
+            "endpoints": [
+                common_pb2.Endpoint(id=i, host="127.0.0.1", port=p) for i, p in enumerate(nm["ports"])
+            ],
+            "master_host": "127.0.0.1",
+        }
+        fields.update(overrides)
+        return nodemanager_pb2.StartEnginesRequest(**fields)
+
+    async def start_engines(self, **overrides: Any) -> nodemanager_pb2.StartEnginesResponse:
+        resp = await self.stub.StartEngines(self.start_request(**overrides), timeout=20)
+        self.track(*(e.pid for e in resp.endpoints))
+        return resp
+
+    async def status(self, relaxed: bool = False) -> nodemanager_pb2.GetStatusResponse:
+        resp = await self.stub.GetStatus(nodemanager_pb2.GetStatusRequest(relaxed=relaxed), timeout=5)
+        self.track(*(e.pid for e in resp.endpoints))
+        return resp
+
+    async def wait_status(
+        self, pred: Callable[[nodemanager_pb2.GetStatusResponse], bool], what: str, wait_s: float = 20.0
+    ) -> nodemanager_pb2.GetStatusResponse:
+        deadline = time.monotonic() + wait_s
+        while True:
+            resp = await self.status()
+            if pred(resp):
+                return resp
+            if time.monotonic() > deadline:
+                raise AssertionError(f"NodeManager not {what}: {resp}\n{self.tail()}")
+            await asyncio.sleep(0.05)
+
+    async def wait_ready(self, wait_s: float = 20.0) -> nodemanager_pb2.GetStatusResponse:
+        return await self.wait_status(lambda s: s.ready, "ready", wait_s)
+
+    async def wait_line(self, text: str, wait_s: float = 15.0, start: int = 0) -> str:
+        def find() -> str | None:
+            return next((line for line in self.proc.lines[start:] if text in line), None)
+
+        try:
+            return await until(find, wait_s, f"line {text!r}")
+        except AssertionError:
+            raise AssertionError(f"line {text!r} not seen; output:\n{self.tail()}") from None
+
+    async def wait_exit(self, wait_s: float = 15.0) -> int:
+        await until(lambda: self.proc.popen.poll() is not None, wait_s, "NodeManager exit")
+        rc = self.proc.popen.returncode
+        assert rc is not None
+        return rc
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.proc.lines[-n:])
+
+    def recorded_pgids(self) -> list[int]:
+        path = Path(self.cfg["nodemanager"]["state_dir"]) / "engines.json"
+        try:
+            return [int(r["pgid"]) for r in json.loads(path.read_text())["engines"]]
+        except (OSError, ValueError, KeyError):
+            return []
+
+
+@pytest.fixture
+async def start_nm(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """``await start_nm(cfg, env=...)`` runs ``motor nodemanager`` and waits for its port."""
+    started: list[NodeManagerProc] = []
+    engine_pgids: set[int] = set()
+
+    async def start(
+        cfg: dict[str, Any], env: dict[str, str] | None = None, wrapper: list[str] | None = None
+    ) -> NodeManagerProc:
+        path = tmp_path / f"nm-{len(started)}.json"
+        path.write_text(json.dumps(cfg))
+        argv = [*(wrapper or []), *motor_argv("nodemanager", "--config", str(path))]
+        proc = Proc(argv, cwd=tmp_path, env=env)
+        try:
+            line = await until(
+                lambda: (
+                    next((x for x in proc.lines if "event=listening" in x), None)
+                    or (proc.popen.poll() is not None and "exited")
+                ),
+                20,
+                "event=listening",
+            )
+        except AssertionError:
+            proc.kill()
+            raise
+        m = _LISTEN.search(line)
+        assert m is not None, "\n".join(proc.lines)
+        nm = NodeManagerProc(proc, m.group(1), cfg, engine_pgids)
+        started.append(nm)
+        return nm
+
+    yield start
+    for nm in started:
+        engine_pgids.update(nm.recorded_pgids())
+        nm.proc.kill()
+        await nm.channel.close()
+    for pgid in engine_pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,132 @@
+"""Engine argv and environment, as pure functions (behaviour.md "Engine launch")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from motor.v1 import common_pb2
+
+from services.nodemanager import launch
+from services.nodemanager.launch import EndpointSpec, LaunchError, LaunchParams
+
+EP = EndpointSpec(id=1, host="10.0.0.5", port=10002, device_ids=(2, 3))
+
+
+def params(**kw: Any) -> LaunchParams:
+    base: dict[str, Any] = {
+        "engine_type": "sim",
+        "model": "/data/llama",
+        "served_model_name": "llama",
+        "role": "prefill",
+        "instance_id": 9,
+    }
+    return LaunchParams(**{**base, **kw})
+
+
+def test_sim_vllm_style_prefill() -> None:
+    argv = launch.build_argv(params(), EP)
+    assert argv == [
+        sys.executable, "-m", "services.cli", "engine-sim", "serve", "/data/llama",
+        "--served-model-name", "llama",
+        "--host", "10.0.0.5",
+        "--port", "10002",
+        "--tensor-parallel-size", "1",
+        "--data-parallel-size", "1",
+        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"9"}',
+        "--protocol", "vllm",
+    ]  # fmt: skip
+
+
+def test_sim_sglang_style_decode_gets_bootstrap_port() -> None:
+    p = params(sim_protocol="sglang", role="decode")
+    argv = launch.build_argv(p, EP)
+    assert argv[-4:] == ["--protocol", "sglang", "--bootstrap-port", "10003"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_consumer"
+    assert launch.bootstrap_port(p, EP) == 10003
+    assert launch.bootstrap_port(params(role="union", sim_protocol="sglang"), EP) == 0
+    assert launch.bootstrap_port(params(), EP) == 0
+
+
+def test_vllm_union_has_no_kv_config_and_headless_multinode_has_dp_flags() -> None:
+    assert launch.build_argv(params(engine_type="vllm", role="union"), EP) == [
+        "vllm", "serve", "/data/llama",
+        "--served-model-name", "llama", "--host", "10.0.0.5", "--port", "10002",
+        "--tensor-parallel-size", "1", "--data-parallel-size", "1",
+    ]  # fmt: skip
+    headless = EndpointSpec(id=3, host="10.0.0.6", port=10000, headless=True)
+    argv = launch.build_argv(params(engine_type="vllm", nnodes=2, dp=1, master_host="10.0.0.5"), headless)
+    i = argv.index("--data-parallel-address")
+    assert argv[i : i + 7] == [
+        "--data-parallel-address", "10.0.0.5",
+        "--data-parallel-rpc-port", "10001",
+        "--data-parallel-rank", "3",
+        "--headless",
+    ]  # fmt: skip
+
+
+def test_sglang_union_has_no_disaggregation_flags() -> None:
+    argv = launch.build_argv(params(engine_type="sglang", role="union", tp=4, dp=2), EP)
+    assert argv == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "/data/llama", "--served-model-name", "llama",
+        "--host", "10.0.0.5", "--port", "10002", "--tp-size", "4", "--dp-size", "2",
+    ]  # fmt: skip
+
+
+def test_engine_args_rules() -> None:
+    args = {
+        "zeta": 1.5,
+        "alpha_beta": True,
+        "off": False,
+        "none": None,
+        "repeat": ["x", 2, True],
+        "obj": {"b": [1, {"c": None}], "a": "s"},
+        "empty": [],
+    }
+    assert launch.extra_args(args) == [
+        "--alpha-beta",
+        "--obj", '{"b":[1,{"c":null}],"a":"s"}',
+        "--repeat", "x", "--repeat", "2", "--repeat", "true",
+        "--zeta", "1.5",
+    ]  # fmt: skip
+    assert launch.build_argv(params(args={"max_num_seqs": 4}), EP)[-2:] == ["--max-num-seqs", "4"]
+
+
+def test_environment() -> None:
+    base = {"PATH": "/bin", "ASCEND_RT_VISIBLE_DEVICES": "7", "KEEP": "1"}
+    p = params(env={"HF_TOKEN": "t", "VLLM_HOST_IP": "x"})
+    env = launch.build_env(p, EP, base)
+    assert env == {
+        "PATH": "/bin",
+        "KEEP": "1",
+        "HF_TOKEN": "t",
+        "ASCEND_RT_VISIBLE_DEVICES": "2,3",
+        "VLLM_HOST_IP": "10.0.0.5",
+    }
+    no_devices = EndpointSpec(id=0, host="h", port=1)
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in launch.build_env(p, no_devices, base)
+    sg = launch.build_env(params(engine_type="sglang", device_env="CUDA_VISIBLE_DEVICES"), EP, base)
+    assert sg["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"
+    assert sg["CUDA_VISIBLE_DEVICES"] == "2,3" and sg["ASCEND_RT_VISIBLE_DEVICES"] == "7"
+
+
+def test_pd_protocol() -> None:
+    assert launch.pd_protocol("vllm", "sglang") == common_pb2.PD_PROTOCOL_VLLM
+    assert launch.pd_protocol("sim", "vllm") == common_pb2.PD_PROTOCOL_VLLM
+    assert launch.pd_protocol("sim", "sglang") == common_pb2.PD_PROTOCOL_SGLANG
+    assert launch.pd_protocol("sglang", "vllm") == common_pb2.PD_PROTOCOL_SGLANG
+
+
+def test_resolve_looks_up_the_engines_own_path(tmp_path: Path) -> None:
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert launch.resolve(["vllm", "serve"], {"PATH": str(tmp_path)}) == [str(exe), "serve"]
+    with pytest.raises(LaunchError, match="not found on PATH"):
+        launch.resolve(["vllm", "serve"], {"PATH": str(tmp_path / "nowhere")})
+    assert launch.resolve([sys.executable, "-m", "x"], {"PATH": ""})[0] == sys.executable

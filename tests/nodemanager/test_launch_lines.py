@@ -1,0 +1,164 @@
+"""The vLLM and SGLang launch lines, proved with stand-ins (behaviour.md "Engine launch"): a
+``vllm`` executable first on PATH and an ``sglang/launch_server.py`` first on PYTHONPATH record
+their argv and environment, then become the simulated engine. The NodeManager cannot tell."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from motor.v1 import common_pb2
+
+from tests.nodemanager.conftest import free_port_pair, nm_config, until
+
+RECORD = """
+import json, os, sys
+with open(os.path.join(os.environ["STANDIN_RECORDS"], f"{os.getpid()}.json"), "w") as f:
+    json.dump({"argv": sys.argv, "orig_argv": sys.orig_argv, "env": dict(os.environ)}, f)
+"""
+
+
+def write_vllm(bin_dir: Path) -> None:
+    bin_dir.mkdir()
+    script = bin_dir / "vllm"
+    script.write_text(
+        f"#!{sys.executable}\n{RECORD}\n"
+        # `vllm serve MODEL ...` -> `motor engine-sim serve MODEL ...`
+        'os.execv(sys.executable, [sys.executable, "-m", "services.cli", "engine-sim", *sys.argv[1:]])\n'
+    )
+    script.chmod(0o755)
+
+
+def write_sglang(lib_dir: Path) -> None:
+    pkg = lib_dir / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(
+        f"{RECORD}\n"
+        'os.execv(sys.executable, [sys.executable, "-m", "services.cli", "engine-sim", *sys.argv[1:]])\n'
+    )
+
+
+def read_records(path: Path) -> dict[int, dict[str, Any]]:
+    """The stand-ins' records by engine pid (the stand-in execs, so the pid is the engine's)."""
+    return {int(p.stem): json.loads(p.read_text()) for p in path.glob("*.json")}
+
+
+async def launch(tmp_path: Path, start_nm, cfg: dict[str, Any], env: dict[str, str], **start: Any):
+    rec_dir = tmp_path / "records"
+    rec_dir.mkdir()
+    env = {"STANDIN_RECORDS": str(rec_dir), "ASCEND_RT_VISIBLE_DEVICES": "9", **env}
+    nm = await start_nm(cfg, env=env)
+    resp = await nm.start_engines(**start)
+    pids = [e.pid for e in resp.endpoints]
+    status = await nm.wait_ready()
+    assert [e.pid for e in status.endpoints] == pids
+    got = await until(lambda: len(list(rec_dir.glob("*.json"))) == len(pids) and read_records(rec_dir), 10)
+    return status, [got[p] for p in pids]
+
+
+async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
+    write_vllm(tmp_path / "bin")
+    ports = [free_port_pair(), free_port_pair()]
+    engine = {
+        "args": {
+            "max_num_seqs": 8,
+            "enforce_eager": True,
+            "disable_log_stats": False,
+            "kv_events_config": None,
+            "middleware": ["a", "b"],
+            "compilation_config": {"level": 3, "cudagraph": [1, 2]},
+        },
+        "env": {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "overridden-by-nm"},
+        "kv_connector": "MooncakeConnector",
+    }
+    cfg = nm_config(
+        tmp_path,
+        ports,
+        role="decode",
+        engine_type="vllm",
+        model="/models/m1",
+        served_model_name="served-1",
+        parallel={"dp": 2, "tp": 2},
+        engine=engine,
+    )
+    endpoints = [
+        common_pb2.Endpoint(id=0, host="127.0.0.1", port=ports[0], device_ids=[0, 1]),
+        common_pb2.Endpoint(id=1, host="127.0.0.1", port=ports[1]),
+    ]
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    status, recs = await launch(
+        tmp_path, start_nm, cfg, env, instance_id=77, endpoints=endpoints, master_host="127.0.0.1"
+    )
+    kv = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","engine_id":"77"}'
+    for i, (rec, port) in enumerate(zip(recs, ports, strict=True)):
+        assert rec["argv"][0] == str(tmp_path / "bin" / "vllm")
+        assert rec["argv"][1:] == [
+            "serve", "/models/m1",
+            "--served-model-name", "served-1",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--tensor-parallel-size", "2",
+            "--data-parallel-size", "2",
+            "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(port + 1),
+            "--data-parallel-rank", str(i),
+            "--kv-transfer-config", kv,
+            "--compilation-config", '{"level":3,"cudagraph":[1,2]}',
+            "--enforce-eager",
+            "--max-num-seqs", "8",
+            "--middleware", "a",
+            "--middleware", "b",
+        ]  # fmt: skip
+        env_ = rec["env"]
+        assert env_["HF_HUB_OFFLINE"] == "1"
+        assert env_["VLLM_HOST_IP"] == "127.0.0.1"
+        assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in env_
+    assert recs[0]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in recs[1]["env"]  # no devices: unset, not inherited
+    assert [(e.port, e.bootstrap_port, list(e.device_ids)) for e in status.endpoints] == [
+        (ports[0], 0, [0, 1]),
+        (ports[1], 0, []),
+    ]
+
+
+async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
+    write_sglang(tmp_path / "pylib")
+    port = free_port_pair()
+    cfg = nm_config(
+        tmp_path,
+        [port],
+        role="prefill",
+        engine_type="sglang",
+        model="m1",
+        served_model_name="",
+        device_env="CUDA_VISIBLE_DEVICES",
+        engine={"args": {"mem_fraction_static": 0.8}, "env": {"SGLANG_LOG": "x"}},
+    )
+    endpoints = [common_pb2.Endpoint(id=0, host="127.0.0.1", port=port, device_ids=[3])]
+    env = {"PYTHONPATH": f"{tmp_path / 'pylib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    status, (rec,) = await launch(tmp_path, start_nm, cfg, env, endpoints=endpoints)
+    assert rec["orig_argv"] == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "m1",
+        "--served-model-name", "m1",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--tp-size", "1",
+        "--dp-size", "1",
+        "--disaggregation-mode", "prefill",
+        "--disaggregation-bootstrap-port", str(port + 1),
+        "--mem-fraction-static", "0.8",
+    ]  # fmt: skip
+    assert rec["argv"][0] == str(tmp_path / "pylib" / "sglang" / "launch_server.py")
+    env_ = rec["env"]
+    assert env_["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"
+    assert env_["CUDA_VISIBLE_DEVICES"] == "3"
+    assert env_["ASCEND_RT_VISIBLE_DEVICES"] == "9"  # not the device variable of this node: untouched
+    assert env_["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env_["SGLANG_LOG"] == "x"
+    (ep,) = status.endpoints
+    assert (ep.port, ep.bootstrap_port) == (port, port + 1)
