@@ -19,11 +19,28 @@ from services.common import errors
 from services.common.channel import open_channel
 from services.common.config import ConfigError, load_config
 from services.common.server import MotorServer
-from services.controller.service import ControllerService
-from services.coordinator.service import CoordinatorService
+from services.controller import validation as controller_validation
+from services.coordinator import validation as coordinator_validation
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
 COORDINATOR = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+
+
+class StubController:
+    """Just enough of a servicer to exercise the runtime: the real request validators, and
+    every RPC answering UNIMPLEMENTED."""
+
+    VALIDATORS = controller_validation.VALIDATORS
+
+    def __getattr__(self, name: str) -> Any:
+        async def unimplemented(request: Any, context: Any) -> Any:
+            raise errors.unimplemented(f"stub {name}")
+
+        return unimplemented
+
+
+class StubCoordinator(StubController):
+    VALIDATORS = coordinator_validation.VALIDATORS
 
 
 def section(**overrides: Any) -> dict[str, Any]:
@@ -32,7 +49,7 @@ def section(**overrides: Any) -> dict[str, Any]:
 
 @pytest.fixture
 async def server() -> AsyncIterator[MotorServer]:
-    srv = MotorServer("controller", section(), [(CONTROLLER, ControllerService())], port=0)
+    srv = MotorServer("controller", section(), [(CONTROLLER, StubController())], port=0)
     await srv.start()
     yield srv
     await srv.stop()
@@ -73,7 +90,7 @@ async def test_oversized_message_is_resource_exhausted(server: MotorServer) -> N
 
 async def test_missing_required_fields_name_each_field_path(server: MotorServer) -> None:
     req = controller_pb2.RegisterRequest(
-        role=common_pb2.ROLE_PREFILL, host="127.0.0.1", nm_port=7300, ports=[0]
+        role=common_pb2.ROLE_PREFILL, model_name="m", host="127.0.0.1", nm_port=7300, ports=[0]
     )
     async with grpc.aio.insecure_channel(server.address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -87,7 +104,7 @@ async def test_missing_required_fields_name_each_field_path(server: MotorServer)
 
 async def test_instance_set_field_paths_on_coordinator() -> None:
     cfg = load_config(None, env={}, overrides={"coordinator": {"port": 0}})["coordinator"]
-    srv = MotorServer("coordinator", cfg, [(COORDINATOR, CoordinatorService())], port=0, readiness_gated=True)
+    srv = MotorServer("coordinator", cfg, [(COORDINATOR, StubCoordinator())], port=0, readiness_gated=True)
     await srv.start()
     try:
         inst = common_pb2.Instance(id=1, role=common_pb2.ROLE_DECODE, model_name="m", job_name="j")
@@ -112,16 +129,6 @@ async def test_instance_set_field_paths_on_coordinator() -> None:
         await srv.stop()
 
 
-async def test_unimplemented_rpcs_name_the_missing_capability(server: MotorServer) -> None:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await controller_pb2_grpc.ControllerStub(ch).ListAlarms(
-                controller_pb2.ListAlarmsRequest(), timeout=5
-            )
-        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "alarm store" in exc.value.details()
-
-
 def key_file(tmp_path: Path, content: str, mode: int = 0o600) -> str:
     path = tmp_path / "key"
     path.write_text(content + "\n")
@@ -131,7 +138,7 @@ def key_file(tmp_path: Path, content: str, mode: int = 0o600) -> str:
 
 async def test_management_key_required_on_motor_rpcs_only(tmp_path: Path) -> None:
     cfg = section(management_key_file=key_file(tmp_path, "s3cret"))
-    srv = MotorServer("controller", cfg, [(CONTROLLER, ControllerService())], port=0)
+    srv = MotorServer("controller", cfg, [(CONTROLLER, StubController())], port=0)
     await srv.start()
     req = controller_pb2.ListAlarmsRequest()
     try:
@@ -158,7 +165,7 @@ async def test_management_key_required_on_motor_rpcs_only(tmp_path: Path) -> Non
 def test_key_file_readable_by_others_refuses_to_start(tmp_path: Path) -> None:
     cfg = section(management_key_file=key_file(tmp_path, "s3cret", 0o644))
     with pytest.raises(ConfigError) as exc:
-        MotorServer("controller", cfg, [(CONTROLLER, ControllerService())], port=0)
+        MotorServer("controller", cfg, [(CONTROLLER, StubController())], port=0)
     assert "s3cret" not in str(exc.value.errors)
 
 
@@ -176,7 +183,7 @@ async def test_graceful_stop_flips_health_before_closing(server: MotorServer) ->
 
 
 async def test_second_server_on_same_port_fails_loudly(server: MotorServer) -> None:
-    twin = MotorServer("controller", section(), [(CONTROLLER, ControllerService())], port=server.port)
+    twin = MotorServer("controller", section(), [(CONTROLLER, StubController())], port=server.port)
     with pytest.raises(OSError, match="cannot bind"):
         await twin.start()
 
@@ -185,7 +192,7 @@ async def test_channel_waits_for_a_peer_that_starts_late() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = MotorServer("controller", section(), [(CONTROLLER, ControllerService())], port=port)
+    srv = MotorServer("controller", section(), [(CONTROLLER, StubController())], port=port)
 
     async def start_later() -> None:
         await asyncio.sleep(0.5)
@@ -205,7 +212,7 @@ async def test_channel_waits_for_a_peer_that_starts_late() -> None:
 
 async def test_channel_gives_unary_calls_a_deadline() -> None:
     # A server that never answers: the default deadline ends the call instead of hanging.
-    class Service(ControllerService):
+    class Service(StubController):
         async def ListAlarms(self, request: Any, context: Any) -> Any:
             await asyncio.sleep(3600)
 
@@ -218,3 +225,23 @@ async def test_channel_gives_unary_calls_a_deadline() -> None:
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         await srv.stop()
+
+
+async def test_idle_stream_with_frequent_client_pings_is_never_cut_off(server: MotorServer) -> None:
+    # Pinging every second is far more often than our clients' 20 s; a server on grpc defaults
+    # answers the third such ping with GOAWAY too_many_pings and the stream dies UNAVAILABLE.
+    options = [
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    async with grpc.aio.insecure_channel(server.address, options=options) as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="probe"))
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        nxt = asyncio.ensure_future(watch.read())
+        await asyncio.sleep(6)  # the stream sits idle while pings flow
+        assert not nxt.done(), f"stream ended: {nxt.result() if not nxt.exception() else nxt.exception()}"
+        await server.health.set("probe", health_pb2.HealthCheckResponse.SERVING)
+        assert (await asyncio.wait_for(nxt, 5)).status == health_pb2.HealthCheckResponse.SERVING
