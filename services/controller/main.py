@@ -1,0 +1,42 @@
+"""``motor controller``: the Controller in the foreground."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from motor.v1 import controller_pb2
+
+from services.common.server import MotorServer
+from services.common.service_main import service_main
+from services.controller.app import Controller
+
+
+async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
+    c = cfg["controller"]
+    controller = Controller(c)
+    server = MotorServer(
+        "controller",
+        c,
+        [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
+        port=c["port"],
+    )
+    # After the drain: end the heartbeat streams so NodeManagers reconnect elsewhere at once.
+    server.on_stop(controller.hub.cancel_streams)
+    try:
+        await server.start()
+    except BaseException:
+        await controller.stop()
+        raise
+    await controller.start()
+    server.announce()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        await controller.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    return service_main("controller", argv, serve)

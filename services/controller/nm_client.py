@@ -1,0 +1,92 @@
+"""Calls from the Controller to NodeManagers: reachability probes and start commands.
+
+Channels are cached per address (bounded, least recently used closed first) so a cluster of
+thousands of nodes does not keep thousands of idle connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import OrderedDict
+from typing import Any
+
+import grpc
+from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
+
+from services.common.channel import open_channel
+
+PROBE_TIMEOUT_S = 3.0
+PROBE_ATTEMPTS = 2
+START_TIMEOUT_S = 30.0
+CACHE_SIZE = 512
+# Calls in flight at once: a burst of thousands of registrations (a fleet starting, or every
+# NodeManager re-registering after a Controller restart) must not time its own probes out.
+MAX_IN_FLIGHT = 64
+
+
+class NodeManagerClients:
+    def __init__(self, key: str | None, tls: dict[str, Any] | None, max_message_bytes: int = 4 << 20) -> None:
+        self._key = key
+        self._tls = tls
+        self._max = max_message_bytes
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._closing: set[asyncio.Task] = set()
+        self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    def stub(self, address: str) -> Any:  # the generated stubs are typed for the sync API
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = open_channel(
+                address, key=self._key, tls=self._tls, max_message_bytes=self._max, service="controller"
+            )
+            self._channels[address] = ch
+            while len(self._channels) > CACHE_SIZE:
+                _, old = self._channels.popitem(last=False)
+                self._close_later(old)
+        else:
+            self._channels.move_to_end(address)
+        return nodemanager_pb2_grpc.NodeManagerStub(ch)
+
+    async def reachable(self, address: str, probe_timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+        """Does the NodeManager answer ``GetStatus``? A refused connection fails fast; a slow
+        answer gets a second chance before the NodeManager counts as gone."""
+        for attempt in range(PROBE_ATTEMPTS):
+            try:
+                async with self._in_flight:
+                    await self.stub(address).GetStatus(
+                        nodemanager_pb2.GetStatusRequest(relaxed=True),
+                        timeout=probe_timeout_s,
+                        wait_for_ready=False,
+                    )
+                return True
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or attempt + 1 == PROBE_ATTEMPTS:
+                    return False
+        return False
+
+    async def start_engines(
+        self, address: str, request: nodemanager_pb2.StartEnginesRequest, retries: int
+    ) -> nodemanager_pb2.StartEnginesResponse:
+        """``StartEngines`` with up to ``retries`` retries (backoff 0.5 s doubling, jitter)."""
+        delay = 0.5
+        for attempt in range(retries + 1):
+            try:
+                async with self._in_flight:
+                    return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                if attempt == retries:
+                    raise
+            await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+            delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(grace=5.0))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        await asyncio.gather(*(c.close(grace=0.5) for c in channels), *self._closing, return_exceptions=True)

@@ -1,0 +1,114 @@
+"""The Controller's embedded database: ``state_dir/controller.db`` (sqlite3, WAL).
+
+Holds the instance-id counter, every assembled instance (DELETED ones too, so an id is never
+handed out twice and operators can list what was removed) and the pending assemblies. Writes
+are small and synchronous: one row per registration, assembly or status transition, never one
+per heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from .model import Instance, JobSpec, Member, Pending
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS instances (
+    id INTEGER PRIMARY KEY, job_name TEXT NOT NULL, status INTEGER NOT NULL,
+    instance BLOB NOT NULL, members TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pending (
+    id INTEGER PRIMARY KEY, job_name TEXT NOT NULL UNIQUE, data TEXT NOT NULL
+);
+"""
+
+# DELETED rows kept for ListInstances(status=DELETED); older ones are pruned at start-up. The id
+# counter lives in ``meta``, so pruning never lets an id come back.
+KEEP_DELETED = 1000
+_DELETED = 5
+
+
+class Store:
+    def __init__(self, state_dir: str | Path) -> None:
+        path = Path(state_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / "controller.db"
+        self._db = sqlite3.connect(self.path, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a power cut may lose the last transaction, never corrupt the file.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def next_instance_id(self) -> int:
+        """Reserve the next instance id (persisted before it is handed out)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='next_instance_id'").fetchone()
+        floor = self._db.execute(
+            "SELECT MAX(m) FROM (SELECT MAX(id) AS m FROM instances UNION ALL SELECT MAX(id) FROM pending)"
+        ).fetchone()[0]
+        value = max(row[0] if row else 1, (floor or 0) + 1)
+        self._db.execute(
+            "INSERT INTO meta(key, value) VALUES('next_instance_id', ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (value + 1,),
+        )
+        return value
+
+    def save_instance(self, inst: Instance) -> None:
+        blob, members = inst.to_row()
+        self._db.execute(
+            "INSERT INTO instances(id, job_name, status, instance, members) VALUES(?,?,?,?,?) "
+            "ON CONFLICT(id) DO UPDATE SET status=excluded.status, instance=excluded.instance, "
+            "members=excluded.members",
+            (inst.id, inst.job_name, int(inst.status), blob, members),
+        )
+
+    def assemble(self, inst: Instance) -> None:
+        """The pending row becomes an instance row, atomically."""
+        blob, members = inst.to_row()
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM pending WHERE id=?", (inst.id,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO instances(id, job_name, status, instance, members) VALUES(?,?,?,?,?)",
+                (inst.id, inst.job_name, int(inst.status), blob, members),
+            )
+
+    def save_pending(self, p: Pending) -> None:
+        self._db.execute(
+            "INSERT INTO pending(id, job_name, data) VALUES(?,?,?) "
+            "ON CONFLICT(id) DO UPDATE SET data=excluded.data",
+            (p.id, p.job_name, json.dumps(p.to_json())),
+        )
+
+    def delete_pending(self, pending_id: int) -> None:
+        self._db.execute("DELETE FROM pending WHERE id=?", (pending_id,))
+
+    def load_instances(self) -> list[Instance]:
+        self._db.execute(
+            "DELETE FROM instances WHERE status=? AND id NOT IN "
+            "(SELECT id FROM instances WHERE status=? ORDER BY id DESC LIMIT ?)",
+            (_DELETED, _DELETED, KEEP_DELETED),
+        )
+        rows = self._db.execute("SELECT id, instance, members FROM instances ORDER BY id").fetchall()
+        return [Instance.from_row(i, blob, members) for i, blob, members in rows]
+
+    def load_pending(self) -> list[Pending]:
+        out = []
+        for id_, job, data in self._db.execute("SELECT id, job_name, data FROM pending ORDER BY id"):
+            d = json.loads(data)
+            out.append(
+                Pending(
+                    id=id_,
+                    job_name=job,
+                    spec=JobSpec(**d["spec"]),
+                    members=[Member.from_json(m) for m in d["members"]],
+                    last_registration=float(d.get("last_registration", 0.0)),
+                )
+            )
+        return out

@@ -1,0 +1,65 @@
+"""Request checks for motor.v1.Controller: each returns [(field_path, problem)]."""
+
+from __future__ import annotations
+
+from motor.v1 import common_pb2, controller_pb2
+
+_ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
+_ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
+_PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
+_ROLE_NAMES = frozenset(common_pb2.Role.values())
+_STATUSES = frozenset(common_pb2.InstanceStatus.values())
+
+
+def register(req: controller_pb2.RegisterRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if not req.job_name:
+        bad.append(("job_name", "required"))
+    if req.role == common_pb2.ROLE_UNSPECIFIED:
+        bad.append(("role", "required"))
+    elif req.role not in _ROLES:
+        bad.append(("role", f"unknown role {req.role}"))
+    if not req.model_name:
+        bad.append(("model_name", "required (the served model name)"))
+    if req.engine_type not in _ENGINE_TYPES:
+        bad.append(("engine_type", f"unknown engine type {req.engine_type}"))
+    if req.pd_protocol not in _PD_PROTOCOLS:
+        bad.append(("pd_protocol", f"unknown PD protocol {req.pd_protocol}"))
+    if not req.host:
+        bad.append(("host", "required"))
+    if not 0 < req.nm_port < 65536:
+        bad.append(("nm_port", "must be 1..65535"))
+    if not req.ports:
+        bad.append(("ports", "at least one engine port required"))
+    seen: set[int] = set()
+    for i, p in enumerate(req.ports):
+        if not 0 < p < 65536:
+            bad.append((f"ports[{i}]", "must be 1..65535"))
+        elif p in seen:
+            bad.append((f"ports[{i}]", f"duplicate port {p}"))
+        seen.add(p)
+    nnodes = req.parallel.nnodes or 1
+    if req.node_rank >= nnodes:
+        bad.append(("node_rank", f"must be below parallel.nnodes ({nnodes})"))
+    dp = req.parallel.dp or 1
+    if nnodes == 1 and len(req.ports) > dp:
+        bad.append(
+            ("ports", f"{len(req.ports)} engine ports but parallel.dp is {dp} (one endpoint per DP rank)")
+        )
+    return bad
+
+
+def terminate_instance(req: controller_pb2.TerminateInstanceRequest) -> list[tuple[str, str]]:
+    return [] if req.instance_id else [("instance_id", "required")]
+
+
+def list_instances(req: controller_pb2.ListInstancesRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if req.role not in _ROLE_NAMES:
+        bad.append(("role", f"unknown role {req.role}"))
+    if req.status not in _STATUSES:
+        bad.append(("status", f"unknown status {req.status}"))
+    return bad
+
+
+VALIDATORS = {"Register": register, "TerminateInstance": terminate_instance, "ListInstances": list_instances}

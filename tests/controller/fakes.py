@@ -1,0 +1,381 @@
+"""Test doubles around the Controller: NodeManager servers, a Coordinator server, a NodeManager's
+client side (register + heartbeat stream) and an in-process Controller."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+from motor.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    coordinator_pb2,
+    nodemanager_pb2,
+)
+
+from services.common import errors
+from services.common.config import load_config
+from services.common.server import MotorServer
+from services.controller.app import Controller
+
+NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
+WAIT = common_pb2.ENDPOINT_STATUS_WAIT_TO_START
+ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
+EP_PAUSED = common_pb2.ENDPOINT_STATUS_PAUSED
+ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
+INITIAL = common_pb2.INSTANCE_STATUS_INITIAL
+INACTIVE = common_pb2.INSTANCE_STATUS_INACTIVE
+PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
+DELETED = common_pb2.INSTANCE_STATUS_DELETED
+
+
+async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:  # noqa: ASYNC109
+    """Poll ``fn`` (sync or async) until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                result = await result
+            if result:
+                return result
+            last = result
+        except (AssertionError, grpc.aio.AioRpcError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+        await asyncio.sleep(every)
+
+
+# ---- NodeManager server ------------------------------------------------------------------------
+
+
+class FakeNodeManager:
+    """Records StartEngines and answers GetStatus, like a NodeManager with no engines yet."""
+
+    def __init__(self) -> None:
+        self.starts: list[nodemanager_pb2.StartEnginesRequest] = []
+        self.fail_starts = 0  # answer the next N StartEngines with INTERNAL
+        self.server: MotorServer | None = None
+        self.host = "127.0.0.1"
+        self.port = 0
+
+    async def StartEngines(self, req: nodemanager_pb2.StartEnginesRequest, ctx: Any) -> Any:
+        self.starts.append(req)
+        if self.fail_starts:
+            self.fail_starts -= 1
+            raise errors.error_info(grpc.StatusCode.INTERNAL, "LAUNCH_FAILED", "test: launch failed")
+        return nodemanager_pb2.StartEnginesResponse(
+            endpoints=[
+                common_pb2.Endpoint(
+                    id=e.id,
+                    host=e.host,
+                    port=e.port,
+                    pid=40000 + e.id,
+                    status=common_pb2.ENDPOINT_STATUS_INITIAL,
+                )
+                for e in req.endpoints
+            ]
+        )
+
+    async def GetStatus(self, req: nodemanager_pb2.GetStatusRequest, ctx: Any) -> Any:
+        return nodemanager_pb2.GetStatusResponse(ready=False)
+
+    async def RestartEngines(self, req: Any, ctx: Any) -> Any:
+        raise errors.unimplemented("test")
+
+    async def Pause(self, req: Any, ctx: Any) -> Any:
+        return nodemanager_pb2.PauseResponse()
+
+    async def Resume(self, req: Any, ctx: Any) -> Any:
+        return nodemanager_pb2.ResumeResponse()
+
+    async def Stop(self, req: Any, ctx: Any) -> Any:
+        return nodemanager_pb2.StopResponse()
+
+    async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:
+        cfg = load_config(None, env={}, overrides={"nodemanager": {"host": host}})["nodemanager"]
+        self.server = MotorServer(
+            "nodemanager", cfg, [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], self)], port=0
+        )
+        self.host, self.port = host, await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+
+
+# ---- Coordinator server ------------------------------------------------------------------------
+
+
+class FakeCoordinator:
+    """A Coordinator's management table, recording every call; can fail the next N calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, bool]] = []  # (method, request, succeeded)
+        self.table: dict[int, common_pb2.Instance] = {}
+        self.paused: set[int] = set()
+        self.fail_next = 0
+        self.incarnation = uuid.uuid4().hex
+        self.revision = 0
+        self.server: MotorServer | None = None
+        self.port = 0
+
+    def restart_state(self) -> None:
+        """What a restarted Coordinator looks like: empty table, new incarnation."""
+        self.table.clear()
+        self.paused.clear()
+        self.incarnation = uuid.uuid4().hex
+
+    def _enter(self, method: str, req: Any) -> None:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            self.calls.append((method, req, False))
+            # INTERNAL, not UNAVAILABLE: the channel's retry policy would hide UNAVAILABLE.
+            raise errors.error_info(grpc.StatusCode.INTERNAL, "TEST_FAILURE", f"test: {method} failed")
+
+    def _ok(self, method: str, req: Any, cls: Any) -> Any:
+        self.calls.append((method, req, True))
+        self.revision += 1
+        return cls(revision=self.revision, instance_count=len(self.table), incarnation=self.incarnation)
+
+    def ok_calls(self, method: str | None = None) -> list[Any]:
+        return [r for m, r, ok in self.calls if ok and (method is None or m == method)]
+
+    def count(self, method: str, ok: bool | None = None) -> int:
+        return sum(1 for m, _, good in self.calls if m == method and (ok is None or good == ok))
+
+    async def SetInstances(self, req: coordinator_pb2.SetInstancesRequest, ctx: Any) -> Any:
+        self._enter("Set", req)
+        self.table = {i.id: i for i in req.instances}
+        self.paused = {i.id for i in req.instances if i.status == PAUSED}
+        return self._ok("Set", req, coordinator_pb2.SetInstancesResponse)
+
+    async def AddInstances(self, req: coordinator_pb2.AddInstancesRequest, ctx: Any) -> Any:
+        self._enter("Add", req)
+        for i in req.instances:
+            self.table[i.id] = i
+        return self._ok("Add", req, coordinator_pb2.AddInstancesResponse)
+
+    async def DeleteInstances(self, req: coordinator_pb2.DeleteInstancesRequest, ctx: Any) -> Any:
+        self._enter("Delete", req)
+        for i in req.instances:
+            if i.id not in self.table:
+                self.calls.append(("Delete", req, False))
+                raise errors.not_found("instance", str(i.id))
+        for i in req.instances:
+            del self.table[i.id]
+            self.paused.discard(i.id)
+        return self._ok("Delete", req, coordinator_pb2.DeleteInstancesResponse)
+
+    async def PauseInstances(self, req: coordinator_pb2.PauseInstancesRequest, ctx: Any) -> Any:
+        self._enter("Pause", req)
+        self.paused |= set(req.ids)
+        return self._ok("Pause", req, coordinator_pb2.PauseInstancesResponse)
+
+    async def ResumeInstances(self, req: coordinator_pb2.ResumeInstancesRequest, ctx: Any) -> Any:
+        self._enter("Resume", req)
+        self.paused -= set(req.ids)
+        return self._ok("Resume", req, coordinator_pb2.ResumeInstancesResponse)
+
+    async def ListInstances(self, req: Any, ctx: Any) -> Any:
+        return coordinator_pb2.CoordinatorListInstancesResponse(
+            available=[i for k, i in self.table.items() if k not in self.paused],
+            paused=[i for k, i in self.table.items() if k in self.paused],
+            revision=self.revision,
+            incarnation=self.incarnation,
+        )
+
+    async def ClearPrecisionAlarm(self, req: Any, ctx: Any) -> Any:
+        raise errors.unimplemented("test")
+
+    async def start(self, port: int = 0) -> FakeCoordinator:
+        cfg = load_config(None, env={}, overrides={})["coordinator"]
+        self.server = MotorServer(
+            "coordinator",
+            cfg,
+            [(coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], self)],
+            port=port,
+        )
+        self.port = await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+# ---- a NodeManager's client side ---------------------------------------------------------------
+
+
+class NodeAgent:
+    """Registers like a NodeManager and drives its heartbeat stream by hand."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        job: str,
+        nm: FakeNodeManager | None = None,
+        nm_port: int = 0,
+        host: str = "127.0.0.1",
+        ports: tuple[int, ...] = (10000,),
+        role: int = common_pb2.ROLE_PREFILL,
+        dp: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        model: str = "motor-sim",
+        engine_type: int = common_pb2.ENGINE_TYPE_SIM,
+        device_count: int = 0,
+    ) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.nm = nm
+        self.request = controller_pb2.RegisterRequest(
+            job_name=job,
+            role=role,  # type: ignore[arg-type]
+            model_name=model,
+            engine_type=engine_type,  # type: ignore[arg-type]
+            host=nm.host if nm else host,
+            nm_port=nm.port if nm else nm_port,
+            ports=list(ports),
+            device_count=device_count,
+            parallel=common_pb2.ParallelConfig(dp=dp, tp=1, pp=1, ep=1, nnodes=nnodes),
+            node_rank=node_rank,
+        )
+        self.node_id = 0
+        self.epoch = 0
+        self.instance_id = 0
+        self.call: Any = None
+        self.seq = 0
+
+    async def register(self, instance_id: int = 0) -> controller_pb2.RegisterResponse:
+        req = controller_pb2.RegisterRequest()
+        req.CopyFrom(self.request)
+        req.instance_id = instance_id
+        resp = await self.stub.Register(req, timeout=5)
+        self.node_id, self.epoch = resp.node_id, resp.session_epoch
+        self.instance_id = resp.instance_id or self.instance_id
+        return resp
+
+    def open(self) -> None:
+        self.call = self.stub.Heartbeat()
+
+    async def send(self, req: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
+        if self.call is None:
+            self.open()
+        await self.call.write(req)
+        resp = await asyncio.wait_for(self.call.read(), 5)
+        assert resp is not grpc.aio.EOF, "stream ended"
+        return resp
+
+    async def beat(self, *statuses: int, pids: tuple[int, ...] = ()) -> controller_pb2.HeartbeatResponse:
+        """One beat; endpoint i of this node (ids from its StartEngines) gets ``statuses[i]``."""
+        self.seq += 1
+        ids = [e.id for e in self.nm.starts[-1].endpoints] if self.nm and self.nm.starts else []
+        eps = [
+            common_pb2.Endpoint(
+                id=ids[i] if i < len(ids) else i,
+                port=self.request.ports[i],
+                status=s,  # type: ignore[arg-type]
+                pid=pids[i] if i < len(pids) else 40000 + (ids[i] if i < len(ids) else i),
+            )
+            for i, s in enumerate(statuses)
+        ]
+        beat = controller_pb2.Beat(
+            node_id=self.node_id, session_epoch=self.epoch, seq=self.seq, endpoints=eps
+        )
+        return await self.send(controller_pb2.HeartbeatRequest(beat=beat))
+
+    async def event(
+        self, endpoint_id: int, pid: int, kind: int = controller_pb2.ENGINE_EVENT_TYPE_DEAD
+    ) -> Any:
+        self.seq += 1
+        ev = controller_pb2.EngineEvent(
+            endpoint_id=endpoint_id,
+            pid=pid,
+            type=kind,  # type: ignore[arg-type]
+            detail="test",
+            seq=self.seq,
+            node_id=self.node_id,
+            session_epoch=self.epoch,
+        )
+        return await self.send(controller_pb2.HeartbeatRequest(engine_event=ev))
+
+    def drop_stream(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+            self.call = None
+
+    async def close(self) -> None:
+        self.drop_stream()
+        await self.channel.close()
+
+
+# ---- an in-process Controller ------------------------------------------------------------------
+
+
+class Harness:
+    def __init__(self, controller: Controller, server: MotorServer) -> None:
+        self.controller = controller
+        self.server = server
+        self.target = f"127.0.0.1:{server.port}"
+        self.channel = grpc.aio.insecure_channel(self.target)
+        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.agents: list[NodeAgent] = []
+
+    def agent(self, **kw: Any) -> NodeAgent:
+        a = NodeAgent(self.target, **kw)
+        self.agents.append(a)
+        return a
+
+    async def instances(self, **kw: Any) -> list[common_pb2.Instance]:
+        resp = await self.stub.ListInstances(controller_pb2.ListInstancesRequest(**kw), timeout=5)
+        return list(resp.instances)
+
+
+def controller_cfg(state_dir: Path, **overrides: Any) -> dict[str, Any]:
+    base = {
+        "port": 0,
+        "state_dir": str(state_dir),
+        "coordinators": [],
+        "coordinator_set_sync_interval_s": 3600,
+    }
+    return load_config(None, env={}, overrides={"controller": {**base, **overrides}})["controller"]
+
+
+@asynccontextmanager
+async def running_controller(state_dir: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    controller = Controller(controller_cfg(state_dir, **overrides))
+    server = MotorServer(
+        "controller",
+        controller.cfg,
+        [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
+        port=0,
+    )
+    server.on_stop(controller.hub.cancel_streams)
+    await server.start()
+    await controller.start()
+    h = Harness(controller, server)
+    try:
+        yield h
+    finally:
+        for a in h.agents:
+            await a.close()
+        await h.channel.close()
+        await server.stop()
+        await controller.stop()

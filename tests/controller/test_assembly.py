@@ -1,0 +1,240 @@
+"""Registration and assembly: what NodeManagers receive and what Register answers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from motor.v1 import common_pb2, controller_pb2
+
+from services.common.errors import details_of
+from services.controller import assembly
+from services.controller.model import JobSpec, Member
+from tests.controller.fakes import DELETED, INITIAL, running_controller, until
+
+SIM, SGLANG = common_pb2.ENGINE_TYPE_SIM, common_pb2.ENGINE_TYPE_SGLANG
+
+
+def _reason(err: grpc.aio.AioRpcError) -> str:
+    infos = [d for d in details_of(err) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert infos, f"no ErrorInfo in {err}"
+    return infos[0].reason
+
+
+# ---- pure layout rules -------------------------------------------------------------------------
+
+
+def test_plan_orders_by_rank_and_marks_headless() -> None:
+    spec = JobSpec(
+        role=1, model_name="m", engine_type=SIM, pd_protocol=common_pb2.PD_PROTOCOL_SGLANG, nnodes=2
+    )
+    rank1 = Member(node_rank=1, host="10.0.0.2", nm_port=7300, ports=[10000], device_count=8)
+    rank0 = Member(node_rank=0, host="10.0.0.1", nm_port=7300, ports=[10000], device_count=8)
+    plan = assembly.plan(7, "job", spec, [rank1, rank0])
+    assert [(e.id, e.host, e.headless) for e in plan.endpoints] == [
+        (0, "10.0.0.1", False),
+        (1, "10.0.0.2", True),
+    ]
+    assert [e.bootstrap_port for e in plan.endpoints] == [10001, 10001]
+    assert list(plan.endpoints[0].device_ids) == list(range(8))
+    cmd = plan.commands["10.0.0.2:7300"]
+    assert (cmd.instance_id, cmd.node_rank, cmd.master_host, list(cmd.peers)) == (
+        7,
+        1,
+        "10.0.0.1",
+        ["10.0.0.1:7300"],
+    )
+
+
+def test_devices_are_split_between_a_nodes_ports() -> None:
+    spec = JobSpec(role=1, model_name="m", engine_type=SIM, pd_protocol=common_pb2.PD_PROTOCOL_VLLM, dp=2)
+    m = Member(node_rank=0, host="h", nm_port=1, ports=[10000, 10002], device_count=4)
+    plan = assembly.plan(1, "job", spec, [m])
+    assert [list(e.device_ids) for e in plan.endpoints] == [[0, 1], [2, 3]]
+    assert [e.bootstrap_port for e in plan.endpoints] == [0, 0]
+
+
+def test_completeness_and_fit() -> None:
+    one_node = JobSpec(role=1, model_name="m", engine_type=SIM, pd_protocol=1, dp=2)
+    a = Member(node_rank=0, host="h", nm_port=1, ports=[10000])
+    b = Member(node_rank=0, host="h", nm_port=2, ports=[10002])
+    assert not assembly.is_complete(one_node, [a])
+    assert assembly.is_complete(one_node, [a, b])
+    assert assembly.misfit(one_node, [a, b], Member(node_rank=0, host="h", nm_port=3, ports=[10004]))
+    multi = JobSpec(role=1, model_name="m", engine_type=SIM, pd_protocol=1, dp=1, nnodes=2)
+    assert not assembly.is_complete(multi, [a])
+    assert assembly.misfit(multi, [a], b)  # a second rank-0 NodeManager for dp=1
+    assert not assembly.misfit(multi, [a], Member(node_rank=1, host="h", nm_port=3, ports=[10004]))
+    assert assembly.conflict([a], Member(node_rank=0, host="h", nm_port=9, ports=[10000])) is a
+
+
+# ---- through the Controller --------------------------------------------------------------------
+
+
+async def test_single_node_instance_gets_start_engines(tmp_path, node_managers) -> None:
+    nm = await node_managers()
+    async with running_controller(tmp_path) as h:
+        agent = h.agent(job="p0", nm=nm, ports=(10000,))
+        resp = await agent.register()
+        assert resp.node_id and resp.session_epoch and resp.instance_id == 0
+        assert resp.heartbeat_interval_ms == 3000
+        # Until the relaunch strategy exists NodeManagers must not freeze waiting for one.
+        assert not resp.engine_relaunch_enabled
+        await until(lambda: nm.starts)
+        cmd = nm.starts[0]
+        assert (cmd.job_name, cmd.instance_id, cmd.role, cmd.master_host, cmd.node_rank) == (
+            "p0",
+            1,
+            common_pb2.ROLE_PREFILL,
+            "127.0.0.1",
+            0,
+        )
+        assert [(e.id, e.host, e.port, e.bootstrap_port, e.headless) for e in cmd.endpoints] == [
+            (0, "127.0.0.1", 10000, 0, False)
+        ]
+        [inst] = await h.instances()
+        assert (inst.id, inst.status, inst.job_name, inst.model_name) == (1, INITIAL, "p0", "motor-sim")
+        assert inst.pd_protocol == common_pb2.PD_PROTOCOL_VLLM
+        assert list(inst.node_managers) == [f"127.0.0.1:{nm.port}"]
+        assert inst.endpoints[0].pid == 40000  # from the StartEngines answer
+
+
+async def test_dp2_across_two_node_managers(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        await h.agent(
+            job="d", nm=a, ports=(10000,), dp=2, role=common_pb2.ROLE_DECODE, engine_type=SGLANG
+        ).register()
+        assert await h.instances() == []  # still pending
+        await h.agent(
+            job="d", nm=b, ports=(10002,), dp=2, role=common_pb2.ROLE_DECODE, engine_type=SGLANG
+        ).register()
+        await until(lambda: a.starts and b.starts)
+        eps = sorted([*a.starts[0].endpoints, *b.starts[0].endpoints], key=lambda e: e.id)
+        # DP ranks 0, 1 in NodeManager order (host, nm_port); SGLang bootstrap = port + 1.
+        first = 10000 if a.port < b.port else 10002
+        assert [e.id for e in eps] == [0, 1] and eps[0].port == first
+        assert {(e.port, e.bootstrap_port) for e in eps} == {(10000, 10001), (10002, 10003)}
+        assert list(a.starts[0].peers) == [f"127.0.0.1:{b.port}"]
+        [inst] = await h.instances()
+        assert inst.parallel.dp == 2 and len(inst.endpoints) == 2
+        assert inst.pd_protocol == common_pb2.PD_PROTOCOL_SGLANG
+
+
+async def test_multi_node_instance_has_headless_rank(tmp_path, node_managers) -> None:
+    rank0, rank1 = await node_managers("127.0.0.1"), await node_managers("127.0.0.2")
+    async with running_controller(tmp_path) as h:
+        await h.agent(job="u", nm=rank1, nnodes=2, node_rank=1, role=common_pb2.ROLE_UNION).register()
+        await h.agent(job="u", nm=rank0, nnodes=2, node_rank=0, role=common_pb2.ROLE_UNION).register()
+        await until(lambda: rank0.starts and rank1.starts)
+        c0, c1 = rank0.starts[0], rank1.starts[0]
+        assert (c0.node_rank, c1.node_rank) == (0, 1)
+        assert c0.master_host == c1.master_host == "127.0.0.1"
+        assert [(e.id, e.host, e.headless) for e in c0.endpoints] == [(0, "127.0.0.1", False)]
+        assert [(e.id, e.host, e.headless) for e in c1.endpoints] == [(1, "127.0.0.2", True)]
+        [inst] = await h.instances()
+        assert [e.headless for e in inst.endpoints] == [False, True]
+
+
+async def test_pending_instance_expires_and_its_id_is_not_reused(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, instance_assemble_timeout_s=0.3) as h:
+        first = h.agent(job="x", nm=a, dp=2)
+        await first.register()
+
+        async def told_to_reregister() -> bool:
+            resp = await first.beat()
+            return resp.directive == controller_pb2.DIRECTIVE_REREGISTER
+
+        await until(told_to_reregister)
+        await first.register()
+        await h.agent(job="x", nm=b, ports=(10002,), dp=2).register()
+        await until(lambda: a.starts and b.starts)
+        assert a.starts[0].instance_id == 2  # id 1 went with the expired assembly
+
+
+async def test_unreachable_node_manager_is_dropped_before_completion(tmp_path, node_managers) -> None:
+    a, c = await node_managers(), await node_managers()
+    gone = await node_managers()
+    await gone.stop()  # registered but its server does not answer
+    async with running_controller(tmp_path) as h:
+        await h.agent(job="j", nm=a, dp=2).register()
+        silent = h.agent(job="j", nm=gone, ports=(10002,), dp=2)
+        await silent.register()
+
+        async def dropped() -> bool:
+            return (await silent.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER
+
+        await until(dropped)
+        assert not a.starts and await h.instances() == []
+        await h.agent(job="j", nm=c, ports=(10004,), dp=2).register()
+        await until(lambda: a.starts and c.starts)
+        assert {e.port for e in [*a.starts[0].endpoints, *c.starts[0].endpoints]} == {10000, 10004}
+
+
+async def test_duplicate_slot_is_already_exists(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        agent = h.agent(job="j", nm=a, dp=2)
+        await agent.register()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await agent.register()
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert _reason(err.value) == "DUPLICATE_REGISTRATION"
+        # Another NodeManager claiming the same engine port on the same host and rank.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.agent(job="j", nm=b, ports=(10000,), dp=2).register()
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_assembled_job_refuses_new_registrations(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        await h.agent(job="j", nm=a).register()
+        await until(lambda: a.starts)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.agent(job="j", nm=b, ports=(10002,)).register()
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert _reason(err.value) == "JOB_ALREADY_ASSEMBLED"
+
+
+async def test_reregister_with_instance_id_keeps_engines(tmp_path, node_managers) -> None:
+    a = await node_managers()
+    async with running_controller(tmp_path) as h:
+        agent = h.agent(job="j", nm=a)
+        first = await agent.register()
+        await until(lambda: a.starts)
+        old_stream = h.agent(job="j", nm=a)
+        old_stream.node_id, old_stream.epoch = first.node_id, first.session_epoch
+        again = await agent.register(instance_id=1)
+        assert again.instance_id == 1
+        assert (again.node_id, again.session_epoch) != (first.node_id, first.session_epoch)
+        # The earlier session is stale now; the new one is accepted.
+        assert (await old_stream.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER
+        assert (await agent.beat()).ack.seq == agent.seq
+        assert len(a.starts) == 1
+        [inst] = await h.instances()
+        assert inst.id == 1
+
+
+async def test_registration_disagreeing_with_its_job_is_refused(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        await h.agent(job="j", nm=a, dp=2).register()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.agent(job="j", nm=b, ports=(10002,), dp=2, model="other").register()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        [pf] = [d for d in details_of(err.value) if isinstance(d, error_details_pb2.PreconditionFailure)]
+        assert pf.violations[0].type == "JOB_MISMATCH" and "model_name" in pf.violations[0].description
+
+
+async def test_start_engines_failing_drops_the_instance(tmp_path, node_managers) -> None:
+    a = await node_managers()
+    a.fail_starts = 100
+    async with running_controller(tmp_path, start_command_retries=1) as h:
+        agent = h.agent(job="j", nm=a)
+        await agent.register()
+        [gone] = await until(lambda: h.instances(status=DELETED))
+        assert gone.id == 1 and len(a.starts) == 2  # one try + one retry
+        assert await h.instances() == []
+        assert (await agent.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER

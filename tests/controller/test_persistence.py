@@ -1,0 +1,85 @@
+"""What survives a Controller restart (in-process, same state_dir): ids, instances, pending
+assemblies; heartbeat clocks start at load time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from motor.v1 import common_pb2, controller_pb2
+
+from services.controller.model import Instance, JobSpec, Member, Pending
+from services.controller.store import Store
+from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller, until
+
+
+def test_store_round_trip_and_ids_never_reused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    assert [store.next_instance_id() for _ in range(3)] == [1, 2, 3]
+    spec = JobSpec(role=1, model_name="m", engine_type=3, pd_protocol=1, dp=2)
+    p = Pending(
+        id=3, job_name="j", spec=spec, members=[Member(0, "h", 7300, [10000])], last_registration=12.5
+    )
+    store.save_pending(p)
+    ep = common_pb2.Endpoint(id=0, host="h", port=10000, status=common_pb2.ENDPOINT_STATUS_NORMAL, pid=7)
+    member = Member(0, "h", 7301, [10000])
+    member.attach([ep])
+    inst = Instance(
+        id=2,
+        job_name="k",
+        spec=spec,
+        status=common_pb2.INSTANCE_STATUS_ACTIVE,
+        endpoints=[ep],
+        members=[member],
+    )
+    store.assemble(inst)
+    store.close()
+
+    again = Store(tmp_path / "s")
+    assert again.next_instance_id() == 4
+    [loaded] = again.load_instances()
+    assert (loaded.id, loaded.job_name, loaded.status, loaded.endpoints[0].pid) == (2, "k", ACTIVE, 7)
+    assert loaded.members[0].by_id[0] is loaded.endpoints[0]
+    [pending] = again.load_pending()
+    assert (pending.id, pending.job_name, pending.spec, pending.last_registration) == (3, "j", spec, 12.5)
+    assert pending.members[0].address == "h:7300"
+    again.close()
+
+
+async def test_pending_assembly_survives_a_restart(tmp_path: Path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        first = h.agent(job="j", nm=a, dp=2)
+        await first.register()
+        old_node, old_epoch = first.node_id, first.epoch
+    async with running_controller(tmp_path) as h:
+        back = h.agent(job="j", nm=a, dp=2)
+        back.node_id, back.epoch = old_node, old_epoch
+        assert (await back.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER
+        back.drop_stream()
+        await back.register()  # takes its old slot back
+        await h.agent(job="j", nm=b, ports=(10002,), dp=2).register()
+        await until(lambda: a.starts and b.starts)
+        assert a.starts[0].instance_id == 1  # the pending id from before the restart
+
+
+async def test_clocks_start_at_load_time(tmp_path: Path, node_managers) -> None:
+    kept, lost = await node_managers(), await node_managers()
+    async with running_controller(tmp_path) as h:
+        for nm, job, port in ((kept, "kept", 10000), (lost, "lost", 10002)):
+            agent = h.agent(job=job, nm=nm, ports=(port,))
+            await agent.register()
+            await until(lambda nm=nm: nm.starts)  # type: ignore[misc]
+            await agent.beat(NORMAL)
+        await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=1.0) as h:
+        assert [i.status for i in await h.instances()] == [ACTIVE, ACTIVE]
+        agent = h.agent(job="kept", nm=kept, ports=(10000,))
+        assert (await agent.register(instance_id=1)).instance_id == 1
+        await agent.beat(NORMAL)
+        [gone] = await until(lambda: h.instances(status=DELETED), timeout=5)
+        assert gone.job_name == "lost"
+        for _ in range(3):  # the re-registered one keeps beating and stays
+            await agent.beat(NORMAL)
+        [inst] = await h.instances()
+        assert (inst.id, inst.status) == (1, ACTIVE)
+        assert len(kept.starts) == 1
