@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/motor up $(ARGS)
+	@$(BIN)/motor up $(ARGS)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

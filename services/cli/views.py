@@ -176,7 +176,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"motor {name}: {err.errors[0]}", file=sys.stderr)
     except grpc.aio.AioRpcError as err:
-        print(f"motor {name}: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(
+                f"motor {name}: cannot reach the Controller at {args.controller} ({err.code().name})",
+                file=sys.stderr,
+            )
+        else:
+            print(f"motor {name}: {err.code().name}: {err.details()}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     return 1

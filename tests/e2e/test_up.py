@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster, poll, port_free
+from tests.procs import motor_argv
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,3 +152,31 @@ def test_sglang_protocol_and_clean_shutdown(tmp_path: Path) -> None:
         assert all(port_free(p + c.off) for p in (CONTROLLER, COORDINATOR, 8000, NM, NM + 1, 10000, 10002))
     finally:
         c.cleanup()
+
+
+def test_operator_cli_views(vllm_cluster: Cluster) -> None:
+    c = vllm_cluster
+    flags = ["--controller", c.grpc(CONTROLLER), "--coordinator", c.grpc(COORDINATOR)]
+    out = subprocess.run(
+        motor_argv("instances", "-o", "json", *flags), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(i["role"] for i in json.loads(out.stdout)) == ["ROLE_DECODE", "ROLE_PREFILL"]
+    table = subprocess.run(motor_argv("instances", *flags), capture_output=True, text=True, timeout=30)
+    assert table.stdout.splitlines()[0].split() == ["ID", "ROLE", "STATUS", "MODEL", "JOB", "ENDPOINTS"]
+    status = subprocess.run(
+        motor_argv("status", "-o", "json", *flags), capture_output=True, text=True, timeout=30
+    )
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["coordinator"]["routable"] is True
+    down = subprocess.run(
+        motor_argv("instances", "--controller", "127.0.0.1:9", "--timeout", "1"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert down.returncode == 1
+    assert (
+        down.stderr.strip()
+        == "motor instances: cannot reach the Controller at 127.0.0.1:9 (DEADLINE_EXCEEDED)"
+    )
