@@ -1,0 +1,50 @@
+"""One motor.v1.NodeManager gRPC server answering for many fake nodes (all register the same
+``nm_port``; ``StartEngines`` finds its node by ``job_name``, unique per node).
+
+The Controller probes ``GetStatus`` before assembly and sends ``StartEngines`` after it: this
+server answers both at once, so assembly completes without any engine.
+"""
+
+from __future__ import annotations
+
+import grpc
+from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
+
+from bench.loadgen.node import FakeNode
+
+
+class FakeNodeManagers(nodemanager_pb2_grpc.NodeManagerServicer):
+    def __init__(self) -> None:
+        self.nodes: dict[str, FakeNode] = {}
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    def add(self, node: FakeNode) -> None:
+        self.nodes[node.spec.job_name] = node
+
+    async def start(self, host: str = "127.0.0.1") -> int:
+        server = grpc.aio.server()
+        nodemanager_pb2_grpc.add_NodeManagerServicer_to_server(self, server)
+        self.port = server.add_insecure_port(f"{host}:0")
+        await server.start()
+        self.server = server
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+
+    async def GetStatus(  # type: ignore[override]
+        self, request: nodemanager_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.GetStatusResponse:
+        return nodemanager_pb2.GetStatusResponse(ready=True)
+
+    async def StartEngines(  # type: ignore[override]
+        self, request: nodemanager_pb2.StartEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.StartEnginesResponse:
+        node = self.nodes.get(request.job_name)
+        if node is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no fake node for {request.job_name}")
+            raise AssertionError("unreachable")
+        node.instance_id = request.instance_id
+        return nodemanager_pb2.StartEnginesResponse(endpoints=node.start_engines(list(request.endpoints)))
