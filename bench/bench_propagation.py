@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from bench.loadgen.fakenm import FakeNodeManagers
-from bench.loadgen.harness import Proc, clean_env, machine, percentile
+from bench.loadgen.harness import Proc, clean_env, machine, percentile, system_cpu
 from bench.loadgen.node import ABNORMAL, NORMAL, FakeNode, NodeSpec, Stats
 
 RESULTS = Path(__file__).parent / "results" / "propagation.md"
@@ -120,6 +120,8 @@ async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         await watcher.until(SERVING, 30.0)
         decode = nodes["decode"]
         flips: list[dict[str, Any]] = []
+        procs = (coord, ctrl)
+        m0, c0, t0 = system_cpu()[0], sum(p.cpu() for p in procs) + time.process_time(), time.perf_counter()
         for i in range(args.changes):
             status, expect, kind = (
                 (ABNORMAL, NOT_SERVING, "delete") if i % 2 == 0 else (NORMAL, SERVING, "add")
@@ -136,10 +138,18 @@ async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     "rx_wall": wall_rx,
                 }
             )
+        elapsed = time.perf_counter() - t0
+        ours = sum(p.cpu() for p in procs) + time.process_time() - c0
+        background = 100 * max(0.0, system_cpu()[0] - m0 - ours) / elapsed
         table = await coordinator_pb2_grpc.CoordinatorStub(coord_ch).ListInstances(
             coordinator_pb2.CoordinatorListInstancesRequest(), timeout=5
         )
-        return {"flips": flips, "revision": table.revision, "decode_id": decode.instance_id}
+        return {
+            "flips": flips,
+            "revision": table.revision,
+            "decode_id": decode.instance_id,
+            "background": background,
+        }
     finally:
         for t in tasks + ([watcher.task] if watcher else []):
             t.cancel()
@@ -218,7 +228,8 @@ def render(result: dict[str, Any]) -> str:
             _row("NORMAL → added (AddInstances)", [f["ms"] for f in flips if f["kind"] == "add"]),
             "",
             f"p99 {p99:.1f} ms = {p99 / TARGET_MS:.2f} x the {TARGET_MS:g} ms target. Coordinator table "
-            f"revision after the run: {result['revision']} ({len(flips)} changes plus the initial adds).",
+            f"revision after the run: {result['revision']} ({len(flips)} changes plus the initial adds). "
+            f"Background CPU (other users' processes) during the run: {result['background']:.0f}%.",
             "",
             "Where the time goes (from log timestamps, whole milliseconds, so ±1 ms each):",
             "",

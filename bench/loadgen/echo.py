@@ -22,22 +22,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 from motor.v1 import controller_pb2 as pb
-from motor.v1 import controller_pb2_grpc
 
 STATS_WINDOW_S = 10.0
 
 
-class EchoController(controller_pb2_grpc.ControllerServicer):
+class EchoController:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.acks: list[float] = []
 
-    async def Register(  # type: ignore[override]
+    async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         return pb.RegisterResponse(node_id=next(self._ids), session_epoch=1, heartbeat_interval_ms=3000)
 
-    async def Heartbeat(  # type: ignore[override]
+    async def Heartbeat(
         self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.HeartbeatResponse]:
         perf, acks = time.perf_counter, self.acks
@@ -51,7 +50,7 @@ class EchoController(controller_pb2_grpc.ControllerServicer):
 class ReadWriteEchoController(EchoController):
     async def Heartbeat(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> None:
+    ) -> None:  # read()/write() instead of an async generator
         perf, acks = time.perf_counter, self.acks
         while True:
             req = await context.read()
@@ -61,6 +60,25 @@ class ReadWriteEchoController(EchoController):
             seq = req.beat.seq if req.HasField("beat") else req.engine_event.seq
             await context.write(pb.HeartbeatResponse(ack=pb.Ack(seq=seq)))
             acks.append(perf() - t0)
+
+
+def handlers(servicer: EchoController) -> grpc.GenericRpcHandler:
+    """Register and Heartbeat only: every other motor.v1.Controller method answers UNIMPLEMENTED."""
+    return grpc.method_handlers_generic_handler(
+        "motor.v1.Controller",
+        {
+            "Register": grpc.unary_unary_rpc_method_handler(
+                servicer.Register,
+                request_deserializer=pb.RegisterRequest.FromString,
+                response_serializer=pb.RegisterResponse.SerializeToString,
+            ),
+            "Heartbeat": grpc.stream_stream_rpc_method_handler(
+                servicer.Heartbeat,
+                request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatResponse.SerializeToString,
+            ),
+        },
+    )
 
 
 async def report(servicer: EchoController) -> None:
@@ -85,7 +103,7 @@ async def report(servicer: EchoController) -> None:
 async def amain(port: int, mode: str) -> int:
     server = grpc.aio.server()
     servicer = ReadWriteEchoController() if mode == "rw" else EchoController()
-    controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((handlers(servicer),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print(f"event=listening service=echo grpc=127.0.0.1:{bound}", file=sys.stderr, flush=True)

@@ -8,12 +8,12 @@ server answers both at once, so assembly completes without any engine.
 from __future__ import annotations
 
 import grpc
-from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
+from motor.v1 import nodemanager_pb2
 
 from bench.loadgen.node import FakeNode
 
 
-class FakeNodeManagers(nodemanager_pb2_grpc.NodeManagerServicer):
+class FakeNodeManagers:
     def __init__(self) -> None:
         self.nodes: dict[str, FakeNode] = {}
         self.server: grpc.aio.Server | None = None
@@ -24,7 +24,7 @@ class FakeNodeManagers(nodemanager_pb2_grpc.NodeManagerServicer):
 
     async def start(self, host: str = "127.0.0.1") -> int:
         server = grpc.aio.server()
-        nodemanager_pb2_grpc.add_NodeManagerServicer_to_server(self, server)
+        server.add_generic_rpc_handlers((self._handlers(),))
         self.port = server.add_insecure_port(f"{host}:0")
         await server.start()
         self.server = server
@@ -34,12 +34,31 @@ class FakeNodeManagers(nodemanager_pb2_grpc.NodeManagerServicer):
         if self.server is not None:
             await self.server.stop(grace=0.5)
 
-    async def GetStatus(  # type: ignore[override]
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        """GetStatus and StartEngines only: the rest answer UNIMPLEMENTED."""
+        pb = nodemanager_pb2
+        return grpc.method_handlers_generic_handler(
+            "motor.v1.NodeManager",
+            {
+                "GetStatus": grpc.unary_unary_rpc_method_handler(
+                    self.GetStatus,
+                    request_deserializer=pb.GetStatusRequest.FromString,
+                    response_serializer=pb.GetStatusResponse.SerializeToString,
+                ),
+                "StartEngines": grpc.unary_unary_rpc_method_handler(
+                    self.StartEngines,
+                    request_deserializer=pb.StartEnginesRequest.FromString,
+                    response_serializer=pb.StartEnginesResponse.SerializeToString,
+                ),
+            },
+        )
+
+    async def GetStatus(
         self, request: nodemanager_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.GetStatusResponse:
         return nodemanager_pb2.GetStatusResponse(ready=True)
 
-    async def StartEngines(  # type: ignore[override]
+    async def StartEngines(
         self, request: nodemanager_pb2.StartEnginesRequest, context: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.StartEnginesResponse:
         node = self.nodes.get(request.job_name)
