@@ -334,7 +334,8 @@ def render(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], args: argpa
         "than this benchmark's (other users), and the hypervisor's steal time; both as % of one core. "
         "Numbers taken with a busy background are pessimistic.",
         "- **ratio**: Controller CPU per beat / echo CPU per beat at the same N (the echo server acks "
-        "beats on the same proto with a bare grpc.aio servicer: no validation, interceptors or state).",
+        "beats on the same proto with a bare grpc.aio servicer, read/write as the Controller does: "
+        "no validation, interceptors or state).",
         "- The fake nodes of one generator share one NodeManager address (127.0.0.1, one port per "
         f"generator), so the Controller's NodeManager channel cache holds {GENERATORS} channels; a real "
         "fleet costs one connection per NodeManager at assembly.",

@@ -3,9 +3,9 @@
 A trivial grpc.aio server on the motor.v1.Controller proto: ``Register`` hands out node ids and
 ``Heartbeat`` acks every message, nothing else (no validation, no interceptors, no state).
 Its CPU at a given beat rate is the floor a Python grpc.aio Controller can reach; the scale
-benchmark reports the Controller's CPU as a ratio to it. ``--mode gen`` (default) serves the
-stream as an async generator, as the Controller does; ``--mode rw`` with ``context.read()`` /
-``context.write()``. Prints ``event=listening grpc=H:P``, and every 10 s the same
+benchmark reports the Controller's CPU as a ratio to it. ``--mode rw`` (default) serves the
+stream with ``context.read()`` / ``context.write()``, as the Controller does; ``--mode gen`` as
+an async generator (more CPU per message). Prints ``event=listening grpc=H:P``, and every 10 s the same
 ``event=heartbeat_stats`` line as the Controller (ack latency: message in hand → ack handed to
 gRPC and the handler resumed).
 """
@@ -121,6 +121,6 @@ async def amain(port: int, mode: str) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.loadgen.echo")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--mode", choices=("gen", "rw"), default="gen")
+    p.add_argument("--mode", choices=("gen", "rw"), default="rw")
     a = p.parse_args()
     sys.exit(asyncio.run(amain(a.port, a.mode)))

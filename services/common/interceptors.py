@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -117,7 +118,7 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
             }
             log.emit(level, "rpc", fields)
 
-        if handler.response_streaming:
+        if handler.response_streaming and inspect.isasyncgenfunction(inner):
 
             async def logged_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 # Read the peer while the call is alive: context.peer() on a stream whose call
@@ -134,6 +135,7 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
 
             return _same_kind(handler, logged_stream)
 
+        # Unary calls, and streams served with read/write (one coroutine for the whole stream).
         async def logged(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, exc, peer = time.perf_counter(), None, context.peer()
             try:

@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common import log
 from services.common.config import read_key_file
+from services.common.gcpolicy import GcGuard
 
 from .heartbeats import HeartbeatHub
 from .instances import InstanceTable
@@ -77,6 +78,8 @@ class Controller:
         now = time.monotonic()
         self.table.load(self.store.load_instances(), now)
         self.assembler.load(self.store.load_pending(), now)
+        self.gc = GcGuard()
+        self.gc.settle(self._working_set())
         shortest = min(float(cfg["instance_heartbeat_timeout_s"]), float(cfg["instance_assemble_timeout_s"]))
         self._tick_s = min(1.0, max(0.02, shortest / 4))
         self._timer: asyncio.Task | None = None
@@ -92,6 +95,9 @@ class Controller:
         """Add an observer of transitions and engine events (fault manager, alarms)."""
         self.table.subscribe(observer)
 
+    def _working_set(self) -> int:
+        return len(self.sessions) + len(self.table.live) + len(self.assembler.pending)
+
     async def start(self) -> None:
         for p in self.pushers:
             p.start()
@@ -102,8 +108,9 @@ class Controller:
             await asyncio.sleep(self._tick_s)
             try:
                 self.hub.sweep(time.monotonic())
-                self.hub.report(time.monotonic())
+                self.hub.report(time.monotonic(), self.gc)
                 self.assembler.sweep(time.monotonic(), time.time())
+                self.gc.settle(self._working_set())
             except Exception as exc:  # the timer must survive a bug in one sweep
                 log.error("sweep_failed", error=repr(exc))
 
@@ -119,4 +126,5 @@ class Controller:
         await asyncio.gather(*(p.close() for p in self.pushers), return_exceptions=True)
         await self.nm.close()
         self.store.close()
+        self.gc.close()
         os.close(self._lock)

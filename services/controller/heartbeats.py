@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors, log
+from services.common.gcpolicy import GcGuard
+from services.common.rpc import BidiStream
 
 from . import state_machine as sm
 from .instances import InstanceTable
@@ -52,19 +53,16 @@ class HeartbeatHub:
         self._acks: list[float] = []
         self._window_start = time.monotonic()
 
-    async def stream(
-        self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.HeartbeatResponse]:
-        it = requests.__aiter__()
-        try:
-            req = await it.__anext__()
-        except StopAsyncIteration:
+    async def stream(self, stream: BidiStream, context: grpc.aio.ServicerContext) -> None:
+        req = await stream.read()
+        if req is None:
             return
+        write = stream.write
         node_id, epoch = _identity(req)
         session = self.sessions.get(node_id)
         if session is None or session.epoch != epoch or not session.valid:
             log.event("stale_session", node_id=node_id)
-            yield _REREGISTER
+            await write(_REREGISTER)
             raise _stale(node_id)
         member = session.member
         member.open_streams += 1
@@ -72,13 +70,14 @@ class HeartbeatHub:
         if task is not None:
             self._streams.add(task)
         clock, perf, acks = time.monotonic, time.perf_counter, self._acks
+        Response, Ack = pb.HeartbeatResponse, pb.Ack
         try:
-            while True:
+            while req is not None:
                 t0 = perf()
                 if req.HasField("beat"):
                     beat = req.beat
                     if not session.valid or beat.node_id != node_id or beat.session_epoch != epoch:
-                        yield _REREGISTER
+                        await write(_REREGISTER)
                         raise _stale(beat.node_id)
                     member.last_heard = clock()
                     inst = member.instance
@@ -87,23 +86,20 @@ class HeartbeatHub:
                         if fingerprint != member.beat_fingerprint:
                             member.beat_fingerprint = fingerprint
                             self._apply_beat(member, inst, beat)
-                    yield pb.HeartbeatResponse(ack=pb.Ack(seq=beat.seq))
+                    await write(Response(ack=Ack(seq=beat.seq)))
                     acks.append(perf() - t0)
                 elif req.HasField("engine_event"):
                     ev = req.engine_event
                     if not session.valid or (
                         ev.node_id and (ev.node_id, ev.session_epoch) != (node_id, epoch)
                     ):
-                        yield _REREGISTER
+                        await write(_REREGISTER)
                         raise _stale(ev.node_id or node_id)
                     member.last_heard = clock()
                     self._apply_event(session, ev)
-                    yield pb.HeartbeatResponse(ack=pb.Ack(seq=ev.seq))
+                    await write(Response(ack=Ack(seq=ev.seq)))
                     acks.append(perf() - t0)
-                try:
-                    req = await it.__anext__()
-                except StopAsyncIteration:
-                    break
+                req = await stream.read()
         finally:
             member.open_streams -= 1
             # A broken stream starts the heartbeat clock at once.
@@ -172,9 +168,10 @@ class HeartbeatHub:
                     self.table.delete(inst, "heartbeat_timeout")
                     break
 
-    def report(self, now: float) -> None:
+    def report(self, now: float, gc: GcGuard | None = None) -> None:
         """Every STATS_WINDOW_S with traffic: one ``heartbeat_stats`` line (the scale benchmark
-        reads messages, ack_p50_ms, ack_p99_ms and window_s from it, in that order)."""
+        reads messages, ack_p50_ms, ack_p99_ms and window_s from it, in that order), with the
+        garbage collector's collections and longest pause over the window."""
         elapsed = now - self._window_start
         if elapsed < STATS_WINDOW_S:
             return
@@ -182,6 +179,7 @@ class HeartbeatHub:
         acks = sorted(self._acks)
         self._acks.clear()
         self._window_start = now
+        collections, gc_max_ms = gc.take_stats() if gc is not None else (0, 0.0)
         if not acks:
             return
         log.event(
@@ -193,6 +191,8 @@ class HeartbeatHub:
             streams=len(self._streams),
             sessions=len(self.sessions),
             instances=len(self.table.live),
+            gc_collections=collections,
+            gc_max_ms=gc_max_ms,
         )
 
     def cancel_streams(self) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors
+from services.common.rpc import BidiStream
 from services.controller import validation
 
 if TYPE_CHECKING:
@@ -20,19 +20,12 @@ class ControllerService:
 
     def __init__(self, controller: Controller) -> None:
         self._c = controller
-        # The hot path: serve the stream straight from the hub, without one more generator layer
-        # per message.
-        self.Heartbeat = controller.hub.stream  # type: ignore[method-assign]
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> Any:
         return self._c.assembler.register(request)
 
-    async def Heartbeat(
-        self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> Any:
-        """Replaced per instance by ``HeartbeatHub.stream`` (see __init__)."""
-        async for response in self._c.hub.stream(requests, context):  # pragma: no cover
-            yield response
+    async def Heartbeat(self, stream: BidiStream, context: grpc.aio.ServicerContext) -> None:
+        await self._c.hub.stream(stream, context)
 
     async def ListInstances(self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
         found = self._c.table.find(role=request.role, status=request.status)

@@ -229,3 +229,4 @@ async def test_heartbeat_stats_are_logged(tmp_path, node_managers, monkeypatch, 
         line = await until(stats)
         assert line["messages"] == 3 and line["ack_p99_ms"] >= line["ack_p50_ms"] >= 0
         assert list(line)[:4] == ["messages", "ack_p50_ms", "ack_p99_ms", "window_s"]
+        assert line["gc_collections"] >= 0 and line["gc_max_ms"] >= 0

@@ -142,14 +142,14 @@ class FakeController:
             engine_relaunch_enabled=self.relaunch_enabled,
         )
 
-    async def Heartbeat(self, requests: Any, context: Any) -> AsyncIterator[controller_pb2.HeartbeatResponse]:
+    async def Heartbeat(self, stream: Any, context: Any) -> None:
         out: asyncio.Queue[Any] = asyncio.Queue()
         self._streams.append(out)
         self.streams_opened += 1
 
         async def read() -> None:
             with contextlib.suppress(Exception):
-                async for r in requests:
+                while (r := await stream.read()) is not None:
                     self.received.append(r)
                     seq = r.beat.seq if r.HasField("beat") else r.engine_event.seq
                     out.put_nowait(controller_pb2.HeartbeatResponse(ack=controller_pb2.Ack(seq=seq)))
@@ -163,7 +163,7 @@ class FakeController:
                     return
                 if isinstance(item, errors.MotorError):
                     raise item
-                yield item
+                await stream.write(item)
         finally:
             reader.cancel()
             self._streams.remove(out)
