@@ -23,14 +23,15 @@ from services.common import log
 
 from . import state_machine as sm
 from .model import Instance, Status
-from .store import Store
+from .store import KEEP_DELETED, Store
 
 
 class InstanceTable:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.live: dict[int, Instance] = {}
-        self.deleted: dict[int, Instance] = {}
+        self.deleted: dict[int, Instance] = {}  # oldest first
+        self.keep_deleted = KEEP_DELETED
         self.by_job: dict[str, Instance] = {}
         self._observers: list[Any] = []
 
@@ -84,6 +85,8 @@ class InstanceTable:
                 del self.by_job[inst.job_name]
             self.deleted[inst.id] = inst
         self.store.save_instance(inst)
+        if new == sm.DELETED:
+            self._prune_deleted()
         log.event(
             "instance_transition",
             instance_id=inst.id,
@@ -96,6 +99,14 @@ class InstanceTable:
 
     def delete(self, inst: Instance, reason: str) -> None:
         self.transition(inst, sm.DELETED, reason)
+
+    def _prune_deleted(self) -> None:
+        """Keep the newest ``keep_deleted`` DELETED instances, in memory and on disk."""
+        while len(self.deleted) > self.keep_deleted:
+            gone = self.deleted.pop(next(iter(self.deleted)))
+            self.store.forget_instance(gone.id)
+            for m in gone.members:  # no cycle left: freed at once, even from a frozen heap
+                m.instance = None
 
     def set_separated(self, inst: Instance, separated: bool, reason: str) -> None:
         """For fault strategies: hold the instance INACTIVE (no routing) until cleared."""

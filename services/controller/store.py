@@ -25,8 +25,9 @@ CREATE TABLE IF NOT EXISTS pending (
 );
 """
 
-# DELETED rows kept for ListInstances(status=DELETED); older ones are pruned at start-up. The id
-# counter lives in ``meta``, so pruning never lets an id come back.
+# DELETED instances kept for ListInstances(status=DELETED), in memory and on disk; older ones are
+# pruned as new ones are deleted and at start-up. The id counter lives in ``meta``, so pruning
+# never lets an id come back.
 KEEP_DELETED = 1000
 _DELETED = 5
 
@@ -78,6 +79,10 @@ class Store:
                 "INSERT OR REPLACE INTO instances(id, job_name, status, instance, members) VALUES(?,?,?,?,?)",
                 (inst.id, inst.job_name, int(inst.status), blob, members),
             )
+
+    def forget_instance(self, instance_id: int) -> None:
+        """Drop a DELETED instance's row (history pruning; its id stays used)."""
+        self._db.execute("DELETE FROM instances WHERE id=? AND status=?", (instance_id, _DELETED))
 
     def save_pending(self, p: Pending) -> None:
         self._db.execute(

@@ -92,3 +92,35 @@ async def test_clocks_start_at_load_time(tmp_path: Path, node_managers) -> None:
         [inst] = await h.instances()
         assert (inst.id, inst.status) == (1, ACTIVE)
         assert len(kept.starts) == 1
+
+
+def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> None:
+    from services.controller.instances import InstanceTable
+
+    store = Store(tmp_path / "s")
+    table = InstanceTable(store)
+    table.keep_deleted = 2
+    spec = JobSpec(role=1, model_name="m", engine_type=3, pd_protocol=1)
+    made = []
+    for n in range(4):
+        member = Member(0, "h", 7300 + n, [10000])
+        inst = Instance(
+            id=store.next_instance_id(),
+            job_name=f"j{n}",
+            spec=spec,
+            status=common_pb2.INSTANCE_STATUS_INITIAL,
+            endpoints=[],
+            members=[member],
+        )
+        member.instance = inst
+        store.assemble(inst)
+        table.add(inst)
+        made.append(inst)
+    for inst in made:
+        table.delete(inst, "test")
+    assert [i.id for i in table.find(status=DELETED)] == [3, 4]
+    assert made[0].members[0].instance is None  # pruned: nothing keeps it alive
+    store.close()
+    again = Store(tmp_path / "s")
+    assert sorted(i.id for i in again.load_instances()) == [3, 4]
+    assert again.next_instance_id() == 5
