@@ -79,6 +79,36 @@ async def test_malformed_protobuf_is_invalid_argument_and_server_keeps_serving(s
         assert await health(ch, "motor.v1.Controller") == health_pb2.HealthCheckResponse.SERVING
 
 
+class AckingController(StubController):
+    """Heartbeat served with the runtime's read/write stream: one ack per message."""
+
+    async def Heartbeat(self, stream: Any, context: Any) -> None:
+        while (req := await stream.read()) is not None:
+            await stream.write(controller_pb2.HeartbeatResponse(ack=controller_pb2.Ack(seq=req.beat.seq)))
+
+
+async def test_malformed_message_on_a_bidi_stream_ends_it_with_invalid_argument() -> None:
+    srv = MotorServer("controller", section(), [(CONTROLLER, AckingController())], port=0)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            call = ch.stream_stream(
+                "/motor.v1.Controller/Heartbeat", request_serializer=None, response_deserializer=None
+            )()
+            good = controller_pb2.HeartbeatRequest(beat=controller_pb2.Beat(seq=41))
+            await call.write(good.SerializeToString())
+            ack = controller_pb2.HeartbeatResponse.FromString(await call.read())
+            assert ack.ack.seq == 41
+            await call.write(b"\xff\xff\xff\xff\x0f")
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call.read()
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed protobuf" in exc.value.details()
+            assert await health(ch, "motor.v1.Controller") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await srv.stop()
+
+
 async def test_oversized_message_is_resource_exhausted(server: MotorServer) -> None:
     big = controller_pb2.RegisterRequest(job_name="x" * (5 * 1024 * 1024))
     async with grpc.aio.insecure_channel(server.address) as ch:
