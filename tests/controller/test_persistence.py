@@ -8,6 +8,7 @@ from pathlib import Path
 
 from motor.v1 import common_pb2, controller_pb2
 
+from services.controller.instances import InstanceTable
 from services.controller.model import Instance, JobSpec, Member, Pending
 from services.controller.store import Store
 from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller, until
@@ -95,8 +96,6 @@ async def test_clocks_start_at_load_time(tmp_path: Path, node_managers) -> None:
 
 
 def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> None:
-    from services.controller.instances import InstanceTable
-
     store = Store(tmp_path / "s")
     table = InstanceTable(store)
     table.keep_deleted = 2
