@@ -98,7 +98,8 @@ class BidiStream:
 
 
 def _stream_stream(fn: Callable, req_cls: type[Message], validator: Validator | None, name: str) -> Callable:
-    async def behaviour(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+    # gRPC passes its request iterator too; BidiStream reads from the context instead.
+    async def behaviour(_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         try:
             await fn(BidiStream(context, req_cls, validator, name), context)
         except errors.MotorError as err:

@@ -70,7 +70,6 @@ class HeartbeatHub:
         if task is not None:
             self._streams.add(task)
         clock, perf, acks = time.monotonic, time.perf_counter, self._acks
-        Response, Ack = pb.HeartbeatResponse, pb.Ack
         try:
             while req is not None:
                 t0 = perf()
@@ -86,7 +85,7 @@ class HeartbeatHub:
                         if fingerprint != member.beat_fingerprint:
                             member.beat_fingerprint = fingerprint
                             self._apply_beat(member, inst, beat)
-                    await write(Response(ack=Ack(seq=beat.seq)))
+                    await write(pb.HeartbeatResponse(ack=pb.Ack(seq=beat.seq)))
                     acks.append(perf() - t0)
                 elif req.HasField("engine_event"):
                     ev = req.engine_event
@@ -97,7 +96,7 @@ class HeartbeatHub:
                         raise _stale(ev.node_id or node_id)
                     member.last_heard = clock()
                     self._apply_event(session, ev)
-                    await write(Response(ack=Ack(seq=ev.seq)))
+                    await write(pb.HeartbeatResponse(ack=pb.Ack(seq=ev.seq)))
                     acks.append(perf() - t0)
                 req = await stream.read()
         finally:
