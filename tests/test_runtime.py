@@ -17,7 +17,7 @@ from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinato
 
 from services.common import errors
 from services.common.channel import open_channel
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError, ControllerConfig, load
 from services.common.server import MotorServer
 from services.controller import validation as controller_validation
 from services.coordinator import validation as coordinator_validation
@@ -43,8 +43,8 @@ class StubCoordinator(StubController):
     VALIDATORS = coordinator_validation.VALIDATORS
 
 
-def section(**overrides: Any) -> dict[str, Any]:
-    return load_config(None, env={}, overrides={"controller": {"port": 0, **overrides}})["controller"]
+def section(**overrides: Any) -> ControllerConfig:
+    return load(None, env={}, overrides={"controller": {"port": 0, **overrides}}).controller
 
 
 @pytest.fixture
@@ -133,7 +133,7 @@ async def test_missing_required_fields_name_each_field_path(server: MotorServer)
 
 
 async def test_instance_set_field_paths_on_coordinator() -> None:
-    cfg = load_config(None, env={}, overrides={"coordinator": {"port": 0}})["coordinator"]
+    cfg = load(None, env={}, overrides={"coordinator": {"port": 0}}).coordinator
     srv = MotorServer("coordinator", cfg, [(COORDINATOR, StubCoordinator())], port=0, readiness_gated=True)
     await srv.start()
     try:

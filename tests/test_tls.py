@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.channel import open_channel
-from services.common.config import load_config
+from services.common.config import ServerConfig, load
 from services.common.server import MotorServer
 from tests.test_runtime import CONTROLLER, StubController
 
@@ -47,7 +47,7 @@ async def mtls_server(pki: Path) -> AsyncIterator[MotorServer]:
         "tls_key_file": str(pki / "server.key"),
         "tls_ca_file": str(pki / "ca.pem"),
     }
-    cfg = load_config(None, env={}, overrides={"controller": {"port": 0, **tls}})["controller"]
+    cfg = load(None, env={}, overrides={"controller": {"port": 0, **tls}}).controller
     srv = MotorServer("controller", cfg, [(CONTROLLER, StubController())], port=0)
     await srv.start()
     yield srv
@@ -61,11 +61,11 @@ async def check(channel: grpc.aio.Channel) -> int:
 
 
 async def test_mtls_client_with_certificate_is_served(mtls_server: MotorServer, pki: Path) -> None:
-    tls = {
-        "tls_ca_file": str(pki / "ca.pem"),
-        "tls_cert_file": str(pki / "client.pem"),
-        "tls_key_file": str(pki / "client.key"),
-    }
+    tls = ServerConfig(
+        tls_ca_file=str(pki / "ca.pem"),
+        tls_cert_file=str(pki / "client.pem"),
+        tls_key_file=str(pki / "client.key"),
+    )
     async with open_channel(mtls_server.address, tls=tls) as ch:
         assert await check(ch) == health_pb2.HealthCheckResponse.SERVING
 
@@ -73,7 +73,7 @@ async def test_mtls_client_with_certificate_is_served(mtls_server: MotorServer, 
 async def test_client_without_certificate_or_plaintext_is_refused(
     mtls_server: MotorServer, pki: Path
 ) -> None:
-    async with open_channel(mtls_server.address, tls={"tls_ca_file": str(pki / "ca.pem")}) as ch:
+    async with open_channel(mtls_server.address, tls=ServerConfig(tls_ca_file=str(pki / "ca.pem"))) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as no_cert:
             await check(ch)
         assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE

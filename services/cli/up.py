@@ -17,12 +17,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from services.common import log
-from services.common.config import ConfigError, load_config
+from services.common.config import Config, ConfigError, load
 from services.common.procgroup import Reaper, become_subreaper
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
@@ -66,13 +65,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 class Cluster:
-    def __init__(self, args: argparse.Namespace, cfg: dict[str, dict[str, Any]], state: Path) -> None:
+    def __init__(self, args: argparse.Namespace, cfg: Config, state: Path) -> None:
         self.args, self.cfg, self.state = args, cfg, state
         off = args.port_offset
-        self.host = cfg["coordinator"]["host"]
-        self.controller_addr = f"{cfg['controller']['host']}:{cfg['controller']['port'] + off}"
-        self.coordinator_addr = f"{self.host}:{cfg['coordinator']['port'] + off}"
-        self.http_port = cfg["coordinator"]["http_port"] + off
+        self.host = cfg.coordinator.host
+        self.controller_addr = f"{cfg.controller.host}:{cfg.controller.port + off}"
+        self.coordinator_addr = f"{self.host}:{cfg.coordinator.port + off}"
+        self.http_port = cfg.coordinator.http_port + off
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
         # Engines of a NodeManager that died re-parent to us (subreaper): reap them, but leave
@@ -87,7 +86,7 @@ class Cluster:
         self.children.append(
             Child(
                 "controller",
-                [*base, "controller", *config, "--port", str(self.cfg["controller"]["port"] + off)],
+                [*base, "controller", *config, "--port", str(self.cfg.controller.port + off)],
                 dict(
                     env,
                     MOTOR_CONTROLLER_COORDINATORS=json.dumps([self.coordinator_addr]),
@@ -103,15 +102,15 @@ class Cluster:
                     "coordinator",
                     *config,
                     "--port",
-                    str(self.cfg["coordinator"]["port"] + off),
+                    str(self.cfg.coordinator.port + off),
                     "--http-port",
                     str(self.http_port),
                 ],
                 dict(env, MOTOR_COORDINATOR_CONTROLLER=self.controller_addr),
             )
         )
-        nm = self.cfg["nodemanager"]
-        engine_base = nm["ports"][0] + off
+        nm = self.cfg.nodemanager
+        engine_base = nm.ports[0] + off
         roles = ["prefill"] * a.prefill + ["decode"] * a.decode + ["union"] * a.union
         seen: dict[str, int] = {}
         for i, role in enumerate(roles):
@@ -120,7 +119,7 @@ class Cluster:
             self.children.append(
                 Child(
                     f"nm-{i}",
-                    [*base, "nodemanager", *config, "--port", str(nm["port"] + i + off)],
+                    [*base, "nodemanager", *config, "--port", str(nm.port + i + off)],
                     dict(
                         env,
                         MOTOR_NODEMANAGER_CONTROLLER=self.controller_addr,
@@ -273,12 +272,12 @@ class Cluster:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load(args.config)
     except ConfigError as err:
         for line in err.errors:
             print(line, file=sys.stderr)
         return 1
-    log.setup("up", cfg["controller"]["log_format"])
+    log.setup("up", cfg.controller.log_format)
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="motor-up-"))
     state.mkdir(parents=True, exist_ok=True)
     # Orphaned engines (their NodeManager killed) re-parent to us, so we can reap and stop them.

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from services.common import telemetry
+from services.common.config import ServerConfig
 from services.common.interceptors import KEY_METADATA
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -113,22 +114,20 @@ def open_channel(
     target: str,
     *,
     key: str | None = None,
-    tls: dict[str, str] | None = None,
+    tls: ServerConfig | None = None,
     max_message_bytes: int = 4 * 1024 * 1024,
     service: str = "client",
 ) -> grpc.aio.Channel:
-    """A channel to ``target`` ("host:port"). ``tls`` holds ``tls_ca_file``/``tls_cert_file``/
-    ``tls_key_file`` (a config section works); with a CA file the channel uses TLS, with a
-    certificate and key as well it presents them (mTLS)."""
+    """A channel to ``target`` ("host:port"). ``tls`` is the caller's own config section: with
+    a CA file the channel uses TLS, with a certificate and key as well it presents them (mTLS)."""
     interceptors: list[Any] = [_UnaryDefaults(key), _UnaryStreamDefaults(key), _StreamStreamDefaults(key)]
     interceptors += telemetry.client_interceptors(service)
     options = channel_options(max_message_bytes)
-    tls = tls or {}
-    if tls.get("tls_ca_file"):
+    if tls is not None and tls.tls_ca_file:
         creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(tls["tls_ca_file"]).read_bytes(),
-            private_key=Path(tls["tls_key_file"]).read_bytes() if tls.get("tls_key_file") else None,
-            certificate_chain=Path(tls["tls_cert_file"]).read_bytes() if tls.get("tls_cert_file") else None,
+            root_certificates=Path(tls.tls_ca_file).read_bytes(),
+            private_key=Path(tls.tls_key_file).read_bytes() if tls.tls_key_file else None,
+            certificate_chain=Path(tls.tls_cert_file).read_bytes() if tls.tls_cert_file else None,
         )
         return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

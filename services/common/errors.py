@@ -105,11 +105,28 @@ def unimplemented(capability: str) -> MotorError:
     return MotorError(grpc.StatusCode.UNIMPLEMENTED, f"not implemented yet: {capability}")
 
 
+def internal(method: str) -> MotorError:
+    """What a caller sees when a handler fails unexpectedly: the server logs the traceback; the
+    caller gets no exception text (it may hold paths, addresses or secrets)."""
+    return error_info(
+        grpc.StatusCode.INTERNAL, "INTERNAL", f"internal error in {method}; see the server log", method=method
+    )
+
+
 def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     whole = int(seconds)
     return error_details_pb2.RetryInfo(
         retry_delay=duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
     )
+
+
+_DETAIL_TYPES = (
+    error_details_pb2.BadRequest,
+    error_details_pb2.ErrorInfo,
+    error_details_pb2.PreconditionFailure,
+    error_details_pb2.ResourceInfo,
+    error_details_pb2.RetryInfo,
+)
 
 
 def details_of(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[Message]:
@@ -120,16 +137,40 @@ def details_of(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[Message]:
             status = status_pb2.Status.FromString(value)
             out: list[Message] = []
             for any_ in status.details:
-                for cls in (
-                    error_details_pb2.BadRequest,
-                    error_details_pb2.ErrorInfo,
-                    error_details_pb2.PreconditionFailure,
-                    error_details_pb2.ResourceInfo,
-                    error_details_pb2.RetryInfo,
-                ):
+                for cls in _DETAIL_TYPES:
                     if any_.Is(cls.DESCRIPTOR):
                         msg = cls()
                         any_.Unpack(msg)
                         out.append(msg)
             return out
     return []
+
+
+class RpcFailure(Exception):
+    """A call a peer answered with an error, as a client sees it: the status code, the message,
+    and what the google.rpc details say — ``reason`` (ErrorInfo reason, or the PreconditionFailure
+    type such as ``NODE_MISMATCH`` or ``STALE_SESSION``) and ``retry_after`` (RetryInfo, seconds).
+    """
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, reason: str = "", retry_after: float | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}" if message else code.name)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.retry_after = retry_after
+
+    @classmethod
+    def of(cls, err: grpc.RpcError) -> RpcFailure:
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        message = err.details() if callable(getattr(err, "details", None)) else ""
+        reason, retry_after = "", None
+        for d in details_of(err) if callable(getattr(err, "trailing_metadata", None)) else []:
+            if isinstance(d, error_details_pb2.ErrorInfo) and not reason:
+                reason = d.reason
+            elif isinstance(d, error_details_pb2.PreconditionFailure) and d.violations and not reason:
+                reason = d.violations[0].type
+            elif isinstance(d, error_details_pb2.RetryInfo):
+                retry_after = d.retry_delay.seconds + d.retry_delay.nanos / 1e9
+        return cls(code or grpc.StatusCode.UNKNOWN, message or "", reason, retry_after)

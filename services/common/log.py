@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+import traceback
 from typing import Any
 
 _SERVICE = "motor"
@@ -50,6 +51,8 @@ class _Formatter(logging.Formatter):
         if record.exc_info and record.levelno >= logging.ERROR:
             exc = record.exc_info[1]
             fields["error"] = f"{type(exc).__name__}: {exc}"
+            # One line still: the kv and JSON encoders escape the newlines.
+            fields["traceback"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
         if _FORMAT == "json":
             return json.dumps(fields, separators=(",", ":"), default=str)
         return " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
@@ -85,3 +88,8 @@ def warn(name: str, **fields: Any) -> None:
 
 def error(name: str, **fields: Any) -> None:
     emit(logging.ERROR, name, fields)
+
+
+def exception(name: str, **fields: Any) -> None:
+    """An error with the exception being handled, its traceback included (call from ``except``)."""
+    logging.getLogger("motor").error(name, exc_info=True, extra={"event": name, "fields": fields})

@@ -5,12 +5,15 @@ bytes ourselves so malformed input becomes INVALID_ARGUMENT "malformed protobuf"
 runs the service's request validators and converts :class:`MotorError` into a rich status, so
 handlers just ``return`` or ``raise``.
 
-A servicer is any object with one coroutine per RPC, named like the proto method:
+A servicer subclasses the generated ``*Servicer`` class and has one coroutine per RPC:
 - unary: ``async def Method(self, request, context) -> Response``
 - server streaming: ``async def Method(self, request, context)`` async generator of responses
 - bidi streaming: ``async def Method(self, stream, context)`` with ``await stream.read()`` (None at
   the end) and ``await stream.write(response)``: see :class:`BidiStream`
 It may define ``VALIDATORS = {"Method": fn}`` where ``fn(request) -> [(field_path, problem)]``.
+
+Any other exception a handler raises is a bug: its traceback goes to the log (``event=rpc_failed``)
+and the caller gets INTERNAL with an ``ErrorInfo`` (reason ``INTERNAL``), never the exception text.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from services.common import errors
+from services.common import errors, log
 
 Validator = Callable[[Any], list[tuple[str, str]]]
 
@@ -47,14 +50,27 @@ def _check(validator: Validator | None, request: Message) -> None:
             raise errors.bad_request(problems)
 
 
+async def _fail(context: grpc.aio.ServicerContext, exc: Exception, name: str) -> None:
+    """End the call for an exception a handler raised: a MotorError becomes its rich status; any
+    other exception is a bug, logged with its traceback and answered INTERNAL with an ErrorInfo
+    (never the exception's text). An abort the handler already issued passes through."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, errors.MotorError):
+        await abort(context, exc)
+        return
+    log.exception("rpc_failed", method=name)
+    await abort(context, errors.internal(name))
+
+
 def _unary_unary(fn: Callable, req_cls: type[Message], validator: Validator | None, name: str) -> Callable:
     async def behaviour(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             request = _parse(req_cls, raw, name)
             _check(validator, request)
             return await fn(request, context)
-        except errors.MotorError as err:
-            await abort(context, err)
+        except Exception as exc:
+            await _fail(context, exc, name)
 
     return behaviour
 
@@ -66,8 +82,8 @@ def _unary_stream(fn: Callable, req_cls: type[Message], validator: Validator | N
             _check(validator, request)
             async for response in fn(request, context):
                 yield response
-        except errors.MotorError as err:
-            await abort(context, err)
+        except Exception as exc:
+            await _fail(context, exc, name)
 
     return behaviour
 
@@ -102,8 +118,8 @@ def _stream_stream(fn: Callable, req_cls: type[Message], validator: Validator | 
     async def behaviour(_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         try:
             await fn(BidiStream(context, req_cls, validator, name), context)
-        except errors.MotorError as err:
-            await abort(context, err)
+        except Exception as exc:
+            await _fail(context, exc, name)
 
     return behaviour
 

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.common import log, telemetry
-from services.common.config import read_key_file
+from services.common.config import ServerConfig, read_key_file
 from services.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
 from services.common.rpc import service_handler
 
@@ -51,7 +51,7 @@ class MotorServer:
     def __init__(
         self,
         name: str,
-        cfg: dict[str, Any],
+        cfg: ServerConfig,
         services: Sequence[tuple[ServiceDescriptor, object]],
         *,
         port: int,
@@ -60,16 +60,15 @@ class MotorServer:
         self.name = name
         self.cfg = cfg
         self.port = port
-        self.host = cfg.get("host", "127.0.0.1")
-        self.health = HealthServicer()
+        self.host = cfg.host
+        self.health = health_aio.HealthServicer()
         self._services = services
         self._readiness_gated = readiness_gated
         self._stop_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._server: grpc.aio.Server | None = None
         self._stopping = False
         # Read the key before binding anything: a bad key file is a start-up error.
-        key_file = cfg.get("management_key_file") or ""
-        self._key = read_key_file(key_file) if key_file else None
+        self._key = read_key_file(cfg.management_key_file) if cfg.management_key_file else None
 
     @property
     def address(self) -> str:
@@ -85,7 +84,7 @@ class MotorServer:
         if self._key is not None:
             interceptors.append(ManagementKeyInterceptor(self._key))
         server = grpc.aio.server(
-            interceptors=interceptors, options=server_options(int(self.cfg.get("max_message_bytes", 4 << 20)))
+            interceptors=interceptors, options=server_options(self.cfg.max_message_bytes)
         )
         names = []
         for descriptor, servicer in self._services:
@@ -119,7 +118,7 @@ class MotorServer:
         await self.health.set("", SERVING if ready else NOT_SERVING)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
-        cert, key, ca = (self.cfg.get(k) or "" for k in ("tls_cert_file", "tls_key_file", "tls_ca_file"))
+        cert, key, ca = self.cfg.tls_cert_file, self.cfg.tls_key_file, self.cfg.tls_ca_file
         if not (cert and key):
             return None
         return grpc.ssl_server_credentials(

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common import log
-from services.common.config import ConfigError, load_config
+from services.common.config import Config, ConfigError, load
 from services.common.server import run
 
-Serve = Callable[[dict[str, dict[str, Any]], Any], Awaitable[int]]
+Serve = Callable[[Config, Any], Awaitable[int]]
 
 
 def service_main(
@@ -35,12 +35,12 @@ def service_main(
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     try:
-        cfg = load_config(args.config, section=section, overrides={section: overrides})
+        cfg = load(args.config, section=section, overrides={section: overrides})
     except ConfigError as err:
         for line in err.errors:
             print(line, file=sys.stderr)
         return 1
-    log.setup(section, cfg[section].get("log_format", "kv"))
+    log.setup(section, cfg.section(section).log_format)
     try:
         return run(lambda stop: serve(cfg, stop))
     except (OSError, ConfigError) as err:

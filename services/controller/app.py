@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import log
-from services.common.config import read_key_file
+from services.common.config import ControllerConfig, read_key_file
 from services.common.gcpolicy import GcGuard
 
 from .heartbeats import HeartbeatHub
@@ -42,24 +42,24 @@ def _lock_state_dir(state_dir: str) -> int:
 
 
 class Controller:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
         # Key files first: a bad one is a start-up error before anything is opened.
-        nm_key = read_key_file(cfg["nodemanager_key_file"]) if cfg.get("nodemanager_key_file") else None
-        coord_key = read_key_file(cfg["coordinator_key_file"]) if cfg.get("coordinator_key_file") else None
-        self._lock = _lock_state_dir(cfg["state_dir"])
+        nm_key = read_key_file(cfg.nodemanager_key_file) if cfg.nodemanager_key_file else None
+        coord_key = read_key_file(cfg.coordinator_key_file) if cfg.coordinator_key_file else None
+        self._lock = _lock_state_dir(cfg.state_dir)
         try:
-            self.store = Store(cfg["state_dir"])
+            self.store = Store(cfg.state_dir)
         except Exception:
             os.close(self._lock)
             raise
         self.table = InstanceTable(self.store)
         self.sessions = SessionTable()
-        tls = cfg if cfg.get("tls_ca_file") else None
-        max_bytes = int(cfg.get("max_message_bytes", 4 << 20))
+        tls = cfg
+        max_bytes = cfg.max_message_bytes
         self.nm = NodeManagerClients(nm_key, tls, max_bytes)
         self.assembler = Assembler(cfg, self.table, self.sessions, self.store, self.nm)
-        self.hub = HeartbeatHub(self.table, self.sessions, float(cfg["instance_heartbeat_timeout_s"]))
+        self.hub = HeartbeatHub(self.table, self.sessions, cfg.instance_heartbeat_timeout_s)
         self.table.subscribe(self.assembler)
         self.pushers = [
             CoordinatorPusher(
@@ -68,9 +68,9 @@ class Controller:
                 key=coord_key,
                 tls=tls,
                 max_message_bytes=max_bytes,
-                sync_interval_s=float(cfg["coordinator_set_sync_interval_s"]),
+                sync_interval_s=cfg.coordinator_set_sync_interval_s,
             )
-            for address in cfg["coordinators"]
+            for address in cfg.coordinators
         ]
         for p in self.pushers:
             self.table.subscribe(p)
@@ -80,13 +80,13 @@ class Controller:
         self.assembler.load(self.store.load_pending(), now)
         self.gc = GcGuard()
         self.gc.settle(self._working_set())
-        shortest = min(float(cfg["instance_heartbeat_timeout_s"]), float(cfg["instance_assemble_timeout_s"]))
+        shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
         self._tick_s = min(1.0, max(0.02, shortest / 4))
         self._timer: asyncio.Task | None = None
         self._stopped = False
         log.event(
             "state_loaded",
-            state_dir=cfg["state_dir"],
+            state_dir=cfg.state_dir,
             instances=len(self.table.live),
             pending=len(self.assembler.pending),
         )

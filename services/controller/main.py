@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from motor.v1 import controller_pb2
 
+from services.common.config import Config
 from services.common.server import MotorServer
 from services.common.service_main import service_main
 from services.controller.app import Controller
 
 
-async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
-    c = cfg["controller"]
+async def serve(cfg: Config, stop: asyncio.Event) -> int:
+    c = cfg.controller
     controller = Controller(c)
     server = MotorServer(
         "controller",
         c,
         [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
-        port=c["port"],
+        port=c.port,
     )
     # After the drain: end the heartbeat streams so NodeManagers reconnect elsewhere at once.
     server.on_stop(controller.hub.cancel_streams)

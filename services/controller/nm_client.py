@@ -15,6 +15,7 @@ import grpc
 from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
 
 from services.common.channel import open_channel
+from services.common.config import ServerConfig
 
 PROBE_TIMEOUT_S = 3.0
 PROBE_ATTEMPTS = 2
@@ -26,7 +27,7 @@ MAX_IN_FLIGHT = 64
 
 
 class NodeManagerClients:
-    def __init__(self, key: str | None, tls: dict[str, Any] | None, max_message_bytes: int = 4 << 20) -> None:
+    def __init__(self, key: str | None, tls: ServerConfig | None, max_message_bytes: int = 4 << 20) -> None:
         self._key = key
         self._tls = tls
         self._max = max_message_bytes

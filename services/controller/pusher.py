@@ -26,6 +26,7 @@ from motor.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from services.common import log
 from services.common.channel import open_channel
+from services.common.config import ServerConfig
 
 from . import state_machine as sm
 from .instances import InstanceTable
@@ -62,7 +63,7 @@ class CoordinatorPusher:
         table: InstanceTable,
         *,
         key: str | None = None,
-        tls: dict[str, Any] | None = None,
+        tls: ServerConfig | None = None,
         max_message_bytes: int = 4 << 20,
         sync_interval_s: float = 0.0,
     ) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors, log
+from services.common.config import ControllerConfig
 
 from . import assembly
 from . import state_machine as sm
@@ -29,7 +30,7 @@ from .store import Store
 class Assembler:
     def __init__(
         self,
-        cfg: dict[str, Any],
+        cfg: ControllerConfig,
         table: InstanceTable,
         sessions: SessionTable,
         store: Store,
@@ -39,14 +40,14 @@ class Assembler:
         self.sessions = sessions
         self.store = store
         self.nm = nm
-        self.heartbeat_interval_ms = int(float(cfg["heartbeat_interval_s"]) * 1000)
-        self.heartbeat_timeout_s = float(cfg["instance_heartbeat_timeout_s"])
-        self.assemble_timeout_s = float(cfg["instance_assemble_timeout_s"])
-        self.start_retries = int(cfg["start_command_retries"])
+        self.heartbeat_interval_ms = int(cfg.heartbeat_interval_s * 1000)
+        self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
+        self.assemble_timeout_s = cfg.instance_assemble_timeout_s
+        self.start_retries = cfg.start_command_retries
         # No EngineRelaunchStrategy runs yet: answering "enabled" would make every NodeManager
         # freeze its pod-restart fallback after an engine death while nothing relaunches it.
         self.relaunch_enabled = False
-        if cfg["enable_engine_relaunch"]:
+        if cfg.enable_engine_relaunch:
             log.warn("engine_relaunch_unavailable", reason="strategy not built; pods restart instead")
         self.pending: dict[str, Pending] = {}
         self._tasks: set[asyncio.Task] = set()

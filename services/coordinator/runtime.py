@@ -4,13 +4,12 @@ one instance table, one routing view and one upstream connection pool."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from aiohttp import web
 from motor.v1 import coordinator_pb2
 
 from services.common import log
-from services.common.config import ConfigError
+from services.common.config import Config, ConfigError, CoordinatorConfig
 from services.common.server import MotorServer
 from services.coordinator.health import Breaker
 from services.coordinator.http_app import ApiKeys, InferenceApp
@@ -36,19 +35,19 @@ def _api_keys(path: str) -> ApiKeys | None:
 
 
 class Coordinator:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self.table = InstanceTable()
         self.view = RoutingView()
         self.metrics = Metrics()
-        self._keys = _api_keys(cfg.get("api_keys_file") or "")
+        self._keys = _api_keys(cfg.api_keys_file)
         self._ready_lock = asyncio.Lock()
         self.service = CoordinatorService(self.table, self._on_change)
         self.server = MotorServer(
             "coordinator",
             cfg,
             [(coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], self.service)],
-            port=cfg["port"],
+            port=cfg.port,
             readiness_gated=True,
         )
         self.breaker = Breaker(lambda: self.view)
@@ -69,7 +68,7 @@ class Coordinator:
         # The client session is created here, inside the running loop.
         self._engines = Engines(self.metrics, self.breaker.refused)
         self._router = Router(
-            self._engines, make_policy(self.cfg["prefill_policy"]), make_policy(self.cfg["decode_policy"])
+            self._engines, make_policy(self.cfg.prefill_policy), make_policy(self.cfg.decode_policy)
         )
         self.inference = InferenceApp(lambda: self.view, self._router, self.metrics, self._keys)
         app = self.inference.make_app()
@@ -80,15 +79,15 @@ class Coordinator:
         )
         await runner.setup()
         self._runner = runner
-        host = self.cfg.get("host", "127.0.0.1")
-        site = web.TCPSite(runner, host, self.cfg["http_port"], backlog=2048)
+        host = self.cfg.host
+        site = web.TCPSite(runner, host, self.cfg.http_port, backlog=2048)
         try:
             await site.start()
         except OSError as exc:
             raise OSError(
-                f"cannot bind HTTP {netloc(host, self.cfg['http_port'])}: address in use or not available"
+                f"cannot bind HTTP {netloc(host, self.cfg.http_port)}: address in use or not available"
             ) from exc
-        port = runner.addresses[0][1] if runner.addresses else self.cfg["http_port"]
+        port = runner.addresses[0][1] if runner.addresses else self.cfg.http_port
         self.http_address = netloc(host, int(port))
         await self.server.start()
         self.breaker.start(self._engines.session)
@@ -131,12 +130,12 @@ class Coordinator:
             await self._engines.close()
 
 
-async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
-    c = cfg["coordinator"]
-    if c["workers"] > 1:
+async def serve(cfg: Config, stop: asyncio.Event) -> int:
+    c = cfg.coordinator
+    if c.workers > 1:
         log.warn(
             "workers_not_supported",
-            workers=c["workers"],
+            workers=c.workers,
             detail="multi-process inference workers come later; serving from one process",
         )
     coordinator = Coordinator(c)

@@ -14,14 +14,14 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Protocol, TypeAlias
 
 import aiohttp
 from motor.v1 import common_pb2
 
 from services.common import log, procgroup
+from services.common.config import NodeManagerConfig
 from services.nodemanager.launch import EndpointSpec, LaunchParams
 
 Status: TypeAlias = common_pb2.EndpointStatus.ValueType
@@ -42,13 +42,13 @@ class Timing:
     hang_timeout_s: float = 30.0
 
     @classmethod
-    def from_config(cls, c: Mapping[str, Any]) -> Timing:
+    def from_config(cls, c: NodeManagerConfig) -> Timing:
         return cls(
-            poll_s=float(c["status_poll_interval_s"]),
-            probe_timeout_s=float(c["status_probe_timeout_s"]),
-            max_failures=int(c["max_probe_failures"]),
-            startup_timeout_s=float(c["engine_startup_timeout_s"]),
-            hang_timeout_s=float(c["engine_hang_timeout_s"]),
+            poll_s=c.status_poll_interval_s,
+            probe_timeout_s=c.status_probe_timeout_s,
+            max_failures=c.max_probe_failures,
+            startup_timeout_s=c.engine_startup_timeout_s,
+            hang_timeout_s=c.engine_hang_timeout_s,
         )
 
 

@@ -14,7 +14,7 @@ import asyncio
 import collections
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -23,7 +23,7 @@ from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 from services.common import errors, log
 from services.common.channel import open_channel
-from services.common.config import read_key_file
+from services.common.config import NodeManagerConfig, read_key_file
 from services.nodemanager import launch
 from services.nodemanager.supervisor import EngineSupervisor
 
@@ -53,16 +53,16 @@ def jittered(delay: float) -> float:
 
 
 class ControllerLink:
-    def __init__(self, nm: Mapping[str, Any], nm_port: int, supervisor: EngineSupervisor) -> None:
-        self.nm = nm
+    def __init__(self, nm_cfg: NodeManagerConfig, nm_port: int, supervisor: EngineSupervisor) -> None:
+        self.nm_cfg = nm_cfg
         self.nm_port = nm_port
         self.sup = supervisor
-        key_file = nm.get("controller_key_file") or ""
+        key_file = nm_cfg.controller_key_file
         self.channel = open_channel(
-            nm["controller"],
+            nm_cfg.controller,
             key=read_key_file(key_file) if key_file else None,
-            tls=dict(nm) if nm.get("tls_ca_file") else None,
-            max_message_bytes=int(nm["max_message_bytes"]),
+            tls=nm_cfg,
+            max_message_bytes=nm_cfg.max_message_bytes,
             service="nodemanager",
         )
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
@@ -99,27 +99,21 @@ class ControllerLink:
     # --- registration ------------------------------------------------------------------------
 
     def register_request(self) -> controller_pb2.RegisterRequest:
-        nm = self.nm
-        par = nm["parallel"]
+        cfg = self.nm_cfg
+        par = cfg.parallel
         return controller_pb2.RegisterRequest(
-            job_name=nm["job_name"],
-            role=launch.ROLE_ENUMS[nm["role"]],
-            model_name=nm["served_model_name"] or nm["model"],
-            engine_type=launch.ENGINE_TYPES[nm["engine_type"]],
-            host=nm["host"],
+            job_name=cfg.job_name,
+            role=launch.ROLE_ENUMS[cfg.role],
+            model_name=cfg.served_model_name or cfg.model,
+            engine_type=launch.ENGINE_TYPES[cfg.engine_type],
+            host=cfg.host,
             nm_port=self.nm_port,
-            ports=[int(p) for p in nm["ports"]],
-            device_count=int(nm["device_count"]),
-            parallel=common_pb2.ParallelConfig(
-                dp=int(par.get("dp", 1)),
-                tp=int(par.get("tp", 1)),
-                pp=int(par.get("pp", 1)),
-                ep=int(par.get("ep", 1)),
-                nnodes=int(par.get("nnodes", 1)),
-            ),
-            node_rank=int(nm["node_rank"]),
+            ports=list(cfg.ports),
+            device_count=cfg.device_count,
+            parallel=common_pb2.ParallelConfig(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, nnodes=par.nnodes),
+            node_rank=cfg.node_rank,
             instance_id=self.sup.instance_id,
-            pd_protocol=launch.pd_protocol(nm["engine_type"], nm["sim_protocol"]),  # type: ignore[arg-type]
+            pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),  # type: ignore[arg-type]
         )
 
     async def register(self) -> None:
@@ -137,7 +131,7 @@ class ControllerLink:
                 wait = jittered(delay)
                 log.warn(
                     "register_failed",
-                    controller=self.nm["controller"],
+                    controller=self.nm_cfg.controller,
                     code=code.name,
                     message=err.details() or "",
                     retry_in_s=round(wait, 2),
@@ -155,7 +149,7 @@ class ControllerLink:
                 self.sup.instance_id = resp.instance_id
             log.event(
                 "registered",
-                controller=self.nm["controller"],
+                controller=self.nm_cfg.controller,
                 node_id=self.node_id,
                 session_epoch=self.session_epoch,
                 instance_id=resp.instance_id,

@@ -14,6 +14,7 @@ from typing import Any
 from motor.v1 import nodemanager_pb2
 
 from services.common import log, procgroup
+from services.common.config import Config
 from services.common.server import MotorServer
 from services.common.service_main import service_main
 from services.nodemanager.arbiter import SuicideArbiter
@@ -28,10 +29,10 @@ from services.nodemanager.supervisor import EngineSupervisor, cancel_quietly
 SHUTDOWN_ENGINE_GRACE_S = 5.0
 
 
-async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
-    c = cfg["nodemanager"]
+async def serve(cfg: Config, stop: asyncio.Event) -> int:
+    c = cfg.nodemanager
     reaper = procgroup.Reaper()
-    state = StateFile(c["state_dir"])
+    state = StateFile(c.state_dir)
     stale = await kill_recorded_engines(state, reaper)
     if stale:
         log.event("stale_engines_cleaned", count=stale)
@@ -48,13 +49,13 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
         log.event("exiting", rc=rc, reason=reason)
         loop.call_later(delay, done.set)
 
-    sup = EngineSupervisor(c, cfg["engine"], state, reaper)
+    sup = EngineSupervisor(c, cfg.engine, state, reaper)
     servicer = NodeManagerService(sup, request_exit)
     server = MotorServer(
         "nodemanager",
         c,
         [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], servicer)],
-        port=c["port"],
+        port=c.port,
     )
     port = await server.start()
     sup.address = server.address
@@ -62,7 +63,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
 
     tasks: list[asyncio.Task[Any]] = [asyncio.create_task(reaper.run(), name="reaper")]
     link: ControllerLink | None = None
-    if c["job_name"]:
+    if c.job_name:
         link = ControllerLink(c, port, sup)
         sup.sink = link
         link_task = asyncio.create_task(link.run(), name="controller-link")
@@ -83,8 +84,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
         log.event("registration_disabled", reason="empty job_name")
     arbiter = SuicideArbiter(
         sup,
-        float(c["suicide_check_interval_s"]),
-        int(c["suicide_threshold"]),
+        c.suicide_check_interval_s,
+        c.suicide_threshold,
         lambda reason: request_exit(1, f"suicide: {reason}"),
     )
     tasks.append(asyncio.create_task(arbiter.run(), name="suicide-arbiter"))
@@ -98,7 +99,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event) -> int:
 
     for task in reversed(tasks[1:]):
         await cancel_quietly(task)
-    grace = min(float(c["engine_stop_grace_s"]), SHUTDOWN_ENGINE_GRACE_S)
+    grace = min(c.engine_stop_grace_s, SHUTDOWN_ENGINE_GRACE_S)
     await asyncio.gather(sup.close(grace), server.stop())
     await cancel_quietly(tasks[0])
     reaper.reap()

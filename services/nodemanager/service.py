@@ -57,6 +57,6 @@ class NodeManagerService:
 
     async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext) -> pb.StopResponse:
         log.event("stop_requested", reason=request.reason)
-        await self.sup.stop_all(float(self.sup.nm["engine_stop_grace_s"]))
+        await self.sup.stop_all(self.sup.nm_cfg.engine_stop_grace_s)
         self.request_exit(1, f"Stop: {request.reason}" if request.reason else "Stop", EXIT_AFTER_STOP_S)
         return pb.StopResponse()

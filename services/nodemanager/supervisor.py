@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ from motor.v1 import common_pb2, controller_pb2
 from motor.v1 import nodemanager_pb2 as pb
 
 from services.common import errors, log, procgroup
+from services.common.config import EngineConfig, NodeManagerConfig
 from services.nodemanager import launch
 from services.nodemanager.arbiter import Freeze
 from services.nodemanager.engine import NORMAL, WAIT_TO_START, Engine, Status, Timing
@@ -67,15 +68,15 @@ def _command_key(req: pb.StartEnginesRequest) -> tuple[Any, ...]:
 
 class EngineSupervisor:
     def __init__(
-        self, nm: Mapping[str, Any], engine_cfg: Mapping[str, Any], state: StateFile, reaper: procgroup.Reaper
+        self, nm_cfg: NodeManagerConfig, engine_cfg: EngineConfig, state: StateFile, reaper: procgroup.Reaper
     ) -> None:
-        self.nm = nm
+        self.nm_cfg = nm_cfg
         self.engine_cfg = engine_cfg
         self.state = state
         self.reaper = reaper
-        self.timing = Timing.from_config(nm)
+        self.timing = Timing.from_config(nm_cfg)
         self.sink: EventSink = NullSink()
-        self.address = f"{nm['host']}:{nm['port']}"  # set to the bound address by main
+        self.address = f"{nm_cfg.host}:{nm_cfg.port}"  # set to the bound address by main
         self.engines: dict[int, Engine] = {}
         self.command: pb.StartEnginesRequest | None = None
         self.instance_id = 0
@@ -141,7 +142,7 @@ class EngineSupervisor:
             log.warn("death_report_unacked", pid=pid)
             return
         if ok and self.sink.relaunch_enabled:
-            self.freeze.freeze(float(self.nm["engine_restart_wait_timeout_s"]), reason=f"engine {pid} died")
+            self.freeze.freeze(self.nm_cfg.engine_restart_wait_timeout_s, reason=f"engine {pid} died")
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -153,18 +154,17 @@ class EngineSupervisor:
     def check_command(self, req: pb.StartEnginesRequest) -> None:
         """FAILED_PRECONDITION ``NODE_MISMATCH`` unless the command is for this node."""
         problems = []
-        job = self.nm["job_name"]
+        cfg = self.nm_cfg
+        job = cfg.job_name
         if job and req.job_name != job:
             problems.append(f"job_name {req.job_name!r} is not this node's job {job!r}")
-        if req.role != launch.ROLE_ENUMS[self.nm["role"]]:
-            problems.append(
-                f"role {common_pb2.Role.Name(req.role)} is not this node's role {self.nm['role']}"
-            )
-        ports = [int(p) for p in self.nm["ports"]]
+        if req.role != launch.ROLE_ENUMS[cfg.role]:
+            problems.append(f"role {common_pb2.Role.Name(req.role)} is not this node's role {cfg.role}")
+        ports = list(cfg.ports)
         got = [e.port for e in req.endpoints]
         if len(got) != len(ports) or set(got) != set(ports):
             problems.append(f"endpoint ports {sorted(got)} are not this node's ports {sorted(ports)}")
-        host = str(self.nm["host"]).lower()
+        host = cfg.host.lower()
         for i, e in enumerate(req.endpoints):
             if e.host.lower() != host:
                 problems.append(f"endpoints[{i}].host {e.host!r} is not this node ({host})")
@@ -172,22 +172,22 @@ class EngineSupervisor:
             raise errors.precondition("NODE_MISMATCH", f"node/{self.address}", "; ".join(problems))
 
     def launch_params(self, req: pb.StartEnginesRequest) -> LaunchParams:
-        nm, par = self.nm, self.nm["parallel"]
+        cfg, par, engine = self.nm_cfg, self.nm_cfg.parallel, self.engine_cfg
         return LaunchParams(
-            engine_type=nm["engine_type"],
-            model=nm["model"],
-            served_model_name=nm["served_model_name"] or nm["model"],
+            engine_type=cfg.engine_type,
+            model=cfg.model,
+            served_model_name=cfg.served_model_name or cfg.model,
             role=launch.ROLE_NAMES[req.role],
             instance_id=req.instance_id,
-            tp=int(par.get("tp", 1)),
-            dp=int(par.get("dp", 1)),
-            nnodes=int(par.get("nnodes", 1)),
+            tp=par.tp,
+            dp=par.dp,
+            nnodes=par.nnodes,
             master_host=req.master_host,
-            sim_protocol=nm["sim_protocol"],
-            kv_connector=self.engine_cfg["kv_connector"],
-            args=dict(self.engine_cfg["args"]),
-            env=dict(self.engine_cfg["env"]),
-            device_env=nm["device_env"],
+            sim_protocol=cfg.sim_protocol,
+            kv_connector=engine.kv_connector,
+            args=dict(engine.args),
+            env=dict(engine.env),
+            device_env=cfg.device_env,
         )
 
     async def start(self, req: pb.StartEnginesRequest) -> list[common_pb2.Endpoint]:
@@ -201,7 +201,7 @@ class EngineSupervisor:
                 log.event(
                     "start_engines_replacing", old_instance_id=self.instance_id, instance_id=req.instance_id
                 )
-                await self._stop_engines(float(self.nm["engine_stop_grace_s"]))
+                await self._stop_engines(self.nm_cfg.engine_stop_grace_s)
             self.command = pb.StartEnginesRequest()
             self.command.CopyFrom(req)
             self.instance_id = req.instance_id
@@ -342,11 +342,11 @@ class EngineSupervisor:
                 "NO_START_RECORDED", f"node/{self.address}", "no start command recorded"
             )
         self.relaunching = True
-        self.freeze.freeze(float(self.nm["engine_restart_freeze_s"]), reason="relaunch")
+        self.freeze.freeze(self.nm_cfg.engine_restart_freeze_s, reason="relaunch")
         self.sink.beat_now()
         try:
             async with self.lock:
-                await self._stop_engines(float(self.nm["engine_stop_grace_s"]))
+                await self._stop_engines(self.nm_cfg.engine_stop_grace_s)
                 self.relaunch_count += 1
                 stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
                 print(f"[ENGINE RELAUNCH #{self.relaunch_count} {stamp}]", flush=True)

@@ -21,7 +21,7 @@ from motor.v1 import (
 )
 
 from services.common import errors
-from services.common.config import load_config
+from services.common.config import ControllerConfig, load
 from services.common.server import MotorServer
 from services.controller.app import Controller
 
@@ -102,7 +102,7 @@ class FakeNodeManager:
         return nodemanager_pb2.StopResponse()
 
     async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:
-        cfg = load_config(None, env={}, overrides={"nodemanager": {"host": host}})["nodemanager"]
+        cfg = load(None, env={}, overrides={"nodemanager": {"host": host}}).nodemanager
         self.server = MotorServer(
             "nodemanager", cfg, [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], self)], port=0
         )
@@ -199,7 +199,7 @@ class FakeCoordinator:
         raise errors.unimplemented("test")
 
     async def start(self, port: int = 0) -> FakeCoordinator:
-        cfg = load_config(None, env={}, overrides={})["coordinator"]
+        cfg = load(None, env={}, overrides={}).coordinator
         self.server = MotorServer(
             "coordinator",
             cfg,
@@ -348,14 +348,14 @@ class Harness:
         return list(resp.instances)
 
 
-def controller_cfg(state_dir: Path, **overrides: Any) -> dict[str, Any]:
+def controller_cfg(state_dir: Path, **overrides: Any) -> ControllerConfig:
     base = {
         "port": 0,
         "state_dir": str(state_dir),
         "coordinators": [],
         "coordinator_set_sync_interval_s": 3600,
     }
-    return load_config(None, env={}, overrides={"controller": {**base, **overrides}})["controller"]
+    return load(None, env={}, overrides={"controller": {**base, **overrides}}).controller
 
 
 @asynccontextmanager

@@ -14,7 +14,7 @@ from motor.v1 import common_pb2 as c
 from motor.v1 import coordinator_pb2_grpc
 
 from services.common import server as common_server
-from services.common.config import load_config
+from services.common.config import load
 from services.coordinator.runtime import Coordinator
 from tests.procs import Proc, motor_argv
 
@@ -72,8 +72,8 @@ async def start_coordinator(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[St
     started: list[Running] = []
 
     async def start(**overrides: Any) -> Running:
-        cfg = load_config(None, env={}, overrides={"coordinator": {"port": 0, "http_port": 0, **overrides}})
-        co = Coordinator(cfg["coordinator"])
+        cfg = load(None, env={}, overrides={"coordinator": {"port": 0, "http_port": 0, **overrides}})
+        co = Coordinator(cfg.coordinator)
         await co.start()
         channel = grpc.aio.insecure_channel(co.grpc_address)
         running = Running(co, channel, coordinator_pb2_grpc.CoordinatorStub(channel))

@@ -20,7 +20,7 @@ from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2, nodemanager_pb
 
 from services.common import errors
 from services.common.channel import open_channel
-from services.common.config import load_config
+from services.common.config import load
 from services.common.server import MotorServer
 from tests.procs import Proc, motor_argv
 
@@ -181,7 +181,7 @@ class FakeController:
 class ControllerServer:
     def __init__(self, port: int = 0) -> None:
         self.fake = FakeController()
-        cfg = load_config(None, env={}, overrides={"controller": {"port": port}})["controller"]
+        cfg = load(None, env={}, overrides={"controller": {"port": port}}).controller
         self.server = MotorServer("controller", cfg, [(CONTROLLER, self.fake)], port=port)
 
     @property

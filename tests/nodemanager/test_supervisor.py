@@ -12,7 +12,7 @@ from motor.v1 import common_pb2
 from motor.v1 import nodemanager_pb2 as pb
 
 from services.common import errors
-from services.common.config import load_config
+from services.common.config import load
 from services.common.procgroup import Reaper
 from services.nodemanager.launch import LaunchError
 from services.nodemanager.statefile import StateFile
@@ -24,10 +24,10 @@ ABORT = pb.RestartEnginesRequest(action=pb.RESTART_ACTION_ABORT)
 
 
 def supervisor(tmp_path: Path) -> EngineSupervisor:
-    cfg = load_config(
+    cfg = load(
         None, env={}, overrides={"nodemanager": {"job_name": "job-a", "state_dir": str(tmp_path)}}
     )
-    sup = EngineSupervisor(cfg["nodemanager"], cfg["engine"], StateFile(tmp_path), Reaper())
+    sup = EngineSupervisor(cfg.nodemanager, cfg.engine, StateFile(tmp_path), Reaper())
     sup.command = pb.StartEnginesRequest(
         job_name="job-a",
         instance_id=3,

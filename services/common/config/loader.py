@@ -28,31 +28,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from services.common.config_schema import (
-    DEFAULTS,
-    SCHEMA,
-    SECTIONS,
-    describe,
-    display_name,
-    kind,
-    nearest,
-    short,
-    unknown_key,
-)
+from .checks import describe, display_name, kind, nearest, short, unknown_key
+from .errors import ConfigError
+from .keyfile import read_key_file
+from .sections import SCHEMA, SECTION_TYPES, SECTIONS, Config, typed
 
-__all__ = ["DEFAULTS", "SECTIONS", "ConfigError", "load_config", "read_key_file"]
+__all__ = ["DEFAULTS", "SECTIONS", "ConfigError", "load", "load_config", "read_key_file"]
 
-
-class ConfigError(Exception):
-    """One or more configuration problems; ``errors`` holds one formatted line per problem."""
-
-    def __init__(self, errors: Iterable[str] | str) -> None:
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        super().__init__("\n".join(self.errors))
+DEFAULTS: dict[str, dict[str, Any]] = {
+    section: {key: default for key, (default, _) in keys.items()} for section, keys in SCHEMA.items()
+}
 
 
 def load_config(
@@ -114,6 +102,22 @@ def load_config(
     if errors:
         raise ConfigError(errors)
     return config
+
+
+def load(
+    path: str | None = None,
+    *,
+    section: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Like :func:`load_config`, as typed sections (what the services read)."""
+    return from_dicts(load_config(path, section=section, env=env, overrides=overrides))
+
+
+def from_dicts(sections: Mapping[str, Mapping[str, Any]]) -> Config:
+    """Typed sections from checked values with every key filled (what load_config returns)."""
+    return Config(**{name: typed(cls, sections[name]) for name, cls in SECTION_TYPES.items()})
 
 
 def _parse_env(raw: str, text_key: bool) -> Any:
@@ -179,33 +183,3 @@ def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, d
         else:
             errors.append(f"{path}: {sec}: expected object, got {describe(values)}")
     return result
-
-
-# gRPC's default limit for all metadata of a call is 8 KiB; the key travels in it.
-_MAX_KEY_BYTES = 4096
-
-
-def read_key_file(path: str) -> str:
-    """The management key: the file's content without its trailing newline.
-
-    Refuses a file that group or others can access, since the key grants management rights.
-    Errors never include the content.
-    """
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):  # checked before open(): a FIFO would block
-            raise ConfigError(f"{path}: key file is not a regular file")
-        if info.st_mode & 0o077:
-            raise ConfigError(f"{path}: key file must not be readable by group or others (chmod 600)")
-        with open(path, "rb") as f:
-            data = f.read(_MAX_KEY_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read key file: {exc.strerror or type(exc).__name__}") from None
-    if len(data) > _MAX_KEY_BYTES:
-        raise ConfigError(f"{path}: key file is larger than {_MAX_KEY_BYTES} bytes")
-    key = data.decode("latin-1").rstrip("\r\n")
-    if not key:
-        raise ConfigError(f"{path}: key file is empty")
-    if not all(" " <= c <= "~" for c in key):  # it is sent as gRPC metadata: printable ASCII only
-        raise ConfigError(f"{path}: key file must hold printable ASCII only")
-    return key

@@ -1,0 +1,37 @@
+"""Configuration: one JSON file, ``MOTOR_<SECTION>_<KEY>`` environment variables, CLI flags.
+
+``load()`` gives typed sections (:mod:`.sections`), which is what services read;
+``load_config()`` gives the same values as plain dicts (what ``motor config check`` and the
+sample file are about). ``docs/configuration.md`` lists every key.
+"""
+
+from .errors import ConfigError
+from .keyfile import read_key_file
+from .loader import DEFAULTS, from_dicts, load, load_config
+from .sections import (
+    SECTIONS,
+    Config,
+    ControllerConfig,
+    CoordinatorConfig,
+    EngineConfig,
+    NodeManagerConfig,
+    Parallel,
+    ServerConfig,
+)
+
+__all__ = [
+    "DEFAULTS",
+    "SECTIONS",
+    "Config",
+    "ConfigError",
+    "ControllerConfig",
+    "CoordinatorConfig",
+    "EngineConfig",
+    "NodeManagerConfig",
+    "Parallel",
+    "ServerConfig",
+    "from_dicts",
+    "load",
+    "load_config",
+    "read_key_file",
+]

@@ -1,0 +1,227 @@
+"""Value checks for configuration keys, and the one-line wording of what was wrong.
+
+A check takes a value as it came from JSON (file, environment or a CLI flag) and returns the
+value to store (possibly normalised) with its problems as ``(sub-path, message)``; the sub-path
+is "" or e.g. "[1]" / ".tp" inside a list or object. Each check also says in words what it
+accepts (``spec``), which is what docs/configuration.md lists as a key's type and range.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+Problem = tuple[str, str]
+Result = tuple[Any, list[Problem]]
+
+
+class Check:
+    """A named check: ``check(value) -> (stored value, problems)``; ``spec`` describes it."""
+
+    __slots__ = ("_fn", "spec")
+
+    def __init__(self, spec: str, fn: Callable[[Any], Result]) -> None:
+        self.spec = spec
+        self._fn = fn
+
+    def __call__(self, value: Any) -> Result:
+        return self._fn(value)
+
+
+def kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    for types, name in (
+        (bool, "boolean"),
+        (int, "integer"),
+        (float, "number"),
+        (str, "string"),
+        (list, "array"),
+        (dict, "object"),
+    ):
+        if isinstance(value, types):
+            return name
+    return type(value).__name__  # only reachable through ``overrides`` passed by code
+
+
+def short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe(value: Any) -> str:
+    scalar = isinstance(value, (bool, int, float, str))
+    return f"{kind(value)} {short(value)}" if scalar else kind(value)
+
+
+def display_name(key: Any) -> str:
+    # Keys come from the file or the environment: quote anything that could break the one-line
+    # error format or flood the terminal.
+    text = str(key)
+    return text if re.fullmatch(r"[\w.-]{1,60}", text, re.ASCII) else short(text)
+
+
+def nearest(key: Any, candidates: Iterable[str]) -> str:
+    # cutoff=0: always name the closest key, however far off.
+    return difflib.get_close_matches(str(key)[:200], list(candidates), n=1, cutoff=0)[0]
+
+
+def unknown_key(key: Any, candidates: Iterable[str]) -> str:
+    return f"unknown key; did you mean '{nearest(key, candidates)}'?"
+
+
+def _expected(what: str, value: Any) -> Result:
+    return value, [("", f"expected {what}, got {describe(value)}")]
+
+
+def integer(lo: int, hi: int) -> Check:
+    def check(value: Any) -> Result:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return _expected("integer", value)
+        if not lo <= value <= hi:
+            return value, [("", f"must be between {lo} and {hi}, got {short(value)}")]
+        return value, []
+
+    return Check(f"integer, {lo} to {hi}", check)
+
+
+def seconds(lo: float, hi: float, *, above: bool = False) -> Check:
+    """A duration in seconds, int or float; ``above``: strictly greater than ``lo``."""
+
+    def check(value: Any) -> Result:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return _expected("number of seconds", value)
+        # Written so that NaN fails too.
+        if not ((value > lo if above else value >= lo) and value <= hi):
+            low = f"greater than {lo}" if above else f"at least {lo}"
+            return value, [("", f"must be {low} and at most {hi}, got {short(value)}")]
+        return value, []
+
+    low = f"> {lo}" if above else f">= {lo}"
+    return Check(f"seconds (number), {low} and <= {hi}", check)
+
+
+def text(pattern: str = r"(?s:.*)", what: str = "", spec: str = "") -> Check:
+    """A string matching ``pattern``; ``what`` names it in the error, ``spec`` in the docs."""
+
+    def check(value: Any) -> Result:
+        if not isinstance(value, str):
+            return _expected("string", value)
+        if not re.fullmatch(pattern, value):
+            return value, [("", f"expected {what}, got {short(value)}")]
+        return value, []
+
+    return Check(f"string: {spec or what}" if spec or what else "string", check)
+
+
+def choice(*options: str) -> Check:
+    allowed = ", ".join(f"'{o}'" for o in options)
+
+    def check(value: Any) -> Result:
+        if not isinstance(value, str):
+            return _expected("string", value)
+        if value not in options:
+            return value, [("", f"must be one of {allowed}, got {short(value)}")]
+        return value, []
+
+    return Check(f"one of {allowed}", check)
+
+
+def _boolean(value: Any) -> Result:
+    return (value, []) if isinstance(value, bool) else _expected("boolean", value)
+
+
+BOOLEAN = Check("boolean", _boolean)
+
+_HOSTPORT_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})")
+
+
+def _hostport(value: Any) -> Result:
+    if not isinstance(value, str):
+        return _expected("string", value)
+    match = _HOSTPORT_RE.fullmatch(value)
+    # Port 0 is fine for a listener but never for an address to connect to.
+    if not match or not 1 <= int(match.group(1)) <= 65535:
+        return value, [("", f"expected host:port with a port from 1 to 65535, got {short(value)}")]
+    return value, []
+
+
+HOSTPORT = Check('"host:port" (port 1 to 65535)', _hostport)
+
+
+def array(item: Check, *, nonempty: bool = False) -> Check:
+    def check(value: Any) -> Result:
+        if not isinstance(value, list):
+            return _expected("array", value)
+        if nonempty and not value:
+            return value, [("", "must not be empty")]
+        for i, element in enumerate(value):
+            problems = item(element)[1]
+            if problems:  # the first bad element is enough: one line per key
+                sub, message = problems[0]
+                return value, [(f"[{i}]{sub}", message)]
+        if len(set(value)) != len(value):
+            return value, [("", f"must not contain duplicates, got {short(value)}")]
+        return value, []
+
+    return Check(f"{'non-empty ' if nonempty else ''}array of distinct {item.spec}", check)
+
+
+PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "nnodes")
+COUNT = integer(1, 1_000_000)
+
+
+def _parallel(value: Any) -> Result:
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    problems: list[Problem] = []
+    for key, size in value.items():
+        if key not in PARALLEL_KEYS:
+            problems.append((f".{display_name(key)}", unknown_key(key, PARALLEL_KEYS)))
+        else:
+            problems += [(f".{key}", message) for _, message in COUNT(size)[1]]
+    return {k: value.get(k, 1) for k in PARALLEL_KEYS}, problems
+
+
+PARALLEL = Check("object with dp, tp, pp, ep, nnodes (each an integer >= 1; missing ones are 1)", _parallel)
+
+
+def _json_object(value: Any) -> Result:
+    # engine.args: any JSON values; the NodeManager decides how each becomes a flag.
+    return (value, []) if isinstance(value, dict) else _expected("object", value)
+
+
+JSON_OBJECT = Check("object (any JSON values)", _json_object)
+
+
+def _environment(value: Any) -> Result:
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    for name, setting in value.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            return value, [("", f"invalid environment variable name {short(name)}")]
+        # The value is never shown: engine environments carry tokens (HF_TOKEN and the like).
+        if not isinstance(setting, str) or "\0" in setting:
+            return value, [(f".{display_name(name)}", f"expected string without NUL, got {kind(setting)}")]
+    return value, []
+
+
+ENVIRONMENT = Check("object of variable name to string", _environment)
+
+PORT = integer(0, 65535)  # 0: let the OS pick (tests bind port 0)
+# Upper bounds catch unit mistakes (milliseconds typed as seconds) and keep every wait finite.
+WEEK = 7 * 24 * 3600
+DURATION = seconds(0, WEEK, above=True)
+FILE = text(r"[^\0]*", "a path without NUL", 'a file path, "" = not set')  # NUL: open() would raise
+NONEMPTY = text(r"(?s:.+)", "a non-empty string", "not empty")
+DIRECTORY = text(r"[^\0]+", "a non-empty path without NUL", "a directory path")
+POLICY = choice("round_robin", "least_load", "power_of_two")
+HOST = text(r"\S+", "a host name or address")
+URL = text(r"(?:https?://\S+)?", 'an http:// or https:// URL or ""')
+VARIABLE = text(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name", "an environment variable name")

@@ -1,0 +1,351 @@
+"""The configuration schema as typed sections: one frozen dataclass per section, one field per key.
+
+Each field carries its default and its check (:mod:`.checks`); the string literal under a field
+is its documentation, which ``docs/configuration.md`` is generated from. The loader validates
+the plain JSON values first, then builds these objects, so code reads ``cfg.port`` and mypy sees
+every key; a typo is a type error, not a runtime KeyError.
+
+JSON lists become tuples and JSON objects read-only mappings, so a section can be shared freely.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import inspect
+import itertools
+import textwrap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from types import MappingProxyType
+from typing import Any
+
+from . import checks as c
+
+
+def setting(default: Any, check: c.Check, *, typed: Callable[[Any], Any] | None = None) -> Any:
+    """A key: its default (in its typed form), its check and, when it is not the plain JSON
+    shape, how to build the typed value from the checked JSON value."""
+    meta = {"check": check, "typed": typed}
+    if isinstance(default, Mapping):
+        frozen = MappingProxyType(dict(default))
+        return field(default_factory=lambda: frozen, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one instance is split: data, tensor, pipeline and expert parallel sizes, and the
+    number of nodes it spans."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    nnodes: int = 1
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, int]) -> Parallel:
+        return cls(**{k: int(value.get(k, 1)) for k in c.PARALLEL_KEYS})
+
+
+ONE_OF_EACH = Parallel()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Keys every section has: how the service's listeners bind and authenticate, and its log
+    format. (The engine section accepts them too, so every section reads the same way.)"""
+
+    host: str = setting("127.0.0.1", c.HOST)
+    """Address the service's listeners bind to, and the address it gives peers for itself.
+    The default keeps every port reachable from this machine only."""
+    management_key_file: str = setting("", c.FILE)
+    """File holding the management key. When set, every motor.v1 RPC must carry it in the
+    `x-motor-management-key` metadata (health and reflection never need it). The file must not
+    be readable by group or others, or the service refuses to start."""
+    tls_cert_file: str = setting("", c.FILE)
+    """PEM certificate the service presents. With `tls_key_file` it serves TLS; clients in this
+    process present it too when `tls_ca_file` is set (mTLS)."""
+    tls_key_file: str = setting("", c.FILE)
+    """PEM private key of `tls_cert_file`."""
+    tls_ca_file: str = setting("", c.FILE)
+    """PEM CA bundle. On a server it requires and verifies client certificates (mTLS); on this
+    service's clients it verifies the peer's certificate (TLS to peers)."""
+    max_message_bytes: int = setting(4194304, c.integer(1024, 2**31 - 1))  # gRPC takes a C int
+    """Largest gRPC message accepted or sent; a larger request is refused with
+    RESOURCE_EXHAUSTED."""
+    log_format: str = setting("kv", c.choice("kv", "json"))
+    """One line per event on stderr: `kv` (`event=listening service=controller …`) or `json`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig(ServerConfig):
+    """The Controller: assembly, heartbeats, the instance state machine, persistence and the
+    push of the instance set to the Coordinators."""
+
+    port: int = setting(7100, c.PORT)
+    """gRPC port of motor.v1.Controller (0: any free port, logged in `event=listening`)."""
+    coordinators: tuple[str, ...] = setting(("127.0.0.1:7200",), c.array(c.HOSTPORT))
+    """The Coordinators whose instance table this Controller keeps equal to its ACTIVE and PAUSED
+    instances."""
+    state_dir: str = setting(".motor/controller", c.DIRECTORY)
+    """Directory of the embedded database (`controller.db`) and its lock: instance ids,
+    instances and pending assemblies survive a restart. One Controller per directory."""
+    heartbeat_interval_s: float = setting(3, c.DURATION)
+    """How often each NodeManager sends a beat (told to it when it registers)."""
+    instance_heartbeat_timeout_s: float = setting(10, c.DURATION)
+    """An instance is DELETED when one of its NodeManagers has been silent this long (a broken
+    stream starts the clock at once; after a Controller restart every clock starts at load)."""
+    instance_assemble_timeout_s: float = setting(600, c.DURATION)
+    """A pending instance that has not completed this long after its last registration is
+    dropped; its NodeManagers must register again."""
+    start_command_retries: int = setting(3, c.integer(0, 100))
+    """Retries of a failed StartEngines to one NodeManager (with backoff) before the instance is
+    dropped. A NodeManager answering NODE_MISMATCH is not retried."""
+    coordinator_set_sync_interval_s: float = setting(300, c.DURATION)
+    """Period of the full SetInstances sent to every Coordinator, on top of the incremental
+    calls, so a Coordinator can never drift for longer than this."""
+    enable_engine_relaunch: bool = setting(True, c.BOOLEAN)
+    """Relaunch dead engines in place instead of restarting their pod (the relaunch strategy is
+    not built yet: NodeManagers are told relaunch is off and fall back to a pod restart)."""
+    # The ranges of the four relaunch keys are those the relaunch strategy is designed for.
+    engine_relaunch_complete_timeout_s: float = setting(600, c.seconds(60, 3600))
+    """How long a relaunch may take until every NodeManager reports ready."""
+    engine_relaunch_poll_interval_s: float = setting(5, c.seconds(1, 60))
+    """How often readiness is polled during a relaunch."""
+    engine_relaunch_dispatch_retries: int = setting(3, c.integer(0, 10))
+    """Retries of the reachability probe of each NodeManager before a relaunch."""
+    engine_relaunch_nm_unreachable_threshold: int = setting(3, c.integer(1, 10))
+    """Consecutive unreachable polls of one NodeManager after which a relaunch fails."""
+    precision_auto_recovery_enabled: bool = setting(False, c.BOOLEAN)
+    """Terminate a prefill/decode group whose output precision alarm fired, and clear the alarm
+    (precision detection is not built yet)."""
+    alarm_webhook_url: str = setting("", c.URL)
+    """Alertmanager-compatible URL (`…/api/v2/alerts`) alarms are posted to; "" = none (alarms
+    are not built yet)."""
+    coordinator_key_file: str = setting("", c.FILE)
+    """Management key presented to the Coordinators."""
+    nodemanager_key_file: str = setting("", c.FILE)
+    """Management key presented to the NodeManagers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig(ServerConfig):
+    """The Coordinator: the routable instance table (management gRPC) and the OpenAI-compatible
+    inference server."""
+
+    port: int = setting(7200, c.PORT)
+    """gRPC port of motor.v1.Coordinator (the management plane)."""
+    http_port: int = setting(8000, c.PORT)
+    """HTTP port of the OpenAI-compatible API, `/health`, `/readiness` and `/metrics`."""
+    workers: int = setting(1, c.integer(1, 256))
+    """Inference worker processes (only 1 is supported today; more logs `workers_not_supported`)."""
+    prefill_policy: str = setting("least_load", c.POLICY)
+    """How a prefill instance is chosen: `least_load` (fewest in-flight tokens), `round_robin`,
+    or `power_of_two` (the less loaded of two random ones)."""
+    decode_policy: str = setting("least_load", c.POLICY)
+    """How a decode (or union) instance is chosen; same choices as `prefill_policy`."""
+    api_keys_file: str = setting("", c.FILE)
+    """File of client API keys, one per line (`#` comments allowed). When set, the inference API
+    requires `Authorization: Bearer <key>`."""
+    controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
+    """The Controller's address."""
+    controller_key_file: str = setting("", c.FILE)
+    """Management key presented to the Controller."""
+    precision_check_enabled: bool = setting(False, c.BOOLEAN)
+    """Sample decode output for precision problems (not built yet)."""
+    precision_interval_s: float = setting(30, c.DURATION)
+    """At most one precision sample per prefill/decode group per this many seconds."""
+    precision_logprobs: int = setting(5, c.integer(1, 20))  # engines cap top_logprobs at 20
+    """`top_logprobs` asked of a sampled response."""
+    precision_issue_threshold: int = setting(10, c.COUNT)
+    """Consecutive anomalous samples before the probe question is asked."""
+    precision_clear_threshold: int = setting(10, c.COUNT)
+    """Consecutive normal samples that clear an active precision alarm."""
+    precision_probe_question: str = setting(
+        "What is the capital of France? Answer with one word.", c.NONEMPTY
+    )
+    """The question with a known answer sent to a suspect group."""
+    precision_probe_expected: str = setting("Paris", c.NONEMPTY)
+    """The answer `precision_probe_question` must get."""
+    probe_max_attempts: int = setting(3, c.COUNT)
+    """Attempts at the probe question before the precision alarm is raised."""
+    probe_timeout_s: float = setting(600, c.DURATION)
+    """Deadline of one probe question."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeManagerConfig(ServerConfig):
+    """A NodeManager: which engines this node runs, how it watches them, and how it reports to
+    the Controller."""
+
+    port: int = setting(7300, c.PORT)
+    """gRPC port of motor.v1.NodeManager."""
+    controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
+    """The Controller to register with."""
+    controller_key_file: str = setting("", c.FILE)
+    """Management key presented to the Controller."""
+    job_name: str = setting("", c.text())
+    """The job this node belongs to: NodeManagers with the same job name form one instance.
+    "" = do not register (the NodeManager serves its API and logs `registration_disabled`)."""
+    role: str = setting("prefill", c.choice("prefill", "decode", "union"))
+    """The instance's role: `prefill`, `decode`, or `union` (serves whole requests)."""
+    model: str = setting("motor-sim", c.NONEMPTY)
+    """The model the engines load (a name or a local path)."""
+    served_model_name: str = setting("", c.text())
+    """The model name clients ask for; "" = the same as `model`."""
+    engine_type: str = setting("sim", c.choice("vllm", "sglang", "sim"))
+    """Which engine to launch: `vllm serve`, `python -m sglang.launch_server`, or the built-in
+    simulated engine."""
+    sim_protocol: str = setting("vllm", c.choice("vllm", "sglang"))
+    """The KV hand-off protocol the simulated engine speaks."""
+    # Engine k also uses port + 1 (bootstrap / DP RPC), hence 65534; 0 cannot be probed.
+    ports: tuple[int, ...] = setting((10000,), c.array(c.integer(1, 65534), nonempty=True))
+    """One business (HTTP) port per engine this node runs (one engine per DP rank); each engine
+    also uses port + 1."""
+    device_count: int = setting(0, c.integer(0, 4096))
+    """Accelerators on this node, split evenly between its engines."""
+    device_env: str = setting("ASCEND_RT_VISIBLE_DEVICES", c.VARIABLE)
+    """Environment variable that gives each engine its slice of devices."""
+    node_rank: int = setting(0, c.integer(0, 1_000_000))
+    """This node's rank in a multi-node instance (0 .. nnodes-1); rank 0 serves requests, the
+    others run headless."""
+    parallel: Parallel = setting(ONE_OF_EACH, c.PARALLEL, typed=Parallel.from_json)
+    """Parallel sizes of the instance: `dp` (engines per instance), `tp`, `pp`, `ep`, `nnodes`."""
+    state_dir: str = setting(".motor/nm", c.DIRECTORY)
+    """Directory of `engines.json`, the record of engine process groups (so a restarted
+    NodeManager can stop the engines an earlier one left behind)."""
+    status_poll_interval_s: float = setting(1, c.DURATION)
+    """How often each engine's `/health` is probed."""
+    status_probe_timeout_s: float = setting(2, c.DURATION)
+    """Deadline of one health probe."""
+    max_probe_failures: int = setting(2, c.COUNT)
+    """Consecutive failed probes after which a once-healthy engine is ABNORMAL."""
+    engine_startup_timeout_s: float = setting(1800, c.DURATION)
+    """Start-up window: probe failures do not count while a model loads."""
+    engine_hang_timeout_s: float = setting(30, c.DURATION)
+    """An engine ABNORMAL this long is killed and reported dead."""
+    engine_stop_grace_s: float = setting(10, c.seconds(0, c.WEEK))  # 0: kill at once
+    """Time between SIGTERM and SIGKILL when engines are stopped."""
+    suicide_check_interval_s: float = setting(3, c.DURATION)
+    """How often the pod-restart fallback looks for broken engines."""
+    suicide_threshold: int = setting(5, c.COUNT)
+    """Consecutive checks with a broken engine after which the NodeManager stops its engines and
+    exits non-zero, so its pod (or `motor up`) restarts it."""
+    engine_restart_wait_timeout_s: float = setting(180, c.DURATION)
+    """After a death report the Controller acknowledged (with relaunch on), the fallback waits
+    this long for the relaunch to start."""
+    engine_restart_freeze_s: float = setting(720, c.DURATION)
+    """How long a relaunch holds the fallback off; it must outlast the Controller's relaunch
+    timeout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(ServerConfig):
+    """What the NodeManager passes to every engine it launches."""
+
+    args: Mapping[str, Any] = setting({}, c.JSON_OBJECT)
+    """Extra engine flags, sorted by key: `"max_model_len": 4096` → `--max-model-len 4096`;
+    true → a bare flag; false/null → omitted; a list repeats the flag; an object is passed as
+    compact JSON."""
+    kv_connector: str = setting("NixlConnector", c.NONEMPTY)
+    """vLLM KV connector named in `--kv-transfer-config` of prefill and decode engines."""
+    env: Mapping[str, str] = setting({}, c.ENVIRONMENT)
+    """Extra environment variables of every engine (values are never logged)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every section, each with every key filled."""
+
+    controller: ControllerConfig
+    coordinator: CoordinatorConfig
+    nodemanager: NodeManagerConfig
+    engine: EngineConfig
+
+    def section(self, name: str) -> ServerConfig:
+        """The section called ``name`` (one of SECTIONS)."""
+        value: ServerConfig = getattr(self, name)
+        return value
+
+
+SECTION_TYPES: dict[str, type[ServerConfig]] = {
+    "controller": ControllerConfig,
+    "coordinator": CoordinatorConfig,
+    "nodemanager": NodeManagerConfig,
+    "engine": EngineConfig,
+}
+SECTIONS = tuple(SECTION_TYPES)
+
+
+def keys(cls: type[ServerConfig]) -> list[dataclasses.Field[Any]]:
+    """A section's keys: its own first, then the shared ones."""
+    mine = vars(cls).get("__annotations__", {})
+    own = [f for f in dataclasses.fields(cls) if f.name in mine]
+    shared = [f for f in dataclasses.fields(cls) if f not in own]
+    return own + shared
+
+
+def to_json(value: Any) -> Any:
+    """A typed value in the shape JSON gives it (tuples as lists, objects as dicts)."""
+    if isinstance(value, tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: to_json(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return copy.deepcopy(value)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    assert f.default_factory is not dataclasses.MISSING
+    return f.default_factory()
+
+
+SCHEMA: dict[str, dict[str, tuple[Any, c.Check]]] = {
+    name: {f.name: (to_json(_default(f)), f.metadata["check"]) for f in keys(cls)}
+    for name, cls in SECTION_TYPES.items()
+}
+
+
+def typed(cls: type[ServerConfig], values: Mapping[str, Any]) -> Any:
+    """The section object for checked JSON ``values`` (every key present)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        raw = values[f.name]
+        convert = f.metadata["typed"]
+        if convert is not None:
+            kwargs[f.name] = convert(raw)
+        elif isinstance(raw, list):
+            kwargs[f.name] = tuple(raw)
+        elif isinstance(raw, dict):
+            kwargs[f.name] = MappingProxyType(copy.deepcopy(raw))
+        else:
+            kwargs[f.name] = raw
+    return cls(**kwargs)
+
+
+@cache
+def docs(cls: type) -> dict[str, str]:
+    """Each field's documentation: the string literal written under it, in ``cls`` or a base."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for stmt, after in itertools.pairwise(body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                found[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return found
