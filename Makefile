@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test gen lint bench proto-baseline venv clean
+.PHONY: up test gen docs lint bench proto-baseline venv clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -30,9 +30,12 @@ gen: $(STAMP)
 	printf '' > gen/motor/v1/__init__.py
 	printf '' > gen/motor/v1/py.typed
 
+docs: $(STAMP)
+	$(BIN)/python tools/apidoc.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check services tests bench
-	$(BIN)/ruff format --check services tests bench
+	$(BIN)/ruff check services tests bench tools
+	$(BIN)/ruff format --check services tests bench tools
 	$(BIN)/mypy services
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against protos/baseline.binpb

@@ -27,17 +27,25 @@ class _AlarmCategory:
 class _AlarmCategoryEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AlarmCategory.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ALARM_CATEGORY_UNSPECIFIED: _AlarmCategory.ValueType  # 0
+    """Not set."""
     ALARM_CATEGORY_ALARM: _AlarmCategory.ValueType  # 1
+    """A fault is raised; it stays active until a CLEAR with the same moi arrives."""
     ALARM_CATEGORY_CLEAR: _AlarmCategory.ValueType  # 2
+    """Clears the active ALARM that carries the same moi."""
     ALARM_CATEGORY_EVENT: _AlarmCategory.ValueType  # 3
+    """Something happened; nothing to clear."""
 
 class AlarmCategory(_AlarmCategory, metaclass=_AlarmCategoryEnumTypeWrapper):
     """Alarm kinds: a raised alarm, the clear of a raised alarm, or a one-off event."""
 
 ALARM_CATEGORY_UNSPECIFIED: AlarmCategory.ValueType  # 0
+"""Not set."""
 ALARM_CATEGORY_ALARM: AlarmCategory.ValueType  # 1
+"""A fault is raised; it stays active until a CLEAR with the same moi arrives."""
 ALARM_CATEGORY_CLEAR: AlarmCategory.ValueType  # 2
+"""Clears the active ALARM that carries the same moi."""
 ALARM_CATEGORY_EVENT: AlarmCategory.ValueType  # 3
+"""Something happened; nothing to clear."""
 Global___AlarmCategory: _TypeAlias = AlarmCategory  # noqa: Y015
 
 class _Severity:
@@ -47,18 +55,29 @@ class _Severity:
 class _SeverityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Severity.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SEVERITY_UNSPECIFIED: _Severity.ValueType  # 0
+    """Not set."""
     SEVERITY_CRITICAL: _Severity.ValueType  # 1
+    """Service is lost or about to be; act now."""
     SEVERITY_MAJOR: _Severity.ValueType  # 2
+    """Service is degraded."""
     SEVERITY_MINOR: _Severity.ValueType  # 3
+    """A fault that does not degrade service yet."""
     SEVERITY_WARNING: _Severity.ValueType  # 4
+    """Worth a look; no fault yet."""
 
-class Severity(_Severity, metaclass=_SeverityEnumTypeWrapper): ...
+class Severity(_Severity, metaclass=_SeverityEnumTypeWrapper):
+    """How serious an alarm is, from CRITICAL (most) to WARNING (least)."""
 
 SEVERITY_UNSPECIFIED: Severity.ValueType  # 0
+"""Not set."""
 SEVERITY_CRITICAL: Severity.ValueType  # 1
+"""Service is lost or about to be; act now."""
 SEVERITY_MAJOR: Severity.ValueType  # 2
+"""Service is degraded."""
 SEVERITY_MINOR: Severity.ValueType  # 3
+"""A fault that does not degrade service yet."""
 SEVERITY_WARNING: Severity.ValueType  # 4
+"""Worth a look; no fault yet."""
 Global___Severity: _TypeAlias = Severity  # noqa: Y015
 
 @_typing.final
@@ -102,21 +121,40 @@ class Alarm(_message.Message):
     ADDITIONAL_INFO_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     alarm_id: _builtins.str
+    """Which alarm this is, as text: "0xFC001002" instance fault, "0xFC001004" coordinator
+    fault, "0xFC001009" precision issue.
+    """
     category: Global___AlarmCategory.ValueType
+    """Raised, cleared, or a one-off event."""
     severity: Global___Severity.ValueType
+    """How serious it is."""
     moi: _builtins.str
-    """"service name=Coordinator, service ip=<ip>, pId=<p>, instanceId=<d>"."""
+    """Managed object instance the alarm is about:
+    "service name=Coordinator, service ip=<ip>, pId=<p>, instanceId=<d>". A CLEAR carries the
+    moi of the ALARM it clears.
+    """
     alarm_name: _builtins.str
+    """Short human-readable name of the alarm."""
     probable_cause: _builtins.str
+    """What usually causes this alarm (human-readable)."""
     reason: _builtins.str
+    """What caused this occurrence (human-readable)."""
     instance_id: _builtins.int
+    """The instance the alarm is about (the decode instance of a PD group); 0 = none."""
     p_instance_id: _builtins.int
+    """The prefill instance of the PD group the alarm is about; 0 = none."""
     sequence: _builtins.int
-    """Set by the Controller's store; strictly increasing."""
+    """Set by the Controller's store; strictly increasing. A reporter leaves it 0;
+    WatchAlarmsRequest.after_sequence refers to it.
+    """
     @_builtins.property
-    def occur_time(self) -> _timestamp_pb2.Timestamp: ...
+    def occur_time(self) -> _timestamp_pb2.Timestamp:
+        """When the reporter observed it."""
+
     @_builtins.property
-    def additional_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def additional_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Free-form details, name to value."""
+
     def __init__(
         self,
         *,

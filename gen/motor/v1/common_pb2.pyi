@@ -26,8 +26,13 @@ class _Role:
 class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ROLE_UNSPECIFIED: _Role.ValueType  # 0
+    """Not set. Required wherever an instance is described (INVALID_ARGUMENT otherwise); as a
+    filter (ListInstancesRequest.role) it means any role.
+    """
     ROLE_PREFILL: _Role.ValueType  # 1
+    """Runs the prefill phase of a request and hands its KV cache to a decode instance."""
     ROLE_DECODE: _Role.ValueType  # 2
+    """Takes the KV cache from a prefill instance and generates the answer the client receives."""
     ROLE_UNION: _Role.ValueType  # 3
     """Serves whole requests (no PD split)."""
 
@@ -38,8 +43,13 @@ class Role(_Role, metaclass=_RoleEnumTypeWrapper):
     """
 
 ROLE_UNSPECIFIED: Role.ValueType  # 0
+"""Not set. Required wherever an instance is described (INVALID_ARGUMENT otherwise); as a
+filter (ListInstancesRequest.role) it means any role.
+"""
 ROLE_PREFILL: Role.ValueType  # 1
+"""Runs the prefill phase of a request and hands its KV cache to a decode instance."""
 ROLE_DECODE: Role.ValueType  # 2
+"""Takes the KV cache from a prefill instance and generates the answer the client receives."""
 ROLE_UNION: Role.ValueType  # 3
 """Serves whole requests (no PD split)."""
 Global___Role: _TypeAlias = Role  # noqa: Y015
@@ -51,19 +61,25 @@ class _EngineType:
 class _EngineTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineType.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ENGINE_TYPE_UNSPECIFIED: _EngineType.ValueType  # 0
+    """Not set; for the KV hand-off it counts as vLLM (see PdProtocol)."""
     ENGINE_TYPE_VLLM: _EngineType.ValueType  # 1
+    """vLLM (`vllm serve`)."""
     ENGINE_TYPE_SGLANG: _EngineType.ValueType  # 2
+    """SGLang (`python -m sglang.launch_server`)."""
     ENGINE_TYPE_SIM: _EngineType.ValueType  # 3
-    """Motor's simulated engine (`motor engine-sim`)."""
+    """Motor's simulated engine (`motor engine-sim`); it speaks either hand-off protocol."""
 
 class EngineType(_EngineType, metaclass=_EngineTypeEnumTypeWrapper):
     """The engine software a NodeManager launches."""
 
 ENGINE_TYPE_UNSPECIFIED: EngineType.ValueType  # 0
+"""Not set; for the KV hand-off it counts as vLLM (see PdProtocol)."""
 ENGINE_TYPE_VLLM: EngineType.ValueType  # 1
+"""vLLM (`vllm serve`)."""
 ENGINE_TYPE_SGLANG: EngineType.ValueType  # 2
+"""SGLang (`python -m sglang.launch_server`)."""
 ENGINE_TYPE_SIM: EngineType.ValueType  # 3
-"""Motor's simulated engine (`motor engine-sim`)."""
+"""Motor's simulated engine (`motor engine-sim`); it speaks either hand-off protocol."""
 Global___EngineType: _TypeAlias = EngineType  # noqa: Y015
 
 class _PdProtocol:
@@ -73,19 +89,29 @@ class _PdProtocol:
 class _PdProtocolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PdProtocol.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     PD_PROTOCOL_UNSPECIFIED: _PdProtocol.ValueType  # 0
+    """Follow the engine type: ENGINE_TYPE_SGLANG means PD_PROTOCOL_SGLANG, anything else
+    PD_PROTOCOL_VLLM.
+    """
     PD_PROTOCOL_VLLM: _PdProtocol.ValueType  # 1
     """vLLM `kv_transfer_params` hand-off: prefill first, then decode."""
     PD_PROTOCOL_SGLANG: _PdProtocol.ValueType  # 2
-    """SGLang bootstrap rendezvous: both legs at once, matched by room."""
+    """SGLang bootstrap rendezvous: both legs at once, matched by room. Every serving endpoint of
+    a prefill instance needs a bootstrap_port.
+    """
 
 class PdProtocol(_PdProtocol, metaclass=_PdProtocolEnumTypeWrapper):
     """How a prefill leg hands its KV cache to a decode leg."""
 
 PD_PROTOCOL_UNSPECIFIED: PdProtocol.ValueType  # 0
+"""Follow the engine type: ENGINE_TYPE_SGLANG means PD_PROTOCOL_SGLANG, anything else
+PD_PROTOCOL_VLLM.
+"""
 PD_PROTOCOL_VLLM: PdProtocol.ValueType  # 1
 """vLLM `kv_transfer_params` hand-off: prefill first, then decode."""
 PD_PROTOCOL_SGLANG: PdProtocol.ValueType  # 2
-"""SGLang bootstrap rendezvous: both legs at once, matched by room."""
+"""SGLang bootstrap rendezvous: both legs at once, matched by room. Every serving endpoint of
+a prefill instance needs a bootstrap_port.
+"""
 Global___PdProtocol: _TypeAlias = PdProtocol  # noqa: Y015
 
 class _InstanceStatus:
@@ -95,21 +121,49 @@ class _InstanceStatus:
 class _InstanceStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_InstanceStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     INSTANCE_STATUS_UNSPECIFIED: _InstanceStatus.ValueType  # 0
+    """Not set. In a Coordinator request an instance with this status is stored ACTIVE; as a
+    filter (ListInstancesRequest.status) it means any status except DELETED.
+    """
     INSTANCE_STATUS_INITIAL: _InstanceStatus.ValueType  # 1
+    """Assembled; its engines are being started and are not all ready yet. Not routed to."""
     INSTANCE_STATUS_ACTIVE: _InstanceStatus.ValueType  # 2
+    """Every serving endpoint NORMAL and every headless one at least WAIT_TO_START: routed to."""
     INSTANCE_STATUS_INACTIVE: _InstanceStatus.ValueType  # 3
+    """An endpoint is ABNORMAL or its engine died. Not routed to; it becomes ACTIVE again as soon
+    as every endpoint is ready again.
+    """
     INSTANCE_STATUS_PAUSED: _InstanceStatus.ValueType  # 4
+    """Its endpoints are paused (NodeManager Pause). Held by the Coordinators but not routed to;
+    ACTIVE again on Resume.
+    """
     INSTANCE_STATUS_DELETED: _InstanceStatus.ValueType  # 5
+    """Gone for good (a NodeManager went silent for controller.instance_heartbeat_timeout_s, or
+    its engines could not be started). Terminal; the id is never handed out again.
+    """
 
 class InstanceStatus(_InstanceStatus, metaclass=_InstanceStatusEnumTypeWrapper):
     """Lifecycle of an instance in the Controller's state machine."""
 
 INSTANCE_STATUS_UNSPECIFIED: InstanceStatus.ValueType  # 0
+"""Not set. In a Coordinator request an instance with this status is stored ACTIVE; as a
+filter (ListInstancesRequest.status) it means any status except DELETED.
+"""
 INSTANCE_STATUS_INITIAL: InstanceStatus.ValueType  # 1
+"""Assembled; its engines are being started and are not all ready yet. Not routed to."""
 INSTANCE_STATUS_ACTIVE: InstanceStatus.ValueType  # 2
+"""Every serving endpoint NORMAL and every headless one at least WAIT_TO_START: routed to."""
 INSTANCE_STATUS_INACTIVE: InstanceStatus.ValueType  # 3
+"""An endpoint is ABNORMAL or its engine died. Not routed to; it becomes ACTIVE again as soon
+as every endpoint is ready again.
+"""
 INSTANCE_STATUS_PAUSED: InstanceStatus.ValueType  # 4
+"""Its endpoints are paused (NodeManager Pause). Held by the Coordinators but not routed to;
+ACTIVE again on Resume.
+"""
 INSTANCE_STATUS_DELETED: InstanceStatus.ValueType  # 5
+"""Gone for good (a NodeManager went silent for controller.instance_heartbeat_timeout_s, or
+its engines could not be started). Terminal; the id is never handed out again.
+"""
 Global___InstanceStatus: _TypeAlias = InstanceStatus  # noqa: Y015
 
 class _EndpointStatus:
@@ -119,26 +173,54 @@ class _EndpointStatus:
 class _EndpointStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndpointStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ENDPOINT_STATUS_UNSPECIFIED: _EndpointStatus.ValueType  # 0
+    """Not set (not reported yet)."""
     ENDPOINT_STATUS_INITIAL: _EndpointStatus.ValueType  # 1
+    """Its process is not running yet (also reported while the NodeManager relaunches its
+    engines).
+    """
     ENDPOINT_STATUS_WAIT_TO_START: _EndpointStatus.ValueType  # 2
+    """The process runs; its `/health` does not answer 200 (or `/v1/models` does not list the
+    model) yet. Failures do not count during the start-up window
+    (nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead.
+    """
     ENDPOINT_STATUS_NORMAL: _EndpointStatus.ValueType  # 3
+    """Serving. A headless endpoint is NORMAL while its process is alive."""
     ENDPOINT_STATUS_ABNORMAL: _EndpointStatus.ValueType  # 4
+    """Its process died, or nodemanager.max_probe_failures consecutive health probes failed after
+    it had been NORMAL.
+    """
     ENDPOINT_STATUS_PAUSED: _EndpointStatus.ValueType  # 5
+    """Running but paused by the NodeManager's Pause RPC."""
 
 class EndpointStatus(_EndpointStatus, metaclass=_EndpointStatusEnumTypeWrapper):
     """Health of one engine server as its NodeManager sees it."""
 
 ENDPOINT_STATUS_UNSPECIFIED: EndpointStatus.ValueType  # 0
+"""Not set (not reported yet)."""
 ENDPOINT_STATUS_INITIAL: EndpointStatus.ValueType  # 1
+"""Its process is not running yet (also reported while the NodeManager relaunches its
+engines).
+"""
 ENDPOINT_STATUS_WAIT_TO_START: EndpointStatus.ValueType  # 2
+"""The process runs; its `/health` does not answer 200 (or `/v1/models` does not list the
+model) yet. Failures do not count during the start-up window
+(nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead.
+"""
 ENDPOINT_STATUS_NORMAL: EndpointStatus.ValueType  # 3
+"""Serving. A headless endpoint is NORMAL while its process is alive."""
 ENDPOINT_STATUS_ABNORMAL: EndpointStatus.ValueType  # 4
+"""Its process died, or nodemanager.max_probe_failures consecutive health probes failed after
+it had been NORMAL.
+"""
 ENDPOINT_STATUS_PAUSED: EndpointStatus.ValueType  # 5
+"""Running but paused by the NodeManager's Pause RPC."""
 Global___EndpointStatus: _TypeAlias = EndpointStatus  # noqa: Y015
 
 @_typing.final
 class Endpoint(_message.Message):
-    """One engine server (one DP rank)."""
+    """One engine server (one DP rank). Its identity is (host, port); status and pid are not part
+    of it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -151,19 +233,32 @@ class Endpoint(_message.Message):
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     id: _builtins.int
-    """DP rank inside the instance."""
+    """DP rank inside the instance (0, 1, …). The Controller numbers an instance's endpoints by
+    NodeManager (ordered by node_rank, host, port), each NodeManager's engine ports in the
+    order it registered them.
+    """
     host: _builtins.str
+    """Host name or address the engine listens on and is reached at. Required."""
     port: _builtins.int
-    """Business (HTTP) port."""
+    """Business (HTTP) port: the engine's OpenAI API and `/health`. Required, 1-65535."""
     bootstrap_port: _builtins.int
-    """SGLang PD bootstrap port; 0 = none."""
+    """SGLang PD bootstrap port; 0 = none. Required on every serving endpoint of an SGLang
+    prefill instance (the Controller sets port + 1 for instances that speak SGLang).
+    """
     status: Global___EndpointStatus.ValueType
+    """Health as its NodeManager last reported it. The Coordinator routes by the instance's
+    status, not by this.
+    """
     headless: _builtins.bool
     """Serves no requests (node_rank != 0 of a multi-node instance)."""
     pid: _builtins.int
-    """Engine process-group leader, as its NodeManager sees it."""
+    """Engine process-group leader, as its NodeManager sees it; 0 = not running."""
     @_builtins.property
-    def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Accelerator devices given to this engine (through the variable named by the NodeManager's
+        device_env); empty = none set.
+        """
+
     def __init__(
         self,
         *,
@@ -186,7 +281,7 @@ Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
 
 @_typing.final
 class ParallelConfig(_message.Message):
-    """Parallelism of one instance."""
+    """Parallelism of one instance. A field left 0 counts as 1."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -196,10 +291,17 @@ class ParallelConfig(_message.Message):
     EP_FIELD_NUMBER: _builtins.int
     NNODES_FIELD_NUMBER: _builtins.int
     dp: _builtins.int
+    """Data-parallel size: how many endpoints (DP ranks) the instance has."""
     tp: _builtins.int
+    """Tensor-parallel size of each engine."""
     pp: _builtins.int
+    """Pipeline-parallel size of each engine."""
     ep: _builtins.int
+    """Expert-parallel size of each engine."""
     nnodes: _builtins.int
+    """Nodes one instance spans. Above 1 the instance is complete when dp × nnodes NodeManagers
+    have registered, and the endpoints of node_rank != 0 are headless.
+    """
     def __init__(
         self,
         *,
@@ -219,7 +321,10 @@ Global___ParallelConfig: _TypeAlias = ParallelConfig  # noqa: Y015
 
 @_typing.final
 class Instance(_message.Message):
-    """A routable unit: one prefill, decode or union deployment of a model."""
+    """A routable unit: one prefill, decode or union deployment of a model. Its identity is (role,
+    job_name, the set of its endpoints' (host, port)); endpoint order, status and pid are not
+    part of it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -234,18 +339,33 @@ class Instance(_message.Message):
     NODE_MANAGERS_FIELD_NUMBER: _builtins.int
     PD_PROTOCOL_FIELD_NUMBER: _builtins.int
     id: _builtins.int
+    """Unique across all roles and states and never reused; 0 = none. The Controller hands ids out
+    counting up from 1. Required (non-zero) in every Coordinator request.
+    """
     role: Global___Role.ValueType
+    """Required in SetInstances and AddInstances."""
     job_name: _builtins.str
+    """The job whose NodeManagers registered together to form this instance."""
     model_name: _builtins.str
-    """The served model name (what clients put in "model")."""
+    """The served model name (what clients put in "model"). Required in SetInstances and
+    AddInstances.
+    """
     engine_type: Global___EngineType.ValueType
+    """The engine software of every endpoint."""
     status: Global___InstanceStatus.ValueType
+    """Where the instance is in its lifecycle; the Coordinator routes only to ACTIVE instances
+    that are not paused.
+    """
     pd_protocol: Global___PdProtocol.ValueType
     """UNSPECIFIED = from engine_type (VLLM, SIM -> VLLM; SGLANG -> SGLANG)."""
     @_builtins.property
-    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]: ...
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
+        """Its engine servers, at least one of them not headless. Order does not matter."""
+
     @_builtins.property
-    def parallel(self) -> Global___ParallelConfig: ...
+    def parallel(self) -> Global___ParallelConfig:
+        """Parallelism the instance was registered with."""
+
     @_builtins.property
     def node_managers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"host:port" of each NodeManager serving it."""

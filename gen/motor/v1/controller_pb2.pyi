@@ -29,14 +29,25 @@ class _EngineEventType:
 class _EngineEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineEventType.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ENGINE_EVENT_TYPE_UNSPECIFIED: _EngineEventType.ValueType  # 0
+    """Not set; the event is acked and otherwise ignored."""
     ENGINE_EVENT_TYPE_DEAD: _EngineEventType.ValueType  # 1
+    """The engine's process-group leader exited, or was killed after staying ABNORMAL for
+    nodemanager.engine_hang_timeout_s. Sent once per pid.
+    """
     ENGINE_EVENT_TYPE_UNHEALTHY: _EngineEventType.ValueType  # 2
+    """An endpoint that had been NORMAL turned ABNORMAL; its process still runs."""
 
-class EngineEventType(_EngineEventType, metaclass=_EngineEventTypeEnumTypeWrapper): ...
+class EngineEventType(_EngineEventType, metaclass=_EngineEventTypeEnumTypeWrapper):
+    """Why an engine event was sent."""
 
 ENGINE_EVENT_TYPE_UNSPECIFIED: EngineEventType.ValueType  # 0
+"""Not set; the event is acked and otherwise ignored."""
 ENGINE_EVENT_TYPE_DEAD: EngineEventType.ValueType  # 1
+"""The engine's process-group leader exited, or was killed after staying ABNORMAL for
+nodemanager.engine_hang_timeout_s. Sent once per pid.
+"""
 ENGINE_EVENT_TYPE_UNHEALTHY: EngineEventType.ValueType  # 2
+"""An endpoint that had been NORMAL turned ABNORMAL; its process still runs."""
 Global___EngineEventType: _TypeAlias = EngineEventType  # noqa: Y015
 
 class _Directive:
@@ -46,18 +57,23 @@ class _Directive:
 class _DirectiveEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Directive.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     DIRECTIVE_UNSPECIFIED: _Directive.ValueType  # 0
+    """Not set; never sent."""
     DIRECTIVE_REREGISTER: _Directive.ValueType  # 1
     """The Controller does not know this session: register again (engines keep running)."""
 
-class Directive(_Directive, metaclass=_DirectiveEnumTypeWrapper): ...
+class Directive(_Directive, metaclass=_DirectiveEnumTypeWrapper):
+    """An instruction from the Controller on the Heartbeat stream."""
 
 DIRECTIVE_UNSPECIFIED: Directive.ValueType  # 0
+"""Not set; never sent."""
 DIRECTIVE_REREGISTER: Directive.ValueType  # 1
 """The Controller does not know this session: register again (engines keep running)."""
 Global___Directive: _TypeAlias = Directive  # noqa: Y015
 
 @_typing.final
 class RegisterRequest(_message.Message):
+    """What a NodeManager tells the Controller about itself and its engines."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_NAME_FIELD_NUMBER: _builtins.int
@@ -73,12 +89,21 @@ class RegisterRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PD_PROTOCOL_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
+    """The job this node serves; every NodeManager of one instance registers with the same name.
+    Required.
+    """
     role: _common_pb2.Role.ValueType
+    """Required."""
     model_name: _builtins.str
+    """The served model name (what clients put in "model"). Required."""
     engine_type: _common_pb2.EngineType.ValueType
+    """The engine software this node runs."""
     host: _builtins.str
+    """Host of this NodeManager and its engines, as the other services reach them. Required."""
     nm_port: _builtins.int
+    """This NodeManager's gRPC port (1-65535); the Controller calls it at host:nm_port."""
     device_count: _builtins.int
+    """Accelerator devices on this node, split evenly among its engine ports; 0 = none."""
     node_rank: _builtins.int
     """Authoritative, 0 .. nnodes-1."""
     instance_id: _builtins.int
@@ -86,9 +111,15 @@ class RegisterRequest(_message.Message):
     pd_protocol: _common_pb2.PdProtocol.ValueType
     """The KV hand-off protocol the engines speak; UNSPECIFIED = from engine_type."""
     @_builtins.property
-    def ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Business (HTTP) ports of this node's engines, one per endpoint (DP rank). At least one, no
+        duplicates, each 1-65535; on a single-node instance at most parallel.dp of them.
+        """
+
     @_builtins.property
-    def parallel(self) -> _common_pb2.ParallelConfig: ...
+    def parallel(self) -> _common_pb2.ParallelConfig:
+        """Parallelism of the instance; the same in every registration of the job."""
+
     def __init__(
         self,
         *,
@@ -115,6 +146,8 @@ Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
 
 @_typing.final
 class RegisterResponse(_message.Message):
+    """The session a NodeManager uses on its Heartbeat stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
@@ -123,11 +156,23 @@ class RegisterResponse(_message.Message):
     ENGINE_RELAUNCH_ENABLED_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
+    """Identifies this registration; every Beat and EngineEvent carries it. New on every
+    Register.
+    """
     session_epoch: _builtins.int
+    """Random per registration; a stream presenting an older one is told to register again."""
     heartbeat_interval_ms: _builtins.int
+    """How often to send a beat, in milliseconds (controller.heartbeat_interval_s)."""
     engine_relaunch_enabled: _builtins.bool
+    """Whether the Controller relaunches dead engines in place; when true a NodeManager holds
+    back its suicide fallback after an acked death report. Currently always false: the
+    relaunch strategy is not built, so a node with broken engines exits and its pod restarts.
+    """
     instance_id: _builtins.int
-    """The instance this node belongs to (0 while its instance is still assembling)."""
+    """The instance this node belongs to (0 while its instance is still assembling). Set when a
+    re-register re-attached the node to a live instance; a new node learns its instance id
+    from StartEngines.
+    """
     def __init__(
         self,
         *,
@@ -156,10 +201,15 @@ class Beat(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
+    """From RegisterResponse."""
     session_epoch: _builtins.int
+    """From RegisterResponse."""
     seq: _builtins.int
+    """Increasing per NodeManager, shared with engine events; echoed in the Ack."""
     @_builtins.property
-    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]: ...
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
+        """Every endpoint of this node with its current status and pid."""
+
     def __init__(
         self,
         *,
@@ -190,13 +240,19 @@ class EngineEvent(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     SESSION_EPOCH_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
+    """Endpoint.id of the engine."""
     pid: _builtins.int
+    """The engine's process-group leader."""
     type: Global___EngineEventType.ValueType
+    """Dead or unhealthy."""
     detail: _builtins.str
+    """Human-readable cause, e.g. "exit code 1" or "killed by SIGKILL"."""
     seq: _builtins.int
+    """Increasing per NodeManager, shared with beats; echoed in the Ack."""
     node_id: _builtins.int
     """Identify the sender like a Beat does, so an event may open a stream."""
     session_epoch: _builtins.int
+    """From RegisterResponse, like node_id."""
     def __init__(
         self,
         *,
@@ -218,14 +274,20 @@ Global___EngineEvent: _TypeAlias = EngineEvent  # noqa: Y015
 
 @_typing.final
 class HeartbeatRequest(_message.Message):
+    """One message from a NodeManager on the Heartbeat stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     BEAT_FIELD_NUMBER: _builtins.int
     ENGINE_EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def beat(self) -> Global___Beat: ...
+    def beat(self) -> Global___Beat:
+        """A snapshot of the node's endpoints."""
+
     @_builtins.property
-    def engine_event(self) -> Global___EngineEvent: ...
+    def engine_event(self) -> Global___EngineEvent:
+        """An engine died or turned unhealthy."""
+
     def __init__(
         self,
         *,
@@ -244,10 +306,15 @@ Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 
 @_typing.final
 class Ack(_message.Message):
+    """Acknowledges one Beat or EngineEvent."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    """The seq of the message acknowledged. Acks come in order, so an ack of N covers every
+    message up to N.
+    """
     def __init__(
         self,
         *,
@@ -263,13 +330,18 @@ Global___Ack: _TypeAlias = Ack  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
+    """One message from the Controller on the Heartbeat stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ACK_FIELD_NUMBER: _builtins.int
     DIRECTIVE_FIELD_NUMBER: _builtins.int
     directive: Global___Directive.ValueType
+    """What the NodeManager must do."""
     @_builtins.property
-    def ack(self) -> Global___Ack: ...
+    def ack(self) -> Global___Ack:
+        """A beat or engine event was received."""
+
     def __init__(
         self,
         *,
@@ -288,11 +360,15 @@ Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
 class ReportAlarmsRequest(_message.Message):
+    """Alarms to store."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ALARMS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def alarms(self) -> _containers.RepeatedCompositeFieldContainer[_alarm_pb2.Alarm]: ...
+    def alarms(self) -> _containers.RepeatedCompositeFieldContainer[_alarm_pb2.Alarm]:
+        """Alarms, clears and events; their sequence is set by the store."""
+
     def __init__(
         self,
         *,
@@ -308,14 +384,23 @@ Global___ReportAlarmsRequest: _TypeAlias = ReportAlarmsRequest  # noqa: Y015
 
 @_typing.final
 class ReportAlarmsResponse(_message.Message):
+    """What reporting the alarms led to."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PRECISION_ALARM_CLEARED_FIELD_NUMBER: _builtins.int
     PRECISION_ALARM_CLEARED_BY_AUTO_RECOVERY_FIELD_NUMBER: _builtins.int
     SCHEDULER_STATE_CLEARED_FIELD_NUMBER: _builtins.int
     precision_alarm_cleared: _builtins.bool
+    """A precision alarm of the report was cleared."""
     precision_alarm_cleared_by_auto_recovery: _builtins.bool
+    """The precision alarm was cleared by the Controller's automatic recovery of the PD group
+    (controller.precision_auto_recovery_enabled).
+    """
     scheduler_state_cleared: _builtins.bool
+    """The Coordinator's precision state for the group was reset (its ClearPrecisionAlarm
+    succeeded).
+    """
     def __init__(
         self,
         *,
@@ -333,6 +418,8 @@ Global___ReportAlarmsResponse: _TypeAlias = ReportAlarmsResponse  # noqa: Y015
 
 @_typing.final
 class TerminateInstanceRequest(_message.Message):
+    """Which instance (or PD group) to terminate."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
@@ -340,9 +427,13 @@ class TerminateInstanceRequest(_message.Message):
     P_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PRECISION_ALARM_CLEAR_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.int
+    """The instance to terminate (the decode instance of a PD group). Required."""
     reason: _builtins.str
+    """Why, for logs and alarms."""
     p_instance_id: _builtins.int
+    """The prefill instance of the PD group, terminated after instance_id; 0 = only instance_id."""
     precision_alarm_clear: _builtins.bool
+    """Also clear the group's active precision alarm once the terminate succeeded."""
     def __init__(
         self,
         *,
@@ -361,6 +452,8 @@ Global___TerminateInstanceRequest: _TypeAlias = TerminateInstanceRequest  # noqa
 
 @_typing.final
 class TerminateInstanceResponse(_message.Message):
+    """What the terminate did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TERMINATED_FIELD_NUMBER: _builtins.int
@@ -368,9 +461,15 @@ class TerminateInstanceResponse(_message.Message):
     SCHEDULER_STATE_CLEARED_FIELD_NUMBER: _builtins.int
     MOI_FIELD_NUMBER: _builtins.int
     terminated: _builtins.bool
+    """Every NodeManager of the instance(s) accepted Stop."""
     precision_alarm_cleared: _builtins.bool
+    """The group's precision alarm was cleared."""
     scheduler_state_cleared: _builtins.bool
+    """The Coordinator's precision state for the group was reset (its ClearPrecisionAlarm
+    succeeded).
+    """
     moi: _builtins.str
+    """The moi of the cleared precision alarm; "" = none was cleared."""
     def __init__(
         self,
         *,
@@ -396,7 +495,11 @@ class ListInstancesRequest(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
+    """Only instances of this role; UNSPECIFIED = any."""
     status: _common_pb2.InstanceStatus.ValueType
+    """Only instances in this status; UNSPECIFIED = any live one. DELETED lists the most recently
+    deleted instances (up to 1000 are kept).
+    """
     def __init__(
         self,
         *,
@@ -413,11 +516,15 @@ Global___ListInstancesRequest: _TypeAlias = ListInstancesRequest  # noqa: Y015
 
 @_typing.final
 class ListInstancesResponse(_message.Message):
+    """The instances that matched."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """Sorted by id."""
+
     def __init__(
         self,
         *,
@@ -433,12 +540,16 @@ Global___ListInstancesResponse: _TypeAlias = ListInstancesResponse  # noqa: Y015
 
 @_typing.final
 class ListAlarmsRequest(_message.Message):
+    """Which alarms to list."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ACTIVE_ONLY_FIELD_NUMBER: _builtins.int
     ALARM_ID_FIELD_NUMBER: _builtins.int
     active_only: _builtins.bool
+    """Only alarms raised and not cleared yet; false = the whole (bounded) history."""
     alarm_id: _builtins.str
+    """Only alarms with this alarm_id; "" = any."""
     def __init__(
         self,
         *,
@@ -455,11 +566,15 @@ Global___ListAlarmsRequest: _TypeAlias = ListAlarmsRequest  # noqa: Y015
 
 @_typing.final
 class ListAlarmsResponse(_message.Message):
+    """The stored alarms that matched."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ALARMS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def alarms(self) -> _containers.RepeatedCompositeFieldContainer[_alarm_pb2.Alarm]: ...
+    def alarms(self) -> _containers.RepeatedCompositeFieldContainer[_alarm_pb2.Alarm]:
+        """The alarms that matched."""
+
     def __init__(
         self,
         *,
@@ -481,6 +596,7 @@ class WatchAlarmsRequest(_message.Message):
 
     AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     after_sequence: _builtins.int
+    """Replay the history after this sequence first; 0 = only alarms stored from now on."""
     def __init__(
         self,
         *,
@@ -496,11 +612,15 @@ Global___WatchAlarmsRequest: _TypeAlias = WatchAlarmsRequest  # noqa: Y015
 
 @_typing.final
 class WatchAlarmsResponse(_message.Message):
+    """One alarm on the WatchAlarms stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ALARM_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def alarm(self) -> _alarm_pb2.Alarm: ...
+    def alarm(self) -> _alarm_pb2.Alarm:
+        """The alarm, clear or event, with its sequence set."""
+
     def __init__(
         self,
         *,
@@ -522,6 +642,7 @@ class GetFaultToleranceStatusRequest(_message.Message):
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.int
+    """The instance to report on; 0 = all instances."""
     def __init__(
         self,
         *,
@@ -537,6 +658,8 @@ Global___GetFaultToleranceStatusRequest: _TypeAlias = GetFaultToleranceStatusReq
 
 @_typing.final
 class FaultToleranceEntry(_message.Message):
+    """What the fault manager knows and does about one instance."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
@@ -546,13 +669,23 @@ class FaultToleranceEntry(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.int
+    """The instance."""
     fault_level: _builtins.int
+    """The instance's fault level, the highest over its nodes: 0 = none, 1-6 = L1 (sub-health,
+    not handled) to L6 (separate device). Above 2 the instance is taken out of routing.
+    """
     strategy: _builtins.str
+    """Name of the running recovery strategy; "" = none."""
     phase: _builtins.str
+    """Phase of the running strategy; "" = none."""
     @_builtins.property
-    def history(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def history(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Earlier strategies and their outcomes, human-readable."""
+
     @_builtins.property
-    def since(self) -> _timestamp_pb2.Timestamp: ...
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """When the current fault level or strategy began."""
+
     def __init__(
         self,
         *,
@@ -573,11 +706,15 @@ Global___FaultToleranceEntry: _TypeAlias = FaultToleranceEntry  # noqa: Y015
 
 @_typing.final
 class GetFaultToleranceStatusResponse(_message.Message):
+    """Fault-tolerance state per instance."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___FaultToleranceEntry]: ...
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___FaultToleranceEntry]:
+        """One entry per instance asked for."""
+
     def __init__(
         self,
         *,

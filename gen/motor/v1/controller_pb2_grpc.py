@@ -28,6 +28,12 @@ if _version_not_supported:
 class ControllerStub:
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -81,10 +87,34 @@ class ControllerStub:
 class ControllerServicer:
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def Register(self, request, context):
         """A NodeManager announces itself; idempotent for a re-register carrying instance_id.
+
+        Registrations with the same job_name form one pending instance with a new id. Once it is
+        complete (parallel.dp engine ports, or dp × nnodes NodeManagers when nnodes > 1) and every
+        member answers GetStatus, the instance is assembled (INITIAL) and each NodeManager gets
+        StartEngines. A re-register carrying the instance_id of a live instance re-attaches the
+        NodeManager (new session; its engines keep running); an unknown or DELETED instance_id
+        counts as a new registration. The caller then opens Heartbeat with the returned node_id
+        and session_epoch.
+
+        Errors: INVALID_ARGUMENT for a missing or out-of-range job_name, role, model_name, host,
+        nm_port or ports, an unknown enum value, node_rank >= parallel.nnodes, or more ports than
+        parallel.dp on a single node. ALREADY_EXISTS (ErrorInfo reason JOB_ALREADY_ASSEMBLED) when
+        the job already has a live instance and this is not a re-register of one of its
+        NodeManagers, or (ErrorInfo reason DUPLICATE_REGISTRATION) when a live NodeManager already
+        holds this address, engine port or node_rank slot; NodeManagers retry both.
+        FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
+        protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
+        job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,43 +123,89 @@ class ControllerServicer:
     def Heartbeat(self, request_iterator, context):
         """Kept open by each NodeManager for its life: beats and engine events in, acks and
         directives out.
+
+        The first message (a beat or an engine event) must carry the node_id and session_epoch of
+        the caller's latest Register. A beat comes every heartbeat_interval_ms and at once on any
+        endpoint status change; an engine event the instant an engine dies or turns unhealthy. The
+        Controller acks each message by its seq, in order. No deadline: liveness comes from
+        keepalive and acks.
+
+        An unknown node_id or a stale session_epoch (sessions live in memory, so this is what
+        every stream sees after a Controller restart): the Controller sends DIRECTIVE_REREGISTER,
+        then ends the stream with FAILED_PRECONDITION (PreconditionFailure type STALE_SESSION,
+        subject "node/<id>"). A message that does not parse ends it with INVALID_ARGUMENT.
+
+        When no message has come from one of an instance's NodeManagers for
+        controller.instance_heartbeat_timeout_s (a broken stream starts that clock at once), the
+        instance becomes DELETED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportAlarms(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: Coordinators and other reporters send alarms, clears and events. The Controller
+        stores them (active alarms deduplicated: instance and coordinator alarms by alarm_id and
+        instance_id, precision alarms by moi), gives each a sequence, and passes them on to
+        WatchAlarms subscribers and to controller.alarm_webhook_url. With
+        controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
+        the PD group and clear the alarm.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TerminateInstance(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+        instance_id).
+
+        Contract: takes the instance out of routing and sends Stop to every one of its
+        NodeManagers (each stops its engines and exits, so its pod restarts). With p_instance_id
+        it terminates the PD group, decode first, then prefill. With precision_alarm_clear it then
+        clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
+        Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. An unknown
+        instance gets NOT_FOUND.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The instances the Controller knows, sorted by id, filtered by role and status.
+        INVALID_ARGUMENT for an enum value this server does not know.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListAlarms(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: the stored alarms (the bounded history, or only the active ones), optionally of
+        one alarm_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchAlarms(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: streams every alarm, clear and event as the store accepts it; with
+        after_sequence N > 0 it first replays the history after N. No deadline.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetFaultToleranceStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: what the fault manager is doing, per instance: its fault level and the running
+        recovery strategy with its phase and history.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -188,6 +264,12 @@ def add_ControllerServicer_to_server(servicer, server):
 class Controller:
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @staticmethod

@@ -29,6 +29,12 @@ GRPC_VERSION: str
 class ControllerStub:
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @_typing.overload
@@ -36,41 +42,195 @@ class ControllerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ControllerAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_controller_pb2.RegisterRequest, _controller_pb2.RegisterResponse]
-    """A NodeManager announces itself; idempotent for a re-register carrying instance_id."""
+    """A NodeManager announces itself; idempotent for a re-register carrying instance_id.
+
+    Registrations with the same job_name form one pending instance with a new id. Once it is
+    complete (parallel.dp engine ports, or dp × nnodes NodeManagers when nnodes > 1) and every
+    member answers GetStatus, the instance is assembled (INITIAL) and each NodeManager gets
+    StartEngines. A re-register carrying the instance_id of a live instance re-attaches the
+    NodeManager (new session; its engines keep running); an unknown or DELETED instance_id
+    counts as a new registration. The caller then opens Heartbeat with the returned node_id
+    and session_epoch.
+
+    Errors: INVALID_ARGUMENT for a missing or out-of-range job_name, role, model_name, host,
+    nm_port or ports, an unknown enum value, node_rank >= parallel.nnodes, or more ports than
+    parallel.dp on a single node. ALREADY_EXISTS (ErrorInfo reason JOB_ALREADY_ASSEMBLED) when
+    the job already has a live instance and this is not a re-register of one of its
+    NodeManagers, or (ErrorInfo reason DUPLICATE_REGISTRATION) when a live NodeManager already
+    holds this address, engine port or node_rank slot; NodeManagers retry both.
+    FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
+    protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
+    job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+    """
     Heartbeat: _grpc.StreamStreamMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]
     """Kept open by each NodeManager for its life: beats and engine events in, acks and
     directives out.
+
+    The first message (a beat or an engine event) must carry the node_id and session_epoch of
+    the caller's latest Register. A beat comes every heartbeat_interval_ms and at once on any
+    endpoint status change; an engine event the instant an engine dies or turns unhealthy. The
+    Controller acks each message by its seq, in order. No deadline: liveness comes from
+    keepalive and acks.
+
+    An unknown node_id or a stale session_epoch (sessions live in memory, so this is what
+    every stream sees after a Controller restart): the Controller sends DIRECTIVE_REREGISTER,
+    then ends the stream with FAILED_PRECONDITION (PreconditionFailure type STALE_SESSION,
+    subject "node/<id>"). A message that does not parse ends it with INVALID_ARGUMENT.
+
+    When no message has come from one of an instance's NodeManagers for
+    controller.instance_heartbeat_timeout_s (a broken stream starts that clock at once), the
+    instance becomes DELETED.
     """
     ReportAlarms: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportAlarmsRequest, _controller_pb2.ReportAlarmsResponse]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: Coordinators and other reporters send alarms, clears and events. The Controller
+    stores them (active alarms deduplicated: instance and coordinator alarms by alarm_id and
+    instance_id, precision alarms by moi), gives each a sequence, and passes them on to
+    WatchAlarms subscribers and to controller.alarm_webhook_url. With
+    controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
+    the PD group and clear the alarm.
+    """
     TerminateInstance: _grpc.UnaryUnaryMultiCallable[_controller_pb2.TerminateInstanceRequest, _controller_pb2.TerminateInstanceResponse]
+    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+    instance_id).
+
+    Contract: takes the instance out of routing and sends Stop to every one of its
+    NodeManagers (each stops its engines and exits, so its pod restarts). With p_instance_id
+    it terminates the PD group, decode first, then prefill. With precision_alarm_clear it then
+    clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
+    Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. An unknown
+    instance gets NOT_FOUND.
+    """
     ListInstances: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListInstancesRequest, _controller_pb2.ListInstancesResponse]
+    """The instances the Controller knows, sorted by id, filtered by role and status.
+    INVALID_ARGUMENT for an enum value this server does not know.
+    """
     ListAlarms: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListAlarmsRequest, _controller_pb2.ListAlarmsResponse]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: the stored alarms (the bounded history, or only the active ones), optionally of
+    one alarm_id.
+    """
     WatchAlarms: _grpc.UnaryStreamMultiCallable[_controller_pb2.WatchAlarmsRequest, _controller_pb2.WatchAlarmsResponse]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: streams every alarm, clear and event as the store accepts it; with
+    after_sequence N > 0 it first replays the history after N. No deadline.
+    """
     GetFaultToleranceStatus: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetFaultToleranceStatusRequest, _controller_pb2.GetFaultToleranceStatusResponse]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: what the fault manager is doing, per instance: its fault level and the running
+    recovery strategy with its phase and history.
+    """
 
 @_typing.type_check_only
 class ControllerAsyncStub(ControllerStub):
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_controller_pb2.RegisterRequest, _controller_pb2.RegisterResponse]  # type: ignore[assignment]
-    """A NodeManager announces itself; idempotent for a re-register carrying instance_id."""
+    """A NodeManager announces itself; idempotent for a re-register carrying instance_id.
+
+    Registrations with the same job_name form one pending instance with a new id. Once it is
+    complete (parallel.dp engine ports, or dp × nnodes NodeManagers when nnodes > 1) and every
+    member answers GetStatus, the instance is assembled (INITIAL) and each NodeManager gets
+    StartEngines. A re-register carrying the instance_id of a live instance re-attaches the
+    NodeManager (new session; its engines keep running); an unknown or DELETED instance_id
+    counts as a new registration. The caller then opens Heartbeat with the returned node_id
+    and session_epoch.
+
+    Errors: INVALID_ARGUMENT for a missing or out-of-range job_name, role, model_name, host,
+    nm_port or ports, an unknown enum value, node_rank >= parallel.nnodes, or more ports than
+    parallel.dp on a single node. ALREADY_EXISTS (ErrorInfo reason JOB_ALREADY_ASSEMBLED) when
+    the job already has a live instance and this is not a re-register of one of its
+    NodeManagers, or (ErrorInfo reason DUPLICATE_REGISTRATION) when a live NodeManager already
+    holds this address, engine port or node_rank slot; NodeManagers retry both.
+    FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
+    protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
+    job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+    """
     Heartbeat: _aio.StreamStreamMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Kept open by each NodeManager for its life: beats and engine events in, acks and
     directives out.
+
+    The first message (a beat or an engine event) must carry the node_id and session_epoch of
+    the caller's latest Register. A beat comes every heartbeat_interval_ms and at once on any
+    endpoint status change; an engine event the instant an engine dies or turns unhealthy. The
+    Controller acks each message by its seq, in order. No deadline: liveness comes from
+    keepalive and acks.
+
+    An unknown node_id or a stale session_epoch (sessions live in memory, so this is what
+    every stream sees after a Controller restart): the Controller sends DIRECTIVE_REREGISTER,
+    then ends the stream with FAILED_PRECONDITION (PreconditionFailure type STALE_SESSION,
+    subject "node/<id>"). A message that does not parse ends it with INVALID_ARGUMENT.
+
+    When no message has come from one of an instance's NodeManagers for
+    controller.instance_heartbeat_timeout_s (a broken stream starts that clock at once), the
+    instance becomes DELETED.
     """
     ReportAlarms: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportAlarmsRequest, _controller_pb2.ReportAlarmsResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: Coordinators and other reporters send alarms, clears and events. The Controller
+    stores them (active alarms deduplicated: instance and coordinator alarms by alarm_id and
+    instance_id, precision alarms by moi), gives each a sequence, and passes them on to
+    WatchAlarms subscribers and to controller.alarm_webhook_url. With
+    controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
+    the PD group and clear the alarm.
+    """
     TerminateInstance: _aio.UnaryUnaryMultiCallable[_controller_pb2.TerminateInstanceRequest, _controller_pb2.TerminateInstanceResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+    instance_id).
+
+    Contract: takes the instance out of routing and sends Stop to every one of its
+    NodeManagers (each stops its engines and exits, so its pod restarts). With p_instance_id
+    it terminates the PD group, decode first, then prefill. With precision_alarm_clear it then
+    clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
+    Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. An unknown
+    instance gets NOT_FOUND.
+    """
     ListInstances: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListInstancesRequest, _controller_pb2.ListInstancesResponse]  # type: ignore[assignment]
+    """The instances the Controller knows, sorted by id, filtered by role and status.
+    INVALID_ARGUMENT for an enum value this server does not know.
+    """
     ListAlarms: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListAlarmsRequest, _controller_pb2.ListAlarmsResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: the stored alarms (the bounded history, or only the active ones), optionally of
+    one alarm_id.
+    """
     WatchAlarms: _aio.UnaryStreamMultiCallable[_controller_pb2.WatchAlarmsRequest, _controller_pb2.WatchAlarmsResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: streams every alarm, clear and event as the store accepts it; with
+    after_sequence N > 0 it first replays the history after N. No deadline.
+    """
     GetFaultToleranceStatus: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetFaultToleranceStatusRequest, _controller_pb2.GetFaultToleranceStatusResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED.
+
+    Contract: what the fault manager is doing, per instance: its fault level and the running
+    recovery strategy with its phase and history.
+    """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
     """The cluster Controller: assembles NodeManager registrations into instances, watches
     heartbeats, recovers from faults, stores alarms and feeds the Coordinators.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @_abc_1.abstractmethod
@@ -79,7 +239,26 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.RegisterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.RegisterResponse, _abc.Awaitable[_controller_pb2.RegisterResponse]]:
-        """A NodeManager announces itself; idempotent for a re-register carrying instance_id."""
+        """A NodeManager announces itself; idempotent for a re-register carrying instance_id.
+
+        Registrations with the same job_name form one pending instance with a new id. Once it is
+        complete (parallel.dp engine ports, or dp × nnodes NodeManagers when nnodes > 1) and every
+        member answers GetStatus, the instance is assembled (INITIAL) and each NodeManager gets
+        StartEngines. A re-register carrying the instance_id of a live instance re-attaches the
+        NodeManager (new session; its engines keep running); an unknown or DELETED instance_id
+        counts as a new registration. The caller then opens Heartbeat with the returned node_id
+        and session_epoch.
+
+        Errors: INVALID_ARGUMENT for a missing or out-of-range job_name, role, model_name, host,
+        nm_port or ports, an unknown enum value, node_rank >= parallel.nnodes, or more ports than
+        parallel.dp on a single node. ALREADY_EXISTS (ErrorInfo reason JOB_ALREADY_ASSEMBLED) when
+        the job already has a live instance and this is not a re-register of one of its
+        NodeManagers, or (ErrorInfo reason DUPLICATE_REGISTRATION) when a live NodeManager already
+        holds this address, engine port or node_rank slot; NodeManagers retry both.
+        FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
+        protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
+        job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+        """
 
     @_abc_1.abstractmethod
     def Heartbeat(
@@ -89,6 +268,21 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_controller_pb2.HeartbeatResponse], _abc.AsyncIterator[_controller_pb2.HeartbeatResponse]]:
         """Kept open by each NodeManager for its life: beats and engine events in, acks and
         directives out.
+
+        The first message (a beat or an engine event) must carry the node_id and session_epoch of
+        the caller's latest Register. A beat comes every heartbeat_interval_ms and at once on any
+        endpoint status change; an engine event the instant an engine dies or turns unhealthy. The
+        Controller acks each message by its seq, in order. No deadline: liveness comes from
+        keepalive and acks.
+
+        An unknown node_id or a stale session_epoch (sessions live in memory, so this is what
+        every stream sees after a Controller restart): the Controller sends DIRECTIVE_REREGISTER,
+        then ends the stream with FAILED_PRECONDITION (PreconditionFailure type STALE_SESSION,
+        subject "node/<id>"). A message that does not parse ends it with INVALID_ARGUMENT.
+
+        When no message has come from one of an instance's NodeManagers for
+        controller.instance_heartbeat_timeout_s (a broken stream starts that clock at once), the
+        instance becomes DELETED.
         """
 
     @_abc_1.abstractmethod
@@ -96,41 +290,78 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _controller_pb2.ReportAlarmsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.ReportAlarmsResponse, _abc.Awaitable[_controller_pb2.ReportAlarmsResponse]]: ...
+    ) -> _typing.Union[_controller_pb2.ReportAlarmsResponse, _abc.Awaitable[_controller_pb2.ReportAlarmsResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: Coordinators and other reporters send alarms, clears and events. The Controller
+        stores them (active alarms deduplicated: instance and coordinator alarms by alarm_id and
+        instance_id, precision alarms by moi), gives each a sequence, and passes them on to
+        WatchAlarms subscribers and to controller.alarm_webhook_url. With
+        controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
+        the PD group and clear the alarm.
+        """
 
     @_abc_1.abstractmethod
     def TerminateInstance(
         self,
         request: _controller_pb2.TerminateInstanceRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.TerminateInstanceResponse, _abc.Awaitable[_controller_pb2.TerminateInstanceResponse]]: ...
+    ) -> _typing.Union[_controller_pb2.TerminateInstanceResponse, _abc.Awaitable[_controller_pb2.TerminateInstanceResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+        instance_id).
+
+        Contract: takes the instance out of routing and sends Stop to every one of its
+        NodeManagers (each stops its engines and exits, so its pod restarts). With p_instance_id
+        it terminates the PD group, decode first, then prefill. With precision_alarm_clear it then
+        clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
+        Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. An unknown
+        instance gets NOT_FOUND.
+        """
 
     @_abc_1.abstractmethod
     def ListInstances(
         self,
         request: _controller_pb2.ListInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.ListInstancesResponse, _abc.Awaitable[_controller_pb2.ListInstancesResponse]]: ...
+    ) -> _typing.Union[_controller_pb2.ListInstancesResponse, _abc.Awaitable[_controller_pb2.ListInstancesResponse]]:
+        """The instances the Controller knows, sorted by id, filtered by role and status.
+        INVALID_ARGUMENT for an enum value this server does not know.
+        """
 
     @_abc_1.abstractmethod
     def ListAlarms(
         self,
         request: _controller_pb2.ListAlarmsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.ListAlarmsResponse, _abc.Awaitable[_controller_pb2.ListAlarmsResponse]]: ...
+    ) -> _typing.Union[_controller_pb2.ListAlarmsResponse, _abc.Awaitable[_controller_pb2.ListAlarmsResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: the stored alarms (the bounded history, or only the active ones), optionally of
+        one alarm_id.
+        """
 
     @_abc_1.abstractmethod
     def WatchAlarms(
         self,
         request: _controller_pb2.WatchAlarmsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_controller_pb2.WatchAlarmsResponse], _abc.AsyncIterator[_controller_pb2.WatchAlarmsResponse]]: ...
+    ) -> _typing.Union[_abc.Iterator[_controller_pb2.WatchAlarmsResponse], _abc.AsyncIterator[_controller_pb2.WatchAlarmsResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: streams every alarm, clear and event as the store accepts it; with
+        after_sequence N > 0 it first replays the history after N. No deadline.
+        """
 
     @_abc_1.abstractmethod
     def GetFaultToleranceStatus(
         self,
         request: _controller_pb2.GetFaultToleranceStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.GetFaultToleranceStatusResponse, _abc.Awaitable[_controller_pb2.GetFaultToleranceStatusResponse]]: ...
+    ) -> _typing.Union[_controller_pb2.GetFaultToleranceStatusResponse, _abc.Awaitable[_controller_pb2.GetFaultToleranceStatusResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED.
+
+        Contract: what the fault manager is doing, per instance: its fault level and the running
+        recovery strategy with its phase and history.
+        """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

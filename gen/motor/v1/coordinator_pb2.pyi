@@ -21,11 +21,15 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class SetInstancesRequest(_message.Message):
+    """The whole new table."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """Every instance the table holds afterwards; ids unique. Status UNSPECIFIED is stored ACTIVE."""
+
     def __init__(
         self,
         *,
@@ -41,6 +45,8 @@ Global___SetInstancesRequest: _TypeAlias = SetInstancesRequest  # noqa: Y015
 
 @_typing.final
 class SetInstancesResponse(_message.Message):
+    """The table after SetInstances."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
@@ -49,6 +55,7 @@ class SetInstancesResponse(_message.Message):
     revision: _builtins.int
     """Goes up by 1 only when the table changes."""
     instance_count: _builtins.int
+    """Instances in the table, in any group."""
     incarnation: _builtins.str
     """Random per Coordinator start."""
     def __init__(
@@ -68,11 +75,15 @@ Global___SetInstancesResponse: _TypeAlias = SetInstancesResponse  # noqa: Y015
 
 @_typing.final
 class AddInstancesRequest(_message.Message):
+    """Instances to add."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """Instances to add; ids unique. Status UNSPECIFIED is stored ACTIVE."""
+
     def __init__(
         self,
         *,
@@ -88,14 +99,19 @@ Global___AddInstancesRequest: _TypeAlias = AddInstancesRequest  # noqa: Y015
 
 @_typing.final
 class AddInstancesResponse(_message.Message):
+    """The table after AddInstances."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
     INSTANCE_COUNT_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    """Goes up by 1 only when the table changes."""
     instance_count: _builtins.int
+    """Instances in the table, in any group."""
     incarnation: _builtins.str
+    """Random per Coordinator start."""
     def __init__(
         self,
         *,
@@ -119,7 +135,11 @@ class DeleteInstancesRequest(_message.Message):
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """The instances to remove. Only id (required), role, job_name and the endpoints' host and
+        port are read.
+        """
+
     def __init__(
         self,
         *,
@@ -135,14 +155,19 @@ Global___DeleteInstancesRequest: _TypeAlias = DeleteInstancesRequest  # noqa: Y0
 
 @_typing.final
 class DeleteInstancesResponse(_message.Message):
+    """The table after DeleteInstances."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
     INSTANCE_COUNT_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    """Goes up by 1 only when the table changes."""
     instance_count: _builtins.int
+    """Instances in the table, in any group."""
     incarnation: _builtins.str
+    """Random per Coordinator start."""
     def __init__(
         self,
         *,
@@ -160,11 +185,15 @@ Global___DeleteInstancesResponse: _TypeAlias = DeleteInstancesResponse  # noqa: 
 
 @_typing.final
 class PauseInstancesRequest(_message.Message):
+    """Instances to pause."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Instance ids, non-zero and unique."""
+
     def __init__(
         self,
         *,
@@ -180,14 +209,19 @@ Global___PauseInstancesRequest: _TypeAlias = PauseInstancesRequest  # noqa: Y015
 
 @_typing.final
 class PauseInstancesResponse(_message.Message):
+    """The table after PauseInstances."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
     INSTANCE_COUNT_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    """Goes up by 1 only when the table changes."""
     instance_count: _builtins.int
+    """Instances in the table, in any group."""
     incarnation: _builtins.str
+    """Random per Coordinator start."""
     def __init__(
         self,
         *,
@@ -205,11 +239,15 @@ Global___PauseInstancesResponse: _TypeAlias = PauseInstancesResponse  # noqa: Y0
 
 @_typing.final
 class ResumeInstancesRequest(_message.Message):
+    """Instances to resume."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Instance ids, non-zero and unique."""
+
     def __init__(
         self,
         *,
@@ -225,14 +263,19 @@ Global___ResumeInstancesRequest: _TypeAlias = ResumeInstancesRequest  # noqa: Y0
 
 @_typing.final
 class ResumeInstancesResponse(_message.Message):
+    """The table after ResumeInstances."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
     INSTANCE_COUNT_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    """Goes up by 1 only when the table changes."""
     instance_count: _builtins.int
+    """Instances in the table, in any group."""
     incarnation: _builtins.str
+    """Random per Coordinator start."""
     def __init__(
         self,
         *,
@@ -250,6 +293,8 @@ Global___ResumeInstancesResponse: _TypeAlias = ResumeInstancesResponse  # noqa: 
 
 @_typing.final
 class CoordinatorListInstancesRequest(_message.Message):
+    """No fields: the whole table is returned."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -265,6 +310,8 @@ Global___CoordinatorListInstancesRequest: _TypeAlias = CoordinatorListInstancesR
 
 @_typing.final
 class CoordinatorListInstancesResponse(_message.Message):
+    """The table, each group sorted by id."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AVAILABLE_FIELD_NUMBER: _builtins.int
@@ -273,13 +320,21 @@ class CoordinatorListInstancesResponse(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    """Goes up by 1 only when the table changes."""
     incarnation: _builtins.str
+    """Random per Coordinator start; a new value means the Coordinator restarted."""
     @_builtins.property
-    def available(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def available(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """ACTIVE and not paused: routed to."""
+
     @_builtins.property
-    def unavailable(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def unavailable(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """Neither available nor paused (e.g. INITIAL or INACTIVE): held, not routed to."""
+
     @_builtins.property
-    def paused(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]: ...
+    def paused(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
+        """Paused by PauseInstances or stored with status PAUSED: held, not routed to."""
+
     def __init__(
         self,
         *,
@@ -306,7 +361,9 @@ class ClearPrecisionAlarmRequest(_message.Message):
     D_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     P_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     d_instance_id: _builtins.int
+    """The decode instance of the PD group. Required."""
     p_instance_id: _builtins.int
+    """The prefill instance of the PD group; 0 = not given (d_instance_id alone names it)."""
     def __init__(
         self,
         *,
@@ -323,10 +380,13 @@ Global___ClearPrecisionAlarmRequest: _TypeAlias = ClearPrecisionAlarmRequest  # 
 
 @_typing.final
 class ClearPrecisionAlarmResponse(_message.Message):
+    """What ClearPrecisionAlarm did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     DISMISSED_FIELD_NUMBER: _builtins.int
     dismissed: _builtins.bool
+    """The Coordinator held precision state for the group and dropped it."""
     def __init__(
         self,
         *,

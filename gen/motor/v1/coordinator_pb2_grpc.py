@@ -28,6 +28,20 @@ if _version_not_supported:
 class CoordinatorStub:
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -76,41 +90,81 @@ class CoordinatorStub:
 class CoordinatorServicer:
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def SetInstances(self, request, context):
         """Replace the whole table.
+
+        The request is authoritative, pause flags included: an instance is paused exactly when it
+        is sent with status PAUSED. Sending the same table again changes nothing (same revision).
+        INVALID_ARGUMENT (BadRequest with paths like `instances[0].endpoints[1].port`) when an
+        instance lacks id, role, model_name or an endpoint that is not headless, has an endpoint
+        without host, with a port outside 1-65535 or listed twice, is an SGLang prefill instance
+        with an endpoint lacking bootstrap_port, has an unknown enum value, or when two instances
+        share an id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AddInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Add instances to the table, checked like SetInstances.
+
+        An id already held by the same identity (role, job_name, set of endpoint host:port) is a
+        success that changes nothing; held by a different identity it gets ALREADY_EXISTS (ErrorInfo
+        reason INSTANCE_ID_CONFLICT).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Remove instances from the table by id.
+
+        INVALID_ARGUMENT for a missing or repeated id; NOT_FOUND (ResourceInfo) for an id the table
+        does not hold; FAILED_PRECONDITION (PreconditionFailure type INSTANCE_IDENTITY_MISMATCH)
+        when a role, job_name or endpoint set given differs from the stored instance.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PauseInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stop routing to instances without removing them: they move to the paused group. Pausing
+        a paused instance changes nothing. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND
+        for an id the table does not hold.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ResumeInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Clear the pause flag set by PauseInstances; an instance stored with status PAUSED becomes
+        ACTIVE. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND for an id the table does not
+        hold.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """The message names are public (they predate this lint rule) and keep their prefix.
+        """The table in three groups (available, unavailable, paused) with its revision.
+
+        The message names are public (they predate this lint rule) and keep their prefix.
         buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
@@ -119,7 +173,13 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearPrecisionAlarm(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+        d_instance_id).
+
+        Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
+        recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
+        precision-detection state for the group and samples it afresh.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -173,6 +233,20 @@ def add_CoordinatorServicer_to_server(servicer, server):
 class Coordinator:
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @staticmethod

@@ -29,6 +29,20 @@ GRPC_VERSION: str
 class CoordinatorStub:
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @_typing.overload
@@ -36,41 +50,145 @@ class CoordinatorStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> CoordinatorAsyncStub: ...
     SetInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetInstancesRequest, _coordinator_pb2.SetInstancesResponse]
-    """Replace the whole table."""
+    """Replace the whole table.
+
+    The request is authoritative, pause flags included: an instance is paused exactly when it
+    is sent with status PAUSED. Sending the same table again changes nothing (same revision).
+    INVALID_ARGUMENT (BadRequest with paths like `instances[0].endpoints[1].port`) when an
+    instance lacks id, role, model_name or an endpoint that is not headless, has an endpoint
+    without host, with a port outside 1-65535 or listed twice, is an SGLang prefill instance
+    with an endpoint lacking bootstrap_port, has an unknown enum value, or when two instances
+    share an id.
+    """
     AddInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AddInstancesRequest, _coordinator_pb2.AddInstancesResponse]
+    """Add instances to the table, checked like SetInstances.
+
+    An id already held by the same identity (role, job_name, set of endpoint host:port) is a
+    success that changes nothing; held by a different identity it gets ALREADY_EXISTS (ErrorInfo
+    reason INSTANCE_ID_CONFLICT).
+    """
     DeleteInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteInstancesRequest, _coordinator_pb2.DeleteInstancesResponse]
+    """Remove instances from the table by id.
+
+    INVALID_ARGUMENT for a missing or repeated id; NOT_FOUND (ResourceInfo) for an id the table
+    does not hold; FAILED_PRECONDITION (PreconditionFailure type INSTANCE_IDENTITY_MISMATCH)
+    when a role, job_name or endpoint set given differs from the stored instance.
+    """
     PauseInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PauseInstancesRequest, _coordinator_pb2.PauseInstancesResponse]
+    """Stop routing to instances without removing them: they move to the paused group. Pausing
+    a paused instance changes nothing. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND
+    for an id the table does not hold.
+    """
     ResumeInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeInstancesRequest, _coordinator_pb2.ResumeInstancesResponse]
+    """Clear the pause flag set by PauseInstances; an instance stored with status PAUSED becomes
+    ACTIVE. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND for an id the table does not
+    hold.
+    """
     ListInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorListInstancesRequest, _coordinator_pb2.CoordinatorListInstancesResponse]
-    """The message names are public (they predate this lint rule) and keep their prefix.
+    """The table in three groups (available, unavailable, paused) with its revision.
+
+    The message names are public (they predate this lint rule) and keep their prefix.
     buf:lint:ignore RPC_REQUEST_STANDARD_NAME
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ClearPrecisionAlarm: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ClearPrecisionAlarmRequest, _coordinator_pb2.ClearPrecisionAlarmResponse]
+    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+    d_instance_id).
+
+    Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
+    recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
+    precision-detection state for the group and samples it afresh.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     SetInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetInstancesRequest, _coordinator_pb2.SetInstancesResponse]  # type: ignore[assignment]
-    """Replace the whole table."""
+    """Replace the whole table.
+
+    The request is authoritative, pause flags included: an instance is paused exactly when it
+    is sent with status PAUSED. Sending the same table again changes nothing (same revision).
+    INVALID_ARGUMENT (BadRequest with paths like `instances[0].endpoints[1].port`) when an
+    instance lacks id, role, model_name or an endpoint that is not headless, has an endpoint
+    without host, with a port outside 1-65535 or listed twice, is an SGLang prefill instance
+    with an endpoint lacking bootstrap_port, has an unknown enum value, or when two instances
+    share an id.
+    """
     AddInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AddInstancesRequest, _coordinator_pb2.AddInstancesResponse]  # type: ignore[assignment]
+    """Add instances to the table, checked like SetInstances.
+
+    An id already held by the same identity (role, job_name, set of endpoint host:port) is a
+    success that changes nothing; held by a different identity it gets ALREADY_EXISTS (ErrorInfo
+    reason INSTANCE_ID_CONFLICT).
+    """
     DeleteInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DeleteInstancesRequest, _coordinator_pb2.DeleteInstancesResponse]  # type: ignore[assignment]
+    """Remove instances from the table by id.
+
+    INVALID_ARGUMENT for a missing or repeated id; NOT_FOUND (ResourceInfo) for an id the table
+    does not hold; FAILED_PRECONDITION (PreconditionFailure type INSTANCE_IDENTITY_MISMATCH)
+    when a role, job_name or endpoint set given differs from the stored instance.
+    """
     PauseInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PauseInstancesRequest, _coordinator_pb2.PauseInstancesResponse]  # type: ignore[assignment]
+    """Stop routing to instances without removing them: they move to the paused group. Pausing
+    a paused instance changes nothing. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND
+    for an id the table does not hold.
+    """
     ResumeInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeInstancesRequest, _coordinator_pb2.ResumeInstancesResponse]  # type: ignore[assignment]
+    """Clear the pause flag set by PauseInstances; an instance stored with status PAUSED becomes
+    ACTIVE. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND for an id the table does not
+    hold.
+    """
     ListInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorListInstancesRequest, _coordinator_pb2.CoordinatorListInstancesResponse]  # type: ignore[assignment]
-    """The message names are public (they predate this lint rule) and keep their prefix.
+    """The table in three groups (available, unavailable, paused) with its revision.
+
+    The message names are public (they predate this lint rule) and keep their prefix.
     buf:lint:ignore RPC_REQUEST_STANDARD_NAME
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ClearPrecisionAlarm: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ClearPrecisionAlarmRequest, _coordinator_pb2.ClearPrecisionAlarmResponse]  # type: ignore[assignment]
+    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+    d_instance_id).
+
+    Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
+    recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
+    precision-detection state for the group and samples it afresh.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """Management plane of the Coordinator: the routable instance table. Every instance-set
     request is all-or-nothing.
+
+    The Coordinator's inference HTTP server routes from this table. The Controller keeps it
+    equal to its own ACTIVE and PAUSED instances: a full SetInstances when it starts, when the
+    Coordinator comes back or restarts (new incarnation), after a failed incremental call and
+    every controller.coordinator_set_sync_interval_s; Add, Delete, Pause and Resume for single
+    changes. A refused request names the first bad `instances[i]` and changes nothing. A write
+    answers only once routing and the health status of service "" (routable) follow it. Every
+    response carries the table's revision and the Coordinator's incarnation.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @_abc_1.abstractmethod
@@ -79,35 +197,64 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.SetInstancesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SetInstancesResponse, _abc.Awaitable[_coordinator_pb2.SetInstancesResponse]]:
-        """Replace the whole table."""
+        """Replace the whole table.
+
+        The request is authoritative, pause flags included: an instance is paused exactly when it
+        is sent with status PAUSED. Sending the same table again changes nothing (same revision).
+        INVALID_ARGUMENT (BadRequest with paths like `instances[0].endpoints[1].port`) when an
+        instance lacks id, role, model_name or an endpoint that is not headless, has an endpoint
+        without host, with a port outside 1-65535 or listed twice, is an SGLang prefill instance
+        with an endpoint lacking bootstrap_port, has an unknown enum value, or when two instances
+        share an id.
+        """
 
     @_abc_1.abstractmethod
     def AddInstances(
         self,
         request: _coordinator_pb2.AddInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.AddInstancesResponse, _abc.Awaitable[_coordinator_pb2.AddInstancesResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.AddInstancesResponse, _abc.Awaitable[_coordinator_pb2.AddInstancesResponse]]:
+        """Add instances to the table, checked like SetInstances.
+
+        An id already held by the same identity (role, job_name, set of endpoint host:port) is a
+        success that changes nothing; held by a different identity it gets ALREADY_EXISTS (ErrorInfo
+        reason INSTANCE_ID_CONFLICT).
+        """
 
     @_abc_1.abstractmethod
     def DeleteInstances(
         self,
         request: _coordinator_pb2.DeleteInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.DeleteInstancesResponse, _abc.Awaitable[_coordinator_pb2.DeleteInstancesResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.DeleteInstancesResponse, _abc.Awaitable[_coordinator_pb2.DeleteInstancesResponse]]:
+        """Remove instances from the table by id.
+
+        INVALID_ARGUMENT for a missing or repeated id; NOT_FOUND (ResourceInfo) for an id the table
+        does not hold; FAILED_PRECONDITION (PreconditionFailure type INSTANCE_IDENTITY_MISMATCH)
+        when a role, job_name or endpoint set given differs from the stored instance.
+        """
 
     @_abc_1.abstractmethod
     def PauseInstances(
         self,
         request: _coordinator_pb2.PauseInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.PauseInstancesResponse, _abc.Awaitable[_coordinator_pb2.PauseInstancesResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.PauseInstancesResponse, _abc.Awaitable[_coordinator_pb2.PauseInstancesResponse]]:
+        """Stop routing to instances without removing them: they move to the paused group. Pausing
+        a paused instance changes nothing. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND
+        for an id the table does not hold.
+        """
 
     @_abc_1.abstractmethod
     def ResumeInstances(
         self,
         request: _coordinator_pb2.ResumeInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.ResumeInstancesResponse, _abc.Awaitable[_coordinator_pb2.ResumeInstancesResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.ResumeInstancesResponse, _abc.Awaitable[_coordinator_pb2.ResumeInstancesResponse]]:
+        """Clear the pause flag set by PauseInstances; an instance stored with status PAUSED becomes
+        ACTIVE. INVALID_ARGUMENT for a zero or repeated id; NOT_FOUND for an id the table does not
+        hold.
+        """
 
     @_abc_1.abstractmethod
     def ListInstances(
@@ -115,7 +262,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CoordinatorListInstancesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CoordinatorListInstancesResponse, _abc.Awaitable[_coordinator_pb2.CoordinatorListInstancesResponse]]:
-        """The message names are public (they predate this lint rule) and keep their prefix.
+        """The table in three groups (available, unavailable, paused) with its revision.
+
+        The message names are public (they predate this lint rule) and keep their prefix.
         buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
@@ -125,6 +274,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _coordinator_pb2.ClearPrecisionAlarmRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.ClearPrecisionAlarmResponse, _abc.Awaitable[_coordinator_pb2.ClearPrecisionAlarmResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.ClearPrecisionAlarmResponse, _abc.Awaitable[_coordinator_pb2.ClearPrecisionAlarmResponse]]:
+        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
+        d_instance_id).
+
+        Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
+        recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
+        precision-detection state for the group and samples it afresh.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -28,18 +28,27 @@ class _RestartAction:
 class _RestartActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RestartAction.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RESTART_ACTION_UNSPECIFIED: _RestartAction.ValueType  # 0
+    """Not set: refused with INVALID_ARGUMENT."""
     RESTART_ACTION_RESTART: _RestartAction.ValueType  # 1
+    """Stop the engines and relaunch them with the recorded start command."""
     RESTART_ACTION_ABORT: _RestartAction.ValueType  # 2
+    """Give up on relaunching: lift the hold on the suicide fallback."""
 
-class RestartAction(_RestartAction, metaclass=_RestartActionEnumTypeWrapper): ...
+class RestartAction(_RestartAction, metaclass=_RestartActionEnumTypeWrapper):
+    """What RestartEngines should do."""
 
 RESTART_ACTION_UNSPECIFIED: RestartAction.ValueType  # 0
+"""Not set: refused with INVALID_ARGUMENT."""
 RESTART_ACTION_RESTART: RestartAction.ValueType  # 1
+"""Stop the engines and relaunch them with the recorded start command."""
 RESTART_ACTION_ABORT: RestartAction.ValueType  # 2
+"""Give up on relaunching: lift the hold on the suicide fallback."""
 Global___RestartAction: _TypeAlias = RestartAction  # noqa: Y015
 
 @_typing.final
 class StartEnginesRequest(_message.Message):
+    """The engines this node must run, from the Controller once the instance is assembled."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_NAME_FIELD_NUMBER: _builtins.int
@@ -50,13 +59,19 @@ class StartEnginesRequest(_message.Message):
     NODE_RANK_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
+    """Must be this node's job name (when it has one). Required."""
     instance_id: _builtins.int
+    """The instance the engines serve (vLLM gets it as the KV `engine_id`). Required."""
     role: _common_pb2.Role.ValueType
+    """Must be this node's role. Required."""
     master_host: _builtins.str
     """DP master."""
     node_rank: _builtins.int
+    """This node's rank inside the instance, 0 .. parallel.nnodes-1."""
     @_builtins.property
-    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]: ...
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
+        """One per engine port of this node, each with this node's host; id is the DP rank."""
+
     @_builtins.property
     def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"host:port" of the instance's other NodeManagers."""
@@ -82,11 +97,15 @@ Global___StartEnginesRequest: _TypeAlias = StartEnginesRequest  # noqa: Y015
 
 @_typing.final
 class StartEnginesResponse(_message.Message):
+    """The engines as spawned."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]: ...
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
+        """With their pid, and status WAIT_TO_START (NORMAL for headless ones)."""
+
     def __init__(
         self,
         *,
@@ -102,12 +121,18 @@ Global___StartEnginesResponse: _TypeAlias = StartEnginesResponse  # noqa: Y015
 
 @_typing.final
 class RestartEnginesRequest(_message.Message):
+    """Relaunch or abort."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ACTION_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     action: Global___RestartAction.ValueType
+    """Required (not UNSPECIFIED)."""
     instance_id: _builtins.int
+    """The instance the caller means; 0 = whatever this node serves. A different instance than
+    the one this node serves is refused.
+    """
     def __init__(
         self,
         *,
@@ -124,10 +149,13 @@ Global___RestartEnginesRequest: _TypeAlias = RestartEnginesRequest  # noqa: Y015
 
 @_typing.final
 class RestartEnginesResponse(_message.Message):
+    """The outcome of RestartEngines."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RELAUNCH_COUNT_FIELD_NUMBER: _builtins.int
     relaunch_count: _builtins.int
+    """Relaunches since this NodeManager started (after a RESTART, this one included)."""
     def __init__(
         self,
         *,
@@ -149,6 +177,9 @@ class GetStatusRequest(_message.Message):
 
     RELAXED_FIELD_NUMBER: _builtins.int
     relaxed: _builtins.bool
+    """false: ready means every endpoint NORMAL. true: every serving endpoint NORMAL and every
+    headless one at least WAIT_TO_START.
+    """
     def __init__(
         self,
         *,
@@ -164,6 +195,8 @@ Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
 
 @_typing.final
 class GetStatusResponse(_message.Message):
+    """This node's engines."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     READY_FIELD_NUMBER: _builtins.int
@@ -172,12 +205,21 @@ class GetStatusResponse(_message.Message):
     FROZEN_UNTIL_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
+    """Every engine alive and ready as the request asked (strict or relaxed). False with no
+    engines, while paused and while a relaunch runs.
+    """
     relaunch_count: _builtins.int
+    """Relaunches since this NodeManager started."""
     instance_id: _builtins.int
+    """The instance this node serves; 0 = none yet."""
     @_builtins.property
-    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]: ...
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
+        """As reported on the heartbeat stream (PAUSED while paused, INITIAL during a relaunch)."""
+
     @_builtins.property
-    def frozen_until(self) -> _timestamp_pb2.Timestamp: ...
+    def frozen_until(self) -> _timestamp_pb2.Timestamp:
+        """Until when the suicide fallback is held back (wall clock); unset = not held."""
+
     def __init__(
         self,
         *,
@@ -197,6 +239,8 @@ Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
 
 @_typing.final
 class PauseRequest(_message.Message):
+    """No fields."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -212,6 +256,8 @@ Global___PauseRequest: _TypeAlias = PauseRequest  # noqa: Y015
 
 @_typing.final
 class PauseResponse(_message.Message):
+    """No fields."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -227,6 +273,8 @@ Global___PauseResponse: _TypeAlias = PauseResponse  # noqa: Y015
 
 @_typing.final
 class ResumeRequest(_message.Message):
+    """No fields."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -242,6 +290,8 @@ Global___ResumeRequest: _TypeAlias = ResumeRequest  # noqa: Y015
 
 @_typing.final
 class ResumeResponse(_message.Message):
+    """No fields."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -257,10 +307,13 @@ Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
 
 @_typing.final
 class StopRequest(_message.Message):
+    """Stop the engines and exit."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REASON_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    """Why, for the log (event=stop_requested); may be empty."""
     def __init__(
         self,
         *,
@@ -276,6 +329,8 @@ Global___StopRequest: _TypeAlias = StopRequest  # noqa: Y015
 
 @_typing.final
 class StopResponse(_message.Message):
+    """No fields: the engines are stopped and the process exits shortly."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(

@@ -27,6 +27,16 @@ if _version_not_supported:
 
 class NodeManagerStub:
     """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -69,41 +79,83 @@ class NodeManagerStub:
 
 class NodeManagerServicer:
     """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     def StartEngines(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Launch one engine process group per endpoint, with this node's configured engine, model,
+        parallelism, engine args and environment; answers once they are spawned. Readiness then
+        shows in GetStatus and on the heartbeat stream.
+
+        Repeating the command while its engines run changes nothing; a different command stops
+        the running engines first. INVALID_ARGUMENT for a missing job_name, instance_id, role or
+        endpoints, an endpoint without host, with a port outside 1-65535, or a repeated id or
+        host:port. FAILED_PRECONDITION (PreconditionFailure type NODE_MISMATCH) when job_name,
+        role, the endpoints' ports or hosts are not this node's; FAILED_PRECONDITION (ErrorInfo
+        reason ENGINE_LAUNCH_FAILED) when an engine cannot be spawned (e.g. `vllm` not on PATH).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RestartEngines(self, request, context):
         """RESTART answers once the new processes are spawned; poll GetStatus for readiness.
+
+        RESTART stops only the engine process groups (the NodeManager and its heartbeat stream go
+        on) and relaunches them from the recorded StartEngines command. Meanwhile the node holds
+        its suicide fallback for nodemanager.engine_restart_freeze_s and reports its endpoints
+        INITIAL. ABORT lifts that hold, so the fallback may go ahead.
+
+        INVALID_ARGUMENT for RESTART_ACTION_UNSPECIFIED. FAILED_PRECONDITION (PreconditionFailure
+        type INSTANCE_MISMATCH) when instance_id is not this node's instance, NO_START_RECORDED
+        when no StartEngines came yet. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while another
+        RESTART runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message) when the
+        relaunch fails; the hold is lifted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """This node's endpoints and whether they are ready. Answers before any StartEngines too
+        (no endpoints, not ready).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pause(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Report every endpoint that is not ABNORMAL as PAUSED (the engines keep running), so the
+        Controller moves the instance to PAUSED and the Coordinators stop routing to it. Pausing a
+        paused node changes nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Undo Pause: the endpoints report their real status again. Resuming a node that is not
+        paused changes nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stop(self, request, context):
         """Stops the engines, answers, then exits non-zero.
+
+        Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
+        NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
+        restarts it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,6 +204,16 @@ def add_NodeManagerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class NodeManager:
     """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
     """
 
     @staticmethod

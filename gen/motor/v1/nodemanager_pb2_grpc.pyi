@@ -27,44 +27,164 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class NodeManagerStub:
-    """One per node: launches and supervises the engine process groups of that node."""
+    """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> NodeManagerAsyncStub: ...
     StartEngines: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.StartEnginesRequest, _nodemanager_pb2.StartEnginesResponse]
+    """Launch one engine process group per endpoint, with this node's configured engine, model,
+    parallelism, engine args and environment; answers once they are spawned. Readiness then
+    shows in GetStatus and on the heartbeat stream.
+
+    Repeating the command while its engines run changes nothing; a different command stops
+    the running engines first. INVALID_ARGUMENT for a missing job_name, instance_id, role or
+    endpoints, an endpoint without host, with a port outside 1-65535, or a repeated id or
+    host:port. FAILED_PRECONDITION (PreconditionFailure type NODE_MISMATCH) when job_name,
+    role, the endpoints' ports or hosts are not this node's; FAILED_PRECONDITION (ErrorInfo
+    reason ENGINE_LAUNCH_FAILED) when an engine cannot be spawned (e.g. `vllm` not on PATH).
+    """
     RestartEngines: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.RestartEnginesRequest, _nodemanager_pb2.RestartEnginesResponse]
-    """RESTART answers once the new processes are spawned; poll GetStatus for readiness."""
+    """RESTART answers once the new processes are spawned; poll GetStatus for readiness.
+
+    RESTART stops only the engine process groups (the NodeManager and its heartbeat stream go
+    on) and relaunches them from the recorded StartEngines command. Meanwhile the node holds
+    its suicide fallback for nodemanager.engine_restart_freeze_s and reports its endpoints
+    INITIAL. ABORT lifts that hold, so the fallback may go ahead.
+
+    INVALID_ARGUMENT for RESTART_ACTION_UNSPECIFIED. FAILED_PRECONDITION (PreconditionFailure
+    type INSTANCE_MISMATCH) when instance_id is not this node's instance, NO_START_RECORDED
+    when no StartEngines came yet. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while another
+    RESTART runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message) when the
+    relaunch fails; the hold is lifted.
+    """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.GetStatusRequest, _nodemanager_pb2.GetStatusResponse]
+    """This node's endpoints and whether they are ready. Answers before any StartEngines too
+    (no endpoints, not ready).
+    """
     Pause: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.PauseRequest, _nodemanager_pb2.PauseResponse]
+    """Report every endpoint that is not ABNORMAL as PAUSED (the engines keep running), so the
+    Controller moves the instance to PAUSED and the Coordinators stop routing to it. Pausing a
+    paused node changes nothing.
+    """
     Resume: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.ResumeRequest, _nodemanager_pb2.ResumeResponse]
+    """Undo Pause: the endpoints report their real status again. Resuming a node that is not
+    paused changes nothing.
+    """
     Stop: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.StopRequest, _nodemanager_pb2.StopResponse]
-    """Stops the engines, answers, then exits non-zero."""
+    """Stops the engines, answers, then exits non-zero.
+
+    Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
+    NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
+    restarts it.
+    """
 
 @_typing.type_check_only
 class NodeManagerAsyncStub(NodeManagerStub):
-    """One per node: launches and supervises the engine process groups of that node."""
+    """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     StartEngines: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.StartEnginesRequest, _nodemanager_pb2.StartEnginesResponse]  # type: ignore[assignment]
+    """Launch one engine process group per endpoint, with this node's configured engine, model,
+    parallelism, engine args and environment; answers once they are spawned. Readiness then
+    shows in GetStatus and on the heartbeat stream.
+
+    Repeating the command while its engines run changes nothing; a different command stops
+    the running engines first. INVALID_ARGUMENT for a missing job_name, instance_id, role or
+    endpoints, an endpoint without host, with a port outside 1-65535, or a repeated id or
+    host:port. FAILED_PRECONDITION (PreconditionFailure type NODE_MISMATCH) when job_name,
+    role, the endpoints' ports or hosts are not this node's; FAILED_PRECONDITION (ErrorInfo
+    reason ENGINE_LAUNCH_FAILED) when an engine cannot be spawned (e.g. `vllm` not on PATH).
+    """
     RestartEngines: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.RestartEnginesRequest, _nodemanager_pb2.RestartEnginesResponse]  # type: ignore[assignment]
-    """RESTART answers once the new processes are spawned; poll GetStatus for readiness."""
+    """RESTART answers once the new processes are spawned; poll GetStatus for readiness.
+
+    RESTART stops only the engine process groups (the NodeManager and its heartbeat stream go
+    on) and relaunches them from the recorded StartEngines command. Meanwhile the node holds
+    its suicide fallback for nodemanager.engine_restart_freeze_s and reports its endpoints
+    INITIAL. ABORT lifts that hold, so the fallback may go ahead.
+
+    INVALID_ARGUMENT for RESTART_ACTION_UNSPECIFIED. FAILED_PRECONDITION (PreconditionFailure
+    type INSTANCE_MISMATCH) when instance_id is not this node's instance, NO_START_RECORDED
+    when no StartEngines came yet. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while another
+    RESTART runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message) when the
+    relaunch fails; the hold is lifted.
+    """
     GetStatus: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.GetStatusRequest, _nodemanager_pb2.GetStatusResponse]  # type: ignore[assignment]
+    """This node's endpoints and whether they are ready. Answers before any StartEngines too
+    (no endpoints, not ready).
+    """
     Pause: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.PauseRequest, _nodemanager_pb2.PauseResponse]  # type: ignore[assignment]
+    """Report every endpoint that is not ABNORMAL as PAUSED (the engines keep running), so the
+    Controller moves the instance to PAUSED and the Coordinators stop routing to it. Pausing a
+    paused node changes nothing.
+    """
     Resume: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.ResumeRequest, _nodemanager_pb2.ResumeResponse]  # type: ignore[assignment]
+    """Undo Pause: the endpoints report their real status again. Resuming a node that is not
+    paused changes nothing.
+    """
     Stop: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.StopRequest, _nodemanager_pb2.StopResponse]  # type: ignore[assignment]
-    """Stops the engines, answers, then exits non-zero."""
+    """Stops the engines, answers, then exits non-zero.
+
+    Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
+    NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
+    restarts it.
+    """
 
 class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
-    """One per node: launches and supervises the engine process groups of that node."""
+    """One per node: launches and supervises the engine process groups of that node.
+
+    It registers with the Controller (when its job_name is set), streams heartbeats and reports
+    an engine's death the moment it happens. The Controller calls these RPCs; operators use
+    GetStatus.
+
+    Like every motor.v1 service: a request that is malformed or not a valid protobuf message
+    gets INVALID_ARGUMENT with a BadRequest detail naming the field; a message over
+    max_message_bytes gets RESOURCE_EXHAUSTED; with a management key configured, a call without
+    the `x-motor-management-key` metadata gets UNAUTHENTICATED and one with a wrong key
+    PERMISSION_DENIED.
+    """
 
     @_abc_1.abstractmethod
     def StartEngines(
         self,
         request: _nodemanager_pb2.StartEnginesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_nodemanager_pb2.StartEnginesResponse, _abc.Awaitable[_nodemanager_pb2.StartEnginesResponse]]: ...
+    ) -> _typing.Union[_nodemanager_pb2.StartEnginesResponse, _abc.Awaitable[_nodemanager_pb2.StartEnginesResponse]]:
+        """Launch one engine process group per endpoint, with this node's configured engine, model,
+        parallelism, engine args and environment; answers once they are spawned. Readiness then
+        shows in GetStatus and on the heartbeat stream.
+
+        Repeating the command while its engines run changes nothing; a different command stops
+        the running engines first. INVALID_ARGUMENT for a missing job_name, instance_id, role or
+        endpoints, an endpoint without host, with a port outside 1-65535, or a repeated id or
+        host:port. FAILED_PRECONDITION (PreconditionFailure type NODE_MISMATCH) when job_name,
+        role, the endpoints' ports or hosts are not this node's; FAILED_PRECONDITION (ErrorInfo
+        reason ENGINE_LAUNCH_FAILED) when an engine cannot be spawned (e.g. `vllm` not on PATH).
+        """
 
     @_abc_1.abstractmethod
     def RestartEngines(
@@ -72,28 +192,50 @@ class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _nodemanager_pb2.RestartEnginesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodemanager_pb2.RestartEnginesResponse, _abc.Awaitable[_nodemanager_pb2.RestartEnginesResponse]]:
-        """RESTART answers once the new processes are spawned; poll GetStatus for readiness."""
+        """RESTART answers once the new processes are spawned; poll GetStatus for readiness.
+
+        RESTART stops only the engine process groups (the NodeManager and its heartbeat stream go
+        on) and relaunches them from the recorded StartEngines command. Meanwhile the node holds
+        its suicide fallback for nodemanager.engine_restart_freeze_s and reports its endpoints
+        INITIAL. ABORT lifts that hold, so the fallback may go ahead.
+
+        INVALID_ARGUMENT for RESTART_ACTION_UNSPECIFIED. FAILED_PRECONDITION (PreconditionFailure
+        type INSTANCE_MISMATCH) when instance_id is not this node's instance, NO_START_RECORDED
+        when no StartEngines came yet. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while another
+        RESTART runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message) when the
+        relaunch fails; the hold is lifted.
+        """
 
     @_abc_1.abstractmethod
     def GetStatus(
         self,
         request: _nodemanager_pb2.GetStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_nodemanager_pb2.GetStatusResponse, _abc.Awaitable[_nodemanager_pb2.GetStatusResponse]]: ...
+    ) -> _typing.Union[_nodemanager_pb2.GetStatusResponse, _abc.Awaitable[_nodemanager_pb2.GetStatusResponse]]:
+        """This node's endpoints and whether they are ready. Answers before any StartEngines too
+        (no endpoints, not ready).
+        """
 
     @_abc_1.abstractmethod
     def Pause(
         self,
         request: _nodemanager_pb2.PauseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_nodemanager_pb2.PauseResponse, _abc.Awaitable[_nodemanager_pb2.PauseResponse]]: ...
+    ) -> _typing.Union[_nodemanager_pb2.PauseResponse, _abc.Awaitable[_nodemanager_pb2.PauseResponse]]:
+        """Report every endpoint that is not ABNORMAL as PAUSED (the engines keep running), so the
+        Controller moves the instance to PAUSED and the Coordinators stop routing to it. Pausing a
+        paused node changes nothing.
+        """
 
     @_abc_1.abstractmethod
     def Resume(
         self,
         request: _nodemanager_pb2.ResumeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_nodemanager_pb2.ResumeResponse, _abc.Awaitable[_nodemanager_pb2.ResumeResponse]]: ...
+    ) -> _typing.Union[_nodemanager_pb2.ResumeResponse, _abc.Awaitable[_nodemanager_pb2.ResumeResponse]]:
+        """Undo Pause: the endpoints report their real status again. Resuming a node that is not
+        paused changes nothing.
+        """
 
     @_abc_1.abstractmethod
     def Stop(
@@ -101,6 +243,11 @@ class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _nodemanager_pb2.StopRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodemanager_pb2.StopResponse, _abc.Awaitable[_nodemanager_pb2.StopResponse]]:
-        """Stops the engines, answers, then exits non-zero."""
+        """Stops the engines, answers, then exits non-zero.
+
+        Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
+        NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
+        restarts it.
+        """
 
 def add_NodeManagerServicer_to_server(servicer: NodeManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
