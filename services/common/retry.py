@@ -71,28 +71,28 @@ class Backoff:
     maximum: float
     multiplier: float = 2.0
     jitter: float = 0.2
-    _current: float = field(default=0.0, init=False, repr=False)
+    _attempt: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.initial <= self.maximum:
             raise ValueError(f"backoff needs 0 < initial <= maximum, got {self.initial}, {self.maximum}")
-        self._current = self.initial
 
-    @property
-    def base(self) -> float:
-        """The delay the next :meth:`next` call spreads (before jitter)."""
-        return self._current
+    def delay(self, attempt: int) -> float:
+        """The jittered delay before retry number ``attempt`` (0 = the first retry)."""
+        # Capping the exponent first keeps a long outage from overflowing the float.
+        base = min(self.initial * self.multiplier ** min(attempt, 64), self.maximum)
+        if self.jitter:
+            base *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        return base
 
     def next(self) -> float:
         """The delay to wait now; the following one is longer (up to the cap)."""
-        delay = self._current
-        self._current = min(self._current * self.multiplier, self.maximum)
-        if self.jitter:
-            delay *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        delay = self.delay(self._attempt)
+        self._attempt += 1
         return delay
 
     def reset(self) -> None:
-        self._current = self.initial
+        self._attempt = 0
 
     async def sleep(self) -> float:
         """Wait the next delay; returns how long it was."""

@@ -1,7 +1,14 @@
 """The Controller's parts wired together, independent of the gRPC server that serves them.
 
+Handlers (Register, the heartbeat streams) record what they observe and enqueue a key; three
+reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops"):
+
+- ``assembly`` (key: job name): a pending assembly becomes an instance;
+- ``instance`` (key: instance id): heartbeat timeout, the state machine, StartEngines;
+- ``coordinator`` (key: address): each Coordinator's table follows the routable instances.
+
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
-now); ``start()`` starts the event pushers and the timer; ``stop()`` ends streams and tasks and
+now); ``start()`` starts the reconcilers and the timer; ``stop()`` ends streams and tasks and
 closes channels and the database. ``serve()`` in main.py puts it behind a MotorServer; tests can
 do the same in-process.
 """
@@ -13,20 +20,32 @@ import fcntl
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from services.common import log
 from services.common.config import ControllerConfig, read_key_file
 from services.common.gcpolicy import GcGuard
+from services.common.retry import Backoff
+from services.common.tasks import spawn
 
-from .heartbeats import HeartbeatHub
+from .assembler import Assembler
+from .heartbeats import STATS_WINDOW_S, HeartbeatHub
+from .instance_reconciler import InstanceReconciler
 from .instances import InstanceTable
 from .nm_client import NodeManagerClients
-from .pusher import CoordinatorPusher
-from .registration import Assembler
+from .pending import PendingAssemblies
+from .pusher import CoordinatorSync
+from .reconciler import Reconciler
+from .registration import Registrar
 from .service import ControllerService
 from .sessions import SessionTable
 from .store import Store
+
+# Every key is looked at again this often, whatever events said: what a lost event missed is
+# corrected within one period.
+RESYNC_S = 30.0
+# Reconciles in flight at once per kind: each waits on NodeManagers (probes, StartEngines), and a
+# fleet registering at once must not wait in line behind one slow node.
+WORKERS = 32
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -55,64 +74,84 @@ class Controller:
             raise
         self.table = InstanceTable(self.store)
         self.sessions = SessionTable()
-        tls = cfg
-        max_bytes = cfg.max_message_bytes
-        self.nm = NodeManagerClients(nm_key, tls, max_bytes)
-        self.assembler = Assembler(cfg, self.table, self.sessions, self.store, self.nm)
-        self.hub = HeartbeatHub(self.table, self.sessions, cfg.instance_heartbeat_timeout_s)
-        self.table.subscribe(self.assembler)
-        self.pushers = [
-            CoordinatorPusher(
-                address,
-                self.table,
-                key=coord_key,
-                tls=tls,
-                max_message_bytes=max_bytes,
-                sync_interval_s=cfg.coordinator_set_sync_interval_s,
-            )
-            for address in cfg.coordinators
-        ]
-        for p in self.pushers:
-            self.table.subscribe(p)
+        self.pending = PendingAssemblies(self.store, self.sessions)
+        self.nm_clients = NodeManagerClients(nm_key, cfg, cfg.max_message_bytes)
+
+        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients)
+        self.instance_loop: Reconciler[int] = Reconciler(
+            "instance",
+            self.instances.reconcile,
+            workers=WORKERS,
+            backoff=Backoff(0.5, 5.0),
+            resync_s=RESYNC_S,
+            keys=lambda: list(self.table.live),
+        )
+        self.assembler = Assembler(
+            cfg, self.pending, self.table, self.store, self.nm_clients, self.instance_loop.enqueue
+        )
+        self.assembly_loop: Reconciler[str] = Reconciler(
+            "assembly",
+            self.assembler.reconcile,
+            workers=WORKERS,
+            backoff=Backoff(0.5, 5.0),
+            resync_s=RESYNC_S,
+            keys=self.pending.jobs,
+        )
+        self.registrar = Registrar(
+            cfg, self.table, self.pending, self.sessions, self.store, self.assembly_loop.enqueue
+        )
+        self.hub = HeartbeatHub(
+            self.table, self.sessions, cfg.instance_heartbeat_timeout_s, self.instance_loop.enqueue
+        )
+        self.table.subscribe(self.registrar)
+        self.coordinators = CoordinatorSync(
+            cfg.coordinators,
+            self.table,
+            key=coord_key,
+            tls=cfg,
+            max_message_bytes=cfg.max_message_bytes,
+            sync_interval_s=cfg.coordinator_set_sync_interval_s,
+            resync_s=RESYNC_S,
+        )
+        self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
         self.servicer = ControllerService(self)
+
         now = time.monotonic()
         self.table.load(self.store.load_instances(), now)
-        self.assembler.load(self.store.load_pending(), now)
+        self.pending.load(self.store.load_pending(), now)
         self.gc = GcGuard()
         self.gc.settle(self._working_set())
         shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
         self._tick_s = min(1.0, max(0.02, shortest / 4))
-        self._timer: asyncio.Task | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._last_report = time.monotonic()
         self._stopped = False
         log.event(
-            "state_loaded",
-            state_dir=cfg.state_dir,
-            instances=len(self.table.live),
-            pending=len(self.assembler.pending),
+            "state_loaded", state_dir=cfg.state_dir, instances=len(self.table.live), pending=len(self.pending)
         )
 
-    def subscribe(self, observer: Any) -> None:
-        """Add an observer of transitions and engine events (fault manager, alarms)."""
-        self.table.subscribe(observer)
-
     def _working_set(self) -> int:
-        return len(self.sessions) + len(self.table.live) + len(self.assembler.pending)
+        return len(self.sessions) + len(self.table.live) + len(self.pending)
 
     async def start(self) -> None:
-        for p in self.pushers:
-            p.start()
-        self._timer = asyncio.get_running_loop().create_task(self._tick())
+        self.coordinators.start()
+        self.assembly_loop.start()
+        self.instance_loop.start()
+        self._timer = spawn("controller-timer", self._tick)
 
     async def _tick(self) -> None:
+        """The clock's observations: silent NodeManagers (enqueued for their instance's
+        reconcile), the periodic stats lines, and the garbage collector's policy."""
         while True:
             await asyncio.sleep(self._tick_s)
-            try:
-                self.hub.sweep(time.monotonic())
-                self.hub.report(time.monotonic(), self.gc)
-                self.assembler.sweep(time.monotonic(), time.time())
-                self.gc.settle(self._working_set())
-            except Exception as exc:  # the timer must survive a bug in one sweep
-                log.error("sweep_failed", error=repr(exc))
+            now = time.monotonic()
+            self.hub.sweep(now)
+            self.hub.report(now, self.gc)
+            if now - self._last_report >= STATS_WINDOW_S:
+                self._last_report = now
+                for loop in self.loops:
+                    loop.report()
+            self.gc.settle(self._working_set())
 
     async def stop(self) -> None:
         if self._stopped:
@@ -122,9 +161,10 @@ class Controller:
         if self._timer is not None:
             self._timer.cancel()
             await asyncio.gather(self._timer, return_exceptions=True)
-        await self.assembler.close()
-        await asyncio.gather(*(p.close() for p in self.pushers), return_exceptions=True)
-        await self.nm.close()
+        await self.assembly_loop.stop()
+        await self.instance_loop.stop()
+        await self.coordinators.close()
+        await self.nm_clients.close()
         self.store.close()
         self.gc.close()
         os.close(self._lock)

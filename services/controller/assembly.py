@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from motor.v1 import common_pb2, nodemanager_pb2
 
-from .model import JobSpec, Member
+from services.common.enums import EP_INITIAL, PD_SGLANG
+
+from .model import Instance, JobSpec, Member
 
 
 def is_complete(spec: JobSpec, members: Sequence[Member]) -> bool:
@@ -58,9 +60,8 @@ def _device_slice(device_count: int, n_ports: int, j: int) -> list[int]:
 
 def plan(instance_id: int, job_name: str, spec: JobSpec, members: Sequence[Member]) -> Plan:
     ordered = sorted(members, key=lambda m: (m.node_rank, m.host, m.nm_port))
-    sglang = spec.pd_protocol == common_pb2.PD_PROTOCOL_SGLANG
+    sglang = spec.pd_protocol == PD_SGLANG
     endpoints: list[common_pb2.Endpoint] = []
-    per_member: list[list[common_pb2.Endpoint]] = []
     for m in ordered:
         mine = []
         for j, port in enumerate(m.ports):
@@ -69,24 +70,46 @@ def plan(instance_id: int, job_name: str, spec: JobSpec, members: Sequence[Membe
                 host=m.host,
                 port=port,
                 bootstrap_port=port + 1 if sglang else 0,
-                status=common_pb2.ENDPOINT_STATUS_INITIAL,
+                status=EP_INITIAL,
                 headless=m.node_rank != 0,
                 device_ids=_device_slice(m.device_count, len(m.ports), j),
             )
             endpoints.append(ep)
             mine.append(ep)
-        per_member.append(mine)
-    master = next((m.host for m in ordered if m.node_rank == 0), ordered[0].host if ordered else "")
-    commands = {}
-    for m, mine in zip(ordered, per_member, strict=True):
         m.attach(mine)
-        commands[m.address] = nodemanager_pb2.StartEnginesRequest(
-            job_name=job_name,
-            instance_id=instance_id,
-            role=common_pb2.Role.ValueType(spec.role),
-            endpoints=mine,
-            master_host=master,
-            node_rank=m.node_rank,
-            peers=[o.address for o in ordered if o is not m],
-        )
+    commands = {m.address: _command(instance_id, job_name, spec.role, ordered, m) for m in ordered}
     return Plan(endpoints=endpoints, members=ordered, commands=commands)
+
+
+def start_command(inst: Instance, member: Member) -> nodemanager_pb2.StartEnginesRequest:
+    """The StartEngines one member of an assembled instance gets (also to send it again)."""
+    return _command(inst.id, inst.job_name, inst.spec.role, inst.members, member)
+
+
+def _command(
+    instance_id: int, job_name: str, role: int, ordered: Sequence[Member], member: Member
+) -> nodemanager_pb2.StartEnginesRequest:
+    """The member's endpoints as assigned (without observed status or pid), the DP master (the
+    first node_rank-0 member's host) and its peers."""
+    master = next((m.host for m in ordered if m.node_rank == 0), ordered[0].host)
+    endpoints = [
+        common_pb2.Endpoint(
+            id=ep.id,
+            host=ep.host,
+            port=ep.port,
+            bootstrap_port=ep.bootstrap_port,
+            status=EP_INITIAL,
+            headless=ep.headless,
+            device_ids=ep.device_ids,
+        )
+        for ep in sorted(member.by_id.values(), key=lambda e: e.id)
+    ]
+    return nodemanager_pb2.StartEnginesRequest(
+        job_name=job_name,
+        instance_id=instance_id,
+        role=common_pb2.Role.ValueType(role),
+        endpoints=endpoints,
+        master_host=master,
+        node_rank=member.node_rank,
+        peers=[o.address for o in ordered if o is not member],
+    )

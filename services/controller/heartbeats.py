@@ -1,31 +1,32 @@
-"""Heartbeat streams (contracts.md ``Heartbeat``) and the heartbeat timeout.
+"""Heartbeat streams (the ``Heartbeat`` RPC) and the heartbeat timeout.
 
 The per-beat path is the Controller's hot loop (10,000 nodes every 3 s): check the session,
 stamp ``last_heard``, compare the beat's (id, status, pid) tuple with the previous one, ack.
-Only a beat that differs touches the instance, and only a status transition writes to disk.
+The handlers only record what was observed (endpoint statuses and pids, dead engines) and
+enqueue the instance: deciding what follows is the instance reconciler's job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors, log
+from services.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER
 from services.common.gcpolicy import GcGuard
 from services.common.rpc import BidiStream
 
-from . import state_machine as sm
 from .instances import InstanceTable
 from .model import Instance, Member, Session
 from .sessions import SessionTable
 
 STATS_WINDOW_S = 10.0
-_REREGISTER = pb.HeartbeatResponse(directive=pb.DIRECTIVE_REREGISTER)
-_DEAD = pb.ENGINE_EVENT_TYPE_DEAD
-_FAULTS = (pb.ENGINE_EVENT_TYPE_DEAD, pb.ENGINE_EVENT_TYPE_UNHEALTHY)
+_REREGISTER = pb.HeartbeatResponse(directive=REREGISTER)
+_FAULTS = (EVENT_DEAD, EVENT_UNHEALTHY)
 
 
 def _identity(req: pb.HeartbeatRequest) -> tuple[int, int]:
@@ -43,11 +44,14 @@ def _stale(node_id: int) -> errors.MotorError:
 
 
 class HeartbeatHub:
-    def __init__(self, table: InstanceTable, sessions: SessionTable, timeout_s: float) -> None:
+    def __init__(
+        self, table: InstanceTable, sessions: SessionTable, timeout_s: float, enqueue: Callable[[int], None]
+    ) -> None:
         self.table = table
         self.sessions = sessions
         self.timeout_s = timeout_s
-        self._streams: set[asyncio.Task] = set()
+        self.enqueue = enqueue  # instance id -> the instance reconciler
+        self._streams: set[asyncio.Task[None]] = set()
         # Server-side ack latency (message in hand -> ack handed to gRPC), seconds, for the
         # current ``heartbeat_stats`` window.
         self._acks: list[float] = []
@@ -108,6 +112,11 @@ class HeartbeatHub:
 
     def _apply_beat(self, member: Member, inst: Instance, beat: pb.Beat) -> None:
         changed = False
+        if member.started is None:
+            # Known from before a Controller restart: a NodeManager reporting no endpoints has
+            # no engines running for this instance, so they must be started.
+            member.started = bool(beat.endpoints)
+            changed = not member.started
         for reported in beat.endpoints:
             ep = member.by_id.get(reported.id)
             if ep is None:
@@ -117,14 +126,14 @@ class HeartbeatHub:
             status = reported.status
             # A beat still showing an engine that was reported dead as healthy is outdated.
             if reported.pid and reported.pid in member.dead_pids:
-                status = sm.EP_ABNORMAL
+                status = EP_ABNORMAL
             if ep.status != status:
                 ep.status = status
                 changed = True
             if reported.pid != ep.pid:
                 ep.pid = reported.pid
         if changed:
-            self.table.evaluate(inst)
+            self.enqueue(inst.id)
 
     def _apply_event(self, session: Session, ev: pb.EngineEvent) -> None:
         member = session.member
@@ -140,32 +149,22 @@ class HeartbeatHub:
         )
         if inst is None or ev.type not in _FAULTS:
             return
-        if ev.type == _DEAD and ev.pid:
+        if ev.type == EVENT_DEAD and ev.pid:
             member.dead_pids.add(ev.pid)
         member.beat_fingerprint = None  # the next beat is applied in full
         ep = member.by_id.get(ev.endpoint_id)
         if ep is None and ev.pid:
             ep = next((e for e in member.by_id.values() if e.pid == ev.pid), None)
         if ep is not None:
-            ep.status = sm.EP_ABNORMAL
-        self.table.evaluate(inst)
-        self.table.engine_event(inst, ep, ev)
+            ep.status = EP_ABNORMAL
+        self.enqueue(inst.id)
 
     def sweep(self, now: float) -> None:
-        """DELETED for every instance one of whose NodeManagers was silent for the timeout."""
+        """Enqueue every instance one of whose NodeManagers was silent for the timeout."""
         limit = now - self.timeout_s
-        for inst in list(self.table.live.values()):
-            for m in inst.members:
-                if m.last_heard < limit:
-                    log.warn(
-                        "heartbeat_timeout",
-                        instance_id=inst.id,
-                        node_manager=m.address,
-                        silent_s=round(now - m.last_heard, 3),
-                        stream_open=m.open_streams > 0,
-                    )
-                    self.table.delete(inst, "heartbeat_timeout")
-                    break
+        for inst in self.table.live.values():
+            if any(m.last_heard < limit for m in inst.members):
+                self.enqueue(inst.id)
 
     def report(self, now: float, gc: GcGuard | None = None) -> None:
         """Every STATS_WINDOW_S with traffic: one ``heartbeat_stats`` line (the scale benchmark

@@ -1,29 +1,28 @@
 """The instance table: every assembled instance, its transitions and who hears about them.
 
-Each status change goes through :meth:`InstanceTable.transition`: it is persisted, logged, and
-handed to every observer in order. Observers are plain objects with any of
-
-- ``on_transition(instance, old_status, new_status, reason)`` — the event pusher today; the fault
-  manager and the alarm store subscribe the same way;
-- ``on_engine_event(instance, endpoint, event)`` — an engine died or turned unhealthy (the fault
-  manager's input).
-
-Observer calls are synchronous and must not block: an observer that needs I/O queues work for
-its own task.
+Each status change goes through :meth:`InstanceTable.transition`: it is written to the database
+first (a failed write raises and leaves memory as it was), then applied in memory, logged, and
+handed to every observer in order. Observers are objects with
+``on_transition(instance, old_status, new_status, reason)``; the calls are synchronous and must
+not block: an observer that needs I/O enqueues a key for its reconciler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from motor.v1 import common_pb2, controller_pb2
+from typing import Protocol
 
 from services.common import log
+from services.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
 
-from . import state_machine as sm
-from .model import Instance, Status
+from .model import Instance
+from .state_machine import is_routable
 from .store import KEEP_DELETED, Store
+
+
+class Observer(Protocol):
+    def on_transition(
+        self, inst: Instance, old: InstanceStatus, new: InstanceStatus, reason: str
+    ) -> None: ...
 
 
 class InstanceTable:
@@ -33,9 +32,9 @@ class InstanceTable:
         self.deleted: dict[int, Instance] = {}  # oldest first
         self.keep_deleted = KEEP_DELETED
         self.by_job: dict[str, Instance] = {}
-        self._observers: list[Any] = []
+        self._observers: list[Observer] = []
 
-    def subscribe(self, observer: Any) -> None:
+    def subscribe(self, observer: Observer) -> None:
         self._observers.append(observer)
 
     def load(self, instances: list[Instance], now: float) -> None:
@@ -44,7 +43,7 @@ class InstanceTable:
             for m in inst.members:
                 m.last_heard = now
                 m.instance = inst
-            if sm.is_live(inst.status):
+            if inst.status != DELETED:
                 self.live[inst.id] = inst
                 self.by_job[inst.job_name] = inst
             else:
@@ -64,67 +63,45 @@ class InstanceTable:
             endpoints=len(inst.endpoints),
             node_managers=",".join(inst.node_managers),
         )
-        self._notify("on_transition", inst, common_pb2.INSTANCE_STATUS_UNSPECIFIED, inst.status, "assembled")
+        self._notify(inst, STATUS_UNSPECIFIED, inst.status, "assembled")
 
-    def evaluate(self, inst: Instance) -> None:
-        """Re-run the state machine after endpoint statuses changed."""
-        new, reason = sm.next_status(
-            inst.status, ((ep.status, ep.headless) for ep in inst.endpoints), separated=inst.separated
-        )
-        if new != inst.status:
-            self.transition(inst, new, reason)
-
-    def transition(self, inst: Instance, new: Status, reason: str) -> None:
+    def transition(self, inst: Instance, new: InstanceStatus, reason: str) -> None:
         old = inst.status
-        if old == new or old == sm.DELETED:
+        if old == new or old == DELETED:
             return
+        self.store.save_instance(inst, new)
         inst.status = new
-        if new == sm.DELETED:
+        if new == DELETED:
             self.live.pop(inst.id, None)
             if self.by_job.get(inst.job_name) is inst:
                 del self.by_job[inst.job_name]
             self.deleted[inst.id] = inst
-        self.store.save_instance(inst)
-        if new == sm.DELETED:
             self._prune_deleted()
         log.event(
             "instance_transition",
             instance_id=inst.id,
             job=inst.job_name,
-            old=sm.name(old),
-            new=sm.name(new),
+            old=status_name(old),
+            new=status_name(new),
             reason=reason,
         )
-        self._notify("on_transition", inst, old, new, reason)
+        self._notify(inst, old, new, reason)
 
     def delete(self, inst: Instance, reason: str) -> None:
-        self.transition(inst, sm.DELETED, reason)
+        self.transition(inst, DELETED, reason)
 
     def _prune_deleted(self) -> None:
         """Keep the newest ``keep_deleted`` DELETED instances, in memory and on disk."""
         while len(self.deleted) > self.keep_deleted:
-            gone = self.deleted.pop(next(iter(self.deleted)))
-            self.store.forget_instance(gone.id)
+            oldest = next(iter(self.deleted))
+            self.store.forget_instance(oldest)
+            gone = self.deleted.pop(oldest)
             for m in gone.members:  # no cycle left: freed at once, even from a frozen heap
                 m.instance = None
 
-    def set_separated(self, inst: Instance, separated: bool, reason: str) -> None:
-        """For fault strategies: hold the instance INACTIVE (no routing) until cleared."""
-        inst.separated = separated
-        new, why = sm.next_status(
-            inst.status, ((ep.status, ep.headless) for ep in inst.endpoints), separated=separated
-        )
-        if new != inst.status:
-            self.transition(inst, new, reason or why)
-
-    def engine_event(
-        self, inst: Instance, endpoint: common_pb2.Endpoint | None, event: controller_pb2.EngineEvent
-    ) -> None:
-        self._notify("on_engine_event", inst, endpoint, event)
-
     def find(self, role: int = 0, status: int = 0) -> list[Instance]:
         pool: list[Instance] = list(self.live.values())
-        if status == sm.DELETED:
+        if status == DELETED:
             pool = list(self.deleted.values())
         out = [i for i in pool if (not role or i.spec.role == role) and (not status or i.status == status)]
         out.sort(key=lambda i: i.id)
@@ -132,14 +109,11 @@ class InstanceTable:
 
     def routable(self) -> list[Instance]:
         """ACTIVE and PAUSED instances: what a full SetInstances carries."""
-        return sorted((i for i in self.live.values() if sm.is_routable(i.status)), key=lambda i: i.id)
+        return sorted((i for i in self.live.values() if is_routable(i.status)), key=lambda i: i.id)
 
-    def _notify(self, method: str, *args: Any) -> None:
+    def _notify(self, inst: Instance, old: InstanceStatus, new: InstanceStatus, reason: str) -> None:
         for obs in self._observers:
-            fn: Callable[..., None] | None = getattr(obs, method, None)
-            if fn is None:
-                continue
             try:
-                fn(*args)
-            except Exception as exc:  # one broken observer must not stop the others
-                log.error("observer_failed", observer=type(obs).__name__, method=method, error=repr(exc))
+                obs.on_transition(inst, old, new, reason)
+            except Exception:  # one broken observer must not stop the others
+                log.exception("observer_failed", observer=type(obs).__name__, instance_id=inst.id)

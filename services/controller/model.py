@@ -1,5 +1,5 @@
 """The Controller's in-memory records: job specs, NodeManager members, sessions, pending
-assemblies and instances, with their conversions to protobuf and to the database's JSON.
+assemblies and instances. Conversions to protobuf and to database rows live in convert.py.
 
 Endpoints are kept as live ``common_pb2.Endpoint`` messages: a beat updates their status and pid
 in place, and every read (ListInstances, the event pusher) copies them into a fresh Instance.
@@ -7,23 +7,11 @@ in place, and every read (ListInstances, the event pusher) copies them into a fr
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from dataclasses import dataclass, field, fields
 
-from motor.v1 import common_pb2, controller_pb2
+from motor.v1 import common_pb2
 
-Status: TypeAlias = common_pb2.InstanceStatus.ValueType
-EpStatus: TypeAlias = common_pb2.EndpointStatus.ValueType
-
-
-def resolve_pd_protocol(requested: int, engine_type: int) -> common_pb2.PdProtocol.ValueType:
-    """The request's protocol, or the engine's own (SGLANG -> SGLANG, anything else -> VLLM)."""
-    if requested in (common_pb2.PD_PROTOCOL_VLLM, common_pb2.PD_PROTOCOL_SGLANG):
-        return common_pb2.PdProtocol.ValueType(requested)
-    if engine_type == common_pb2.ENGINE_TYPE_SGLANG:
-        return common_pb2.PD_PROTOCOL_SGLANG
-    return common_pb2.PD_PROTOCOL_VLLM
+from services.common.enums import InstanceStatus
 
 
 @dataclass(frozen=True)
@@ -40,29 +28,8 @@ class JobSpec:
     ep: int = 1
     nnodes: int = 1
 
-    @classmethod
-    def from_request(cls, req: controller_pb2.RegisterRequest) -> JobSpec:
-        p = req.parallel
-        return cls(
-            role=req.role,
-            model_name=req.model_name,
-            engine_type=req.engine_type,
-            pd_protocol=resolve_pd_protocol(req.pd_protocol, req.engine_type),
-            dp=p.dp or 1,
-            tp=p.tp or 1,
-            pp=p.pp or 1,
-            ep=p.ep or 1,
-            nnodes=p.nnodes or 1,
-        )
-
-    def parallel_pb(self) -> common_pb2.ParallelConfig:
-        return common_pb2.ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, nnodes=self.nnodes)
-
     def differences(self, other: JobSpec) -> list[str]:
-        return [name for name in self.__dataclass_fields__ if getattr(self, name) != getattr(other, name)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass(eq=False)
@@ -97,6 +64,10 @@ class Member:
     # (id, status, pid) of every endpoint in the last applied beat: an unchanged beat is skipped.
     beat_fingerprint: tuple[tuple[int, int, int], ...] | None = None
     dead_pids: set[int] = field(default_factory=set)
+    # Whether the NodeManager runs this instance's engines: True once it acknowledged
+    # StartEngines or beats with endpoints, False when they still have to be started, None
+    # when not known yet (loaded from the database: its first beat tells).
+    started: bool | None = False
 
     @property
     def address(self) -> str:
@@ -115,36 +86,6 @@ class Member:
     def endpoints(self) -> list[common_pb2.Endpoint]:
         return list(self.by_id.values())
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "node_rank": self.node_rank,
-            "host": self.host,
-            "nm_port": self.nm_port,
-            "ports": list(self.ports),
-            "device_count": self.device_count,
-            "endpoint_ids": sorted(self.by_id),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Member:
-        return cls(
-            node_rank=int(d["node_rank"]),
-            host=str(d["host"]),
-            nm_port=int(d["nm_port"]),
-            ports=[int(p) for p in d["ports"]],
-            device_count=int(d.get("device_count", 0)),
-        )
-
-    @classmethod
-    def from_request(cls, req: controller_pb2.RegisterRequest) -> Member:
-        return cls(
-            node_rank=req.node_rank,
-            host=req.host,
-            nm_port=req.nm_port,
-            ports=list(req.ports),
-            device_count=req.device_count,
-        )
-
 
 @dataclass(eq=False)
 class Pending:
@@ -155,14 +96,6 @@ class Pending:
     spec: JobSpec
     members: list[Member] = field(default_factory=list)
     last_registration: float = 0.0  # wall clock, so the expiry survives a restart
-    completing: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "spec": self.spec.to_json(),
-            "members": [m.to_json() for m in self.members],
-            "last_registration": self.last_registration,
-        }
 
 
 @dataclass(eq=False)
@@ -172,64 +105,20 @@ class Instance:
     id: int
     job_name: str
     spec: JobSpec
-    status: Status
+    status: InstanceStatus
     endpoints: list[common_pb2.Endpoint]
     members: list[Member]
     # Set by a fault-recovery strategy: the instance stays INACTIVE until it is cleared.
     separated: bool = False
+    # Failed StartEngines rounds since the last one that went through.
+    start_failures: int = 0
 
     @property
     def node_managers(self) -> list[str]:
         return [m.address for m in self.members]
-
-    def to_pb(self) -> common_pb2.Instance:
-        s = self.spec
-        return common_pb2.Instance(
-            id=self.id,
-            role=common_pb2.Role.ValueType(s.role),
-            job_name=self.job_name,
-            model_name=s.model_name,
-            engine_type=common_pb2.EngineType.ValueType(s.engine_type),
-            status=self.status,
-            endpoints=self.endpoints,
-            parallel=s.parallel_pb(),
-            node_managers=self.node_managers,
-            pd_protocol=common_pb2.PdProtocol.ValueType(s.pd_protocol),
-        )
-
-    def identity_pb(self) -> common_pb2.Instance:
-        """What a Coordinator compares on Delete: id, role, job name and endpoint identities."""
-        return common_pb2.Instance(
-            id=self.id,
-            role=common_pb2.Role.ValueType(self.spec.role),
-            job_name=self.job_name,
-            endpoints=[common_pb2.Endpoint(id=ep.id, host=ep.host, port=ep.port) for ep in self.endpoints],
-        )
 
     def member_at(self, host: str, nm_port: int) -> Member | None:
         for m in self.members:
             if m.host == host and m.nm_port == nm_port:
                 return m
         return None
-
-    def to_row(self) -> tuple[bytes, str]:
-        members = json.dumps({"spec": self.spec.to_json(), "members": [m.to_json() for m in self.members]})
-        return self.to_pb().SerializeToString(), members
-
-    @classmethod
-    def from_row(cls, id_: int, blob: bytes, members_json: str) -> Instance:
-        pb = common_pb2.Instance.FromString(blob)
-        meta = json.loads(members_json)
-        spec = JobSpec(**meta["spec"])
-        endpoints = [common_pb2.Endpoint() for _ in pb.endpoints]
-        for ep, stored in zip(endpoints, pb.endpoints, strict=True):
-            ep.CopyFrom(stored)
-        members = []
-        by_id = {ep.id: ep for ep in endpoints}
-        for d in meta["members"]:
-            m = Member.from_json(d)
-            m.attach([by_id[i] for i in d.get("endpoint_ids", []) if i in by_id])
-            members.append(m)
-        return cls(
-            id=id_, job_name=pb.job_name, spec=spec, status=pb.status, endpoints=endpoints, members=members
-        )

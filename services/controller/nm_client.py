@@ -1,15 +1,14 @@
 """Calls from the Controller to NodeManagers: reachability probes and start commands.
 
-Channels are cached per address (bounded, least recently used closed first) so a cluster of
-thousands of nodes does not keep thousands of idle connections.
+Each call is made once; retrying is the work queue's job (instances.py's reconcile requeues a
+key with its backoff). Channels are cached per address (bounded, least recently used closed
+first) so a cluster of thousands of nodes does not keep thousands of idle connections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import OrderedDict
-from typing import Any
 
 import grpc
 from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
@@ -32,10 +31,10 @@ class NodeManagerClients:
         self._tls = tls
         self._max = max_message_bytes
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
-    def stub(self, address: str) -> Any:  # the generated stubs are typed for the sync API
+    def stub(self, address: str) -> nodemanager_pb2_grpc.NodeManagerAsyncStub:
         ch = self._channels.get(address)
         if ch is None:
             ch = open_channel(
@@ -67,20 +66,11 @@ class NodeManagerClients:
         return False
 
     async def start_engines(
-        self, address: str, request: nodemanager_pb2.StartEnginesRequest, retries: int
+        self, address: str, request: nodemanager_pb2.StartEnginesRequest
     ) -> nodemanager_pb2.StartEnginesResponse:
-        """``StartEngines`` with up to ``retries`` retries (backoff 0.5 s doubling, jitter)."""
-        delay = 0.5
-        for attempt in range(retries + 1):
-            try:
-                async with self._in_flight:
-                    return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                if attempt == retries:
-                    raise
-            await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
-            delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+        """One ``StartEngines``; waits (up to the deadline) for a NodeManager that is restarting."""
+        async with self._in_flight:
+            return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
         task = asyncio.get_running_loop().create_task(channel.close(grace=5.0))

@@ -1,59 +1,57 @@
-"""The event pusher: keeps one Coordinator's instance table equal to the Controller's
-ACTIVE/PAUSED instances (behaviour.md "Event pusher").
+"""Keeping each Coordinator's instance table equal to the Controller's ACTIVE and PAUSED
+instances (docs/architecture.md, "Controller → Coordinator").
 
-Transitions become incremental calls the moment they happen (ready → Add, separated/removed →
-Delete, paused → Pause, resumed → Resume), sent in order by one task. Anything that may have
-left the Coordinator out of step — a failed incremental call, a new ``incarnation`` in a
-response, the health Watch stream coming back after a break, the periodic timer — raises one
-flag, ``need_set``: the next call is a full ``SetInstances`` that supersedes every queued
-incremental call. A failed Set leaves the flag up (it never queues a second Set) and is retried
-with backoff; the Watch stream coming back wakes the retry at once, so a Coordinator that comes
-up gets its Set within about a second. Delete answering NOT_FOUND counts as done.
+One :class:`CoordinatorPusher` per configured address remembers what that Coordinator is known
+to hold. Transitions only mark the instance dirty and enqueue the address; the reconcile diffs
+the dirty instances against what the Coordinator holds and sends the difference as incremental
+calls (new → Add, gone → Delete, paused → Pause, resumed → Resume; Delete answering NOT_FOUND
+counts as done). When that knowledge may be wrong — at start-up, after a failed call, when a
+response carries a new ``incarnation`` (the Coordinator restarted), when its health Watch stream
+comes back after a break, and every ``coordinator_set_sync_interval_s`` — the next reconcile
+sends one full ``SetInstances`` instead. A failed call is retried with the key's backoff (a
+failed Set never queues a second Set); the Watch coming back retries at once. The periodic
+resync diffs every instance, so a lost event is corrected within one resync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
 import time
-from collections import deque
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import coordinator_pb2, coordinator_pb2_grpc
+from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from services.common import log
 from services.common.channel import open_channel
 from services.common.config import ServerConfig
+from services.common.enums import PAUSED, InstanceStatus
+from services.common.retry import Backoff
+from services.common.tasks import cancelled_from_outside, spawn
 
 from . import state_machine as sm
+from .convert import identity_pb, instance_pb
 from .instances import InstanceTable
-from .model import Instance, Status
+from .model import Instance
+from .reconciler import DONE, Reconciler, Result, Retry
 
 COORDINATOR_SERVICE = "motor.v1.Coordinator"
 CALL_TIMEOUT_S = 3.0
-MIN_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 1.0
+WATCH_BACKOFF = (0.1, 1.0)
 WARN_EVERY_S = 30.0
-
-Op = tuple[str, list[Any]]  # ("add", [Instance]), ("delete", [Instance]), ("pause"|"resume", [id])
-
-
-def op_for(inst: Instance, old: Status, new: Status) -> Op | None:
-    """The incremental call one transition needs, if any."""
-    if new == sm.ACTIVE:
-        return ("resume", [inst.id]) if old == sm.PAUSED else ("add", [inst.to_pb()])
-    if new == sm.PAUSED and old == sm.ACTIVE:
-        return ("pause", [inst.id])
-    if new in (sm.INACTIVE, sm.DELETED) and old in (sm.ACTIVE, sm.PAUSED):
-        return ("delete", [inst.identity_pb()])
-    return None
+RESYNC_S = 30.0
 
 
-def _jitter(seconds: float) -> float:
-    return seconds * (0.8 + 0.4 * random.random())
+@dataclass(frozen=True)
+class Held:
+    """What a Coordinator holds of one instance, as far as this Controller knows."""
+
+    paused: bool
+    identity: common_pb2.Instance  # for a Delete, after the instance itself may be forgotten
 
 
 class CoordinatorPusher:
@@ -61,6 +59,7 @@ class CoordinatorPusher:
         self,
         address: str,
         table: InstanceTable,
+        enqueue: Callable[[str], None],
         *,
         key: str | None = None,
         tls: ServerConfig | None = None,
@@ -69,61 +68,55 @@ class CoordinatorPusher:
     ) -> None:
         self.address = address
         self._table = table
+        self._enqueue = enqueue
         self._key = key
         self._tls = tls
         self._max = max_message_bytes
         self._sync_interval_s = sync_interval_s
-        self._ops: deque[Op] = deque()
-        self._need_set = True  # the first call after start-up is always a full Set
-        self._wake = asyncio.Event()
-        self._link_up = asyncio.Event()
+        # What the Coordinator holds; None = unknown, so the next reconcile sends a full Set.
+        self._held: dict[int, Held] | None = None
+        self._dirty: set[int] = set()
         self._channel: grpc.aio.Channel | None = None
-        # Typed Any: the generated stubs are typed for the sync API.
-        self._stub: Any = None
-        self._health: Any = None
-        self._tasks: list[asyncio.Task] = []
-        self._closing: set[asyncio.Task] = set()
-        # What the Coordinator is known to hold: its incarnation and the fingerprint of the last
-        # Set it accepted (a failed Set never advances it).
+        self._stub: coordinator_pb2_grpc.CoordinatorAsyncStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
         self.incarnation = ""
-        self.synced_fingerprint = ""
+        self.synced_fingerprint = ""  # of the last Set the Coordinator accepted
         self.last_set_ok = float("-inf")
         self._set_in_flight = False
         self._last_warn: tuple[str, float] = ("", float("-inf"))
         self._suppressed = 0
         self.stats = {"set_ok": 0, "set_failed": 0, "incremental_ok": 0, "incremental_failed": 0}
 
-    # ---- observer ----------------------------------------------------------------------------
+    # ---- events --------------------------------------------------------------------------------
 
-    def on_transition(self, inst: Instance, old: Status, new: Status, reason: str) -> None:
-        op = op_for(inst, old, new)
-        if op is None:
-            return
-        if not self._need_set:  # a pending Set will carry this change anyway
-            self._ops.append(op)
-        self._wake.set()
+    def on_transition(self, inst: Instance, old: InstanceStatus, new: InstanceStatus, reason: str) -> None:
+        if sm.is_routable(old) or sm.is_routable(new):
+            self._dirty.add(inst.id)
+            self._enqueue(self.address)
 
     def request_full_sync(self, reason: str) -> None:
-        if not self._need_set:
+        if self._held is not None:
             log.event("coordinator_full_sync_queued", coordinator=self.address, reason=reason)
-        self._need_set = True
-        self._ops.clear()
-        self._wake.set()
+        self._held = None
+        self._enqueue(self.address)
 
-    # ---- lifecycle ---------------------------------------------------------------------------
+    def resync(self) -> None:
+        """Diff every instance at the next reconcile (what corrects a lost event)."""
+        self._dirty.update(self._held or ())
+        self._dirty.update(i.id for i in self._table.routable())
+
+    # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._open()
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run()), loop.create_task(self._watch())]
-        if self._sync_interval_s > 0:
-            self._tasks.append(loop.create_task(self._periodic()))
-        self._wake.set()
+        self._watch = spawn(f"coordinator-watch-{self.address}", self._watch_health)
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close(grace=0.2)
         await asyncio.gather(*self._closing, return_exceptions=True)
@@ -140,127 +133,165 @@ class CoordinatorPusher:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    # ---- the push loop -----------------------------------------------------------------------
+    # ---- reconcile -----------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        backoff = MIN_BACKOFF_S
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._need_set or self._ops:
-                if await self._push_once():
-                    backoff = MIN_BACKOFF_S
-                    continue
-                # Wait out the backoff, or less if the health Watch sees the Coordinator return.
-                self._link_up.clear()
-                try:
-                    await asyncio.wait_for(self._link_up.wait(), _jitter(backoff))
-                except TimeoutError:
-                    pass
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+    async def reconcile(self) -> Result:
+        periodic = self._sync_interval_s > 0
+        if periodic and time.monotonic() - self.last_set_ok >= self._sync_interval_s:
+            self._held = None
+        if self._held is None:
+            await self._send_set()
+        else:
+            await self._send_changes()
+        if self._held is None:
+            return Result(requeue_after=0)  # a response showed a new incarnation
+        if periodic:
+            return Result(requeue_after=self.last_set_ok + self._sync_interval_s - time.monotonic())
+        return DONE
 
-    async def _push_once(self) -> bool:
+    async def _send_set(self) -> None:
         assert self._stub is not None
-        if self._need_set:
-            return await self._send_set()
-        kind = self._ops[0][0]
-        batch: list[Any] = []
-        while self._ops and self._ops[0][0] == kind:
-            batch.extend(self._ops.popleft()[1])
-        try:
-            resp = await self._call(kind, batch)
-        except grpc.aio.AioRpcError as err:
-            if kind == "delete" and err.code() == grpc.StatusCode.NOT_FOUND:
-                if len(batch) > 1:  # all-or-nothing: find which ones are still there
-                    self._ops.extendleft(("delete", [i]) for i in reversed(batch))
-                return True
-            self.stats["incremental_failed"] += 1
-            self._warn_failed(kind, err)
-            self.request_full_sync(f"{kind}_failed")
-            return False
-        self.stats["incremental_ok"] += 1
-        self._last_warn = ("", float("-inf"))
-        self._check_incarnation(resp.incarnation)
-        return True
-
-    async def _send_set(self) -> bool:
-        assert self._stub is not None
-        # Lower the flag before the call: a change made while it is in flight queues an
-        # incremental call to follow it.
-        self._need_set = False
-        self._ops.clear()
-        instances = [i.to_pb() for i in self._table.routable()]
-        req = coordinator_pb2.SetInstancesRequest(instances=instances)
+        # Taken before the call: a change made while it is in flight is diffed after it.
+        self._dirty.clear()
+        routable = self._table.routable()
+        req = coordinator_pb2.SetInstancesRequest(instances=[instance_pb(i) for i in routable])
         self._set_in_flight = True
         try:
             resp = await self._stub.SetInstances(req, timeout=CALL_TIMEOUT_S, wait_for_ready=False)
-        except grpc.aio.AioRpcError as err:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
             self.stats["set_failed"] += 1
-            self._need_set = True
-            self._ops.clear()
-            self._warn_failed("set", err)
-            return False
+            self._failed("set", err)
         finally:
             self._set_in_flight = False
         self.stats["set_ok"] += 1
         self._last_warn = ("", float("-inf"))
         self.last_set_ok = time.monotonic()
         self.incarnation = resp.incarnation
+        self._held = {i.id: Held(i.status == PAUSED, identity_pb(i)) for i in routable}
         self.synced_fingerprint = hashlib.blake2b(
             req.SerializeToString(deterministic=True), digest_size=8
         ).hexdigest()
-        paused = [i.id for i in instances if i.status == sm.PAUSED]
-        if paused:
-            self._ops.appendleft(("pause", paused))
         log.event(
             "coordinator_synced",
             coordinator=self.address,
-            instances=len(instances),
+            instances=len(routable),
             revision=resp.revision,
             incarnation=resp.incarnation,
         )
-        return True
 
-    async def _call(self, kind: str, batch: list[Any]) -> Any:
-        assert self._stub is not None
-        kw: dict[str, Any] = {"timeout": CALL_TIMEOUT_S, "wait_for_ready": False}
-        if kind == "add":
-            return await self._stub.AddInstances(coordinator_pb2.AddInstancesRequest(instances=batch), **kw)
-        if kind == "delete":
-            return await self._stub.DeleteInstances(
-                coordinator_pb2.DeleteInstancesRequest(instances=batch), **kw
-            )
-        if kind == "pause":
-            return await self._stub.PauseInstances(coordinator_pb2.PauseInstancesRequest(ids=batch), **kw)
-        return await self._stub.ResumeInstances(coordinator_pb2.ResumeInstancesRequest(ids=batch), **kw)
+    async def _send_changes(self) -> None:
+        held = self._held
+        assert held is not None
+        dirty, self._dirty = self._dirty, set()
+        adds: list[Instance] = []
+        deletes: list[int] = []
+        pauses: list[int] = []
+        resumes: list[int] = []
+        for iid in sorted(dirty):
+            inst = self._table.live.get(iid)
+            have = held.get(iid)
+            if inst is None or not sm.is_routable(inst.status):
+                if have is not None:
+                    deletes.append(iid)
+            elif have is None:
+                adds.append(inst)
+            elif (inst.status == PAUSED) != have.paused:
+                (pauses if inst.status == PAUSED else resumes).append(iid)
+        if deletes:
+            await self._delete(held, deletes)
+        if adds:
+            await self._call("add", instances=[instance_pb(i) for i in adds])
+            held.update((i.id, Held(i.status == PAUSED, identity_pb(i))) for i in adds)
+        for kind, ids in (("pause", pauses), ("resume", resumes)):
+            if ids:
+                await self._call(kind, ids=ids)
+                held.update((iid, Held(kind == "pause", held[iid].identity)) for iid in ids)
 
-    def _warn_failed(self, call: str, err: grpc.aio.AioRpcError) -> None:
-        """One line per new kind of failure, then at most one every WARN_EVERY_S while it lasts."""
-        key, now = f"{call}:{err.code().name}", time.monotonic()
+    async def _delete(self, held: dict[int, Held], ids: list[int]) -> None:
+        try:
+            await self._call("delete", instances=[held[i].identity for i in ids])
+        except _NotFound:
+            if len(ids) > 1:  # all-or-nothing: find which ones are still there
+                for iid in ids:
+                    await self._delete(held, [iid])
+                return
+        for iid in ids:
+            held.pop(iid, None)
+
+    async def _call(
+        self, kind: str, *, instances: Sequence[common_pb2.Instance] = (), ids: Sequence[int] = ()
+    ) -> None:
+        stub = self._stub
+        assert stub is not None
+        t = CALL_TIMEOUT_S
+        try:
+            resp: _Answer
+            if kind == "add":
+                resp = await stub.AddInstances(
+                    coordinator_pb2.AddInstancesRequest(instances=instances), timeout=t, wait_for_ready=False
+                )
+            elif kind == "delete":
+                resp = await stub.DeleteInstances(
+                    coordinator_pb2.DeleteInstancesRequest(instances=instances),
+                    timeout=t,
+                    wait_for_ready=False,
+                )
+            elif kind == "pause":
+                resp = await stub.PauseInstances(
+                    coordinator_pb2.PauseInstancesRequest(ids=ids), timeout=t, wait_for_ready=False
+                )
+            else:
+                resp = await stub.ResumeInstances(
+                    coordinator_pb2.ResumeInstancesRequest(ids=ids), timeout=t, wait_for_ready=False
+                )
+        except grpc.aio.AioRpcError as err:
+            if kind == "delete" and err.code() == grpc.StatusCode.NOT_FOUND:
+                raise _NotFound from err
+            self.stats["incremental_failed"] += 1
+            self._failed(kind, err)
+        except asyncio.CancelledError as err:
+            self.stats["incremental_failed"] += 1
+            self._failed(kind, err)
+        self.stats["incremental_ok"] += 1
+        self._last_warn = ("", float("-inf"))
+        self._check_incarnation(resp.incarnation)
+
+    def _failed(self, call: str, err: BaseException) -> NoReturn:
+        """After a failed call nothing is known of the Coordinator's table: the next attempt (with
+        the key's backoff) is a full Set. One warning per new kind of failure, then at most one
+        every WARN_EVERY_S while it lasts."""
+        if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
+            raise err
+        self._held = None
+        code = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "CANCELLED"
+        key, now = f"{call}:{code}", time.monotonic()
         if key == self._last_warn[0] and now - self._last_warn[1] < WARN_EVERY_S:
             self._suppressed += 1
-            return
-        log.warn(
-            "coordinator_push_failed",
-            coordinator=self.address,
-            call=call,
-            code=err.code().name,
-            detail=err.details() or "",
-            repeated=self._suppressed,
-        )
-        self._last_warn, self._suppressed = (key, now), 0
+        else:
+            log.warn(
+                "coordinator_push_failed",
+                coordinator=self.address,
+                call=call,
+                code=code,
+                detail=(err.details() or "") if isinstance(err, grpc.aio.AioRpcError) else "channel closed",
+                repeated=self._suppressed,
+            )
+            self._last_warn, self._suppressed = (key, now), 0
+        raise Retry(f"{call} to {self.address} failed: {code}") from err
 
     def _check_incarnation(self, incarnation: str) -> None:
         if incarnation and self.incarnation and incarnation != self.incarnation:
             log.event("coordinator_restarted", coordinator=self.address, incarnation=incarnation)
-            self.request_full_sync("new_incarnation")
+            self._held = None
         if incarnation:
             self.incarnation = incarnation
 
-    # ---- health watch and periodic sync ------------------------------------------------------
+    # ---- health watch --------------------------------------------------------------------------
 
-    async def _watch(self) -> None:
-        backoff = MIN_BACKOFF_S
+    async def _watch_health(self) -> None:
+        """Follow the Coordinator's health: a break and return means it may have lost its table
+        (or missed our calls), so resync; and any retry that is waiting goes at once."""
+        backoff = Backoff(*WATCH_BACKOFF)
         broken_at: float | None = None
         while True:
             assert self._health is not None
@@ -270,40 +301,87 @@ class CoordinatorPusher:
                 )
                 async for resp in call:
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        backoff = MIN_BACKOFF_S
+                        backoff.reset()
                         if broken_at is not None:
                             log.event("coordinator_reachable", coordinator=self.address)
-                            # Back after a break: resync, unless a Set got through since or one is
-                            # on its way now (if that one fails, it raises the flag again itself).
+                            # Unless a Set got through since, or one is on its way now (if that
+                            # one fails, it marks the table unknown itself).
                             if self.last_set_ok < broken_at and not self._set_in_flight:
                                 self.request_full_sync("watch_restored")
+                            self._enqueue(self.address)
                             broken_at = None
-                            self._link_up.set()
                     elif broken_at is None:
                         broken_at = time.monotonic()
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warn("coordinator_health_unavailable", coordinator=self.address)
-                    return
+                    return  # nothing to watch: the periodic Set and the resync still run
             if broken_at is None:
                 broken_at = time.monotonic()
                 log.warn("coordinator_unreachable", coordinator=self.address)
-            await asyncio.sleep(_jitter(backoff))
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            await backoff.sleep()
             # A fresh channel connects at once instead of waiting out gRPC's reconnect backoff.
             self._open()
 
-    async def _periodic(self) -> None:
-        while True:
-            await asyncio.sleep(self._sync_interval_s)
-            self.request_full_sync("periodic")
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "coordinator": self.address,
-            "incarnation": self.incarnation,
-            "synced_fingerprint": self.synced_fingerprint,
-            "need_set": self._need_set,
-            "queued": len(self._ops),
-            **self.stats,
+class _NotFound(Exception):
+    """A Delete answered NOT_FOUND: the Coordinator does not hold (one of) those instances."""
+
+
+class _Answer(Protocol):
+    incarnation: str
+
+
+class CoordinatorSync:
+    """One pusher per configured Coordinator, all driven by one reconciler keyed by address."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        table: InstanceTable,
+        *,
+        key: str | None = None,
+        tls: ServerConfig | None = None,
+        max_message_bytes: int = 4 << 20,
+        sync_interval_s: float = 0.0,
+        resync_s: float = RESYNC_S,
+    ) -> None:
+        self.reconciler: Reconciler[str] = Reconciler(
+            "coordinator",
+            self._reconcile,
+            workers=max(1, len(addresses)),
+            backoff=Backoff(0.1, 1.0),
+            resync_s=resync_s,
+            keys=self._resync_keys,
+        )
+        self.pushers = {
+            a: CoordinatorPusher(
+                a,
+                table,
+                self.reconciler.enqueue,
+                key=key,
+                tls=tls,
+                max_message_bytes=max_message_bytes,
+                sync_interval_s=sync_interval_s,
+            )
+            for a in addresses
         }
+        for p in self.pushers.values():
+            table.subscribe(p)
+
+    async def _reconcile(self, address: str) -> Result:
+        return await self.pushers[address].reconcile()
+
+    def _resync_keys(self) -> list[str]:
+        for p in self.pushers.values():
+            p.resync()
+        return list(self.pushers)
+
+    def start(self) -> None:
+        for p in self.pushers.values():
+            p.start()
+        self.reconciler.start()
+
+    async def close(self) -> None:
+        await self.reconciler.stop()
+        await asyncio.gather(*(p.close() for p in self.pushers.values()), return_exceptions=True)

@@ -2,53 +2,70 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from motor.v1 import controller_pb2 as pb
+from motor.v1 import controller_pb2_grpc
 
 from services.common import errors
 from services.common.rpc import BidiStream
 from services.controller import validation
+from services.controller.convert import instance_pb
 
 if TYPE_CHECKING:
     from services.controller.app import Controller
 
 
-class ControllerService:
+class ControllerService(controller_pb2_grpc.ControllerServicer):
     VALIDATORS = validation.VALIDATORS
 
     def __init__(self, controller: Controller) -> None:
         self._c = controller
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> Any:
-        return self._c.assembler.register(request)
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
+        return self._c.registrar.register(request)
 
-    async def Heartbeat(self, stream: BidiStream, context: grpc.aio.ServicerContext) -> None:
+    # Served with read/write instead of request/response iterators (services/common/rpc.py): one
+    # coroutine per stream on the Controller's hottest path.
+    async def Heartbeat(  # type: ignore[override]
+        self, stream: BidiStream, context: grpc.aio.ServicerContext
+    ) -> None:
         await self._c.hub.stream(stream, context)
 
-    async def ListInstances(self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListInstancesResponse:
         found = self._c.table.find(role=request.role, status=request.status)
-        return pb.ListInstancesResponse(instances=[i.to_pb() for i in found])
+        return pb.ListInstancesResponse(instances=[instance_pb(i) for i in found])
 
     # Later issues: the alarm store, the recovery service and the fault manager.
 
-    async def ReportAlarms(self, request: pb.ReportAlarmsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def ReportAlarms(
+        self, request: pb.ReportAlarmsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportAlarmsResponse:
         raise errors.unimplemented("alarm store (ReportAlarms)")
 
     async def TerminateInstance(
         self, request: pb.TerminateInstanceRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.TerminateInstanceResponse:
         raise errors.unimplemented("recovery service (TerminateInstance)")
 
-    async def ListAlarms(self, request: pb.ListAlarmsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def ListAlarms(
+        self, request: pb.ListAlarmsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListAlarmsResponse:
         raise errors.unimplemented("alarm store (ListAlarms)")
 
-    async def WatchAlarms(self, request: pb.WatchAlarmsRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def WatchAlarms(
+        self, request: pb.WatchAlarmsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchAlarmsResponse]:
         raise errors.unimplemented("alarm store (WatchAlarms)")
-        yield  # pragma: no cover
+        yield  # pragma: no cover - makes this an async generator, as a server-streaming handler is
 
     async def GetFaultToleranceStatus(
         self, request: pb.GetFaultToleranceStatusRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.GetFaultToleranceStatusResponse:
         raise errors.unimplemented("fault manager (GetFaultToleranceStatus)")

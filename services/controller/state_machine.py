@@ -1,4 +1,5 @@
-"""The instance state machine (behaviour.md "Instance state machine"), as pure functions.
+"""The instance state machine as pure functions (docs/architecture.md,
+"The instance state machine").
 
     INITIAL ──all ready──▶ ACTIVE ◀──resume── PAUSED
        │                  │   └──paused──────▶ │
@@ -14,36 +15,48 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from motor.v1 import common_pb2
+from services.common.enums import (
+    ACTIVE,
+    DELETED,
+    EP_ABNORMAL,
+    EP_INITIAL,
+    EP_NORMAL,
+    EP_PAUSED,
+    EP_WAIT,
+    INACTIVE,
+    INITIAL,
+    PAUSED,
+    InstanceStatus,
+    status_name,
+)
 
-from .model import Status
-
-INITIAL = common_pb2.INSTANCE_STATUS_INITIAL
-ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
-INACTIVE = common_pb2.INSTANCE_STATUS_INACTIVE
-PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
-DELETED = common_pb2.INSTANCE_STATUS_DELETED
-
-EP_INITIAL = common_pb2.ENDPOINT_STATUS_INITIAL
-EP_WAIT = common_pb2.ENDPOINT_STATUS_WAIT_TO_START
-EP_NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
-EP_ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
-EP_PAUSED = common_pb2.ENDPOINT_STATUS_PAUSED
+# The statuses are re-exported: callers read the state machine with its own vocabulary.
+__all__ = [
+    "ACTIVE",
+    "DELETED",
+    "EP_ABNORMAL",
+    "EP_INITIAL",
+    "EP_NORMAL",
+    "EP_PAUSED",
+    "EP_WAIT",
+    "INACTIVE",
+    "INITIAL",
+    "PAUSED",
+    "after_heartbeat_timeout",
+    "is_routable",
+    "name",
+    "next_status",
+]
 
 # A headless endpoint (no HTTP server) is ready once its process runs.
 _HEADLESS_READY = frozenset({EP_WAIT, EP_NORMAL, EP_PAUSED})
 
-
-def name(status: int) -> str:
-    """``ACTIVE`` for INSTANCE_STATUS_ACTIVE (for logs)."""
-    return common_pb2.InstanceStatus.Name(common_pb2.InstanceStatus.ValueType(status)).removeprefix(
-        "INSTANCE_STATUS_"
-    )
+name = status_name  # ``ACTIVE`` for INSTANCE_STATUS_ACTIVE (for logs)
 
 
 def next_status(
-    current: Status, endpoints: Iterable[tuple[int, bool]], *, separated: bool = False
-) -> tuple[Status, str]:
+    current: InstanceStatus, endpoints: Iterable[tuple[int, bool]], *, separated: bool = False
+) -> tuple[InstanceStatus, str]:
     """The status after observing ``endpoints`` (``(status, headless)`` pairs), and why.
 
     Returns ``(current, "")`` when nothing changes.
@@ -78,13 +91,9 @@ def next_status(
     return current, ""
 
 
-def after_heartbeat_timeout(current: Status) -> Status:
+def after_heartbeat_timeout(current: InstanceStatus) -> InstanceStatus:
     """No heartbeat from one of the instance's NodeManagers for the timeout: gone for good."""
     return DELETED
-
-
-def is_live(status: int) -> bool:
-    return status != DELETED
 
 
 def is_routable(status: int) -> bool:

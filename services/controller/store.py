@@ -8,11 +8,13 @@ per heartbeat.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 
-from .model import Instance, JobSpec, Member, Pending
+from services.common.enums import DELETED, InstanceStatus
+
+from .convert import instance_from_row, instance_row, pending_from_row, pending_row
+from .model import Instance, Pending
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -29,7 +31,6 @@ CREATE TABLE IF NOT EXISTS pending (
 # pruned as new ones are deleted and at start-up. The id counter lives in ``meta``, so pruning
 # never lets an id come back.
 KEEP_DELETED = 1000
-_DELETED = 5
 
 
 class Store:
@@ -60,18 +61,20 @@ class Store:
         )
         return value
 
-    def save_instance(self, inst: Instance) -> None:
-        blob, members = inst.to_row()
+    def save_instance(self, inst: Instance, status: InstanceStatus | None = None) -> None:
+        """Write the instance (with ``status`` instead of its own, when given)."""
+        blob, members = instance_row(inst, status)
+        status = inst.status if status is None else status
         self._db.execute(
             "INSERT INTO instances(id, job_name, status, instance, members) VALUES(?,?,?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET status=excluded.status, instance=excluded.instance, "
             "members=excluded.members",
-            (inst.id, inst.job_name, int(inst.status), blob, members),
+            (inst.id, inst.job_name, int(status), blob, members),
         )
 
     def assemble(self, inst: Instance) -> None:
         """The pending row becomes an instance row, atomically."""
-        blob, members = inst.to_row()
+        blob, members = instance_row(inst)
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM pending WHERE id=?", (inst.id,))
@@ -82,13 +85,13 @@ class Store:
 
     def forget_instance(self, instance_id: int) -> None:
         """Drop a DELETED instance's row (history pruning; its id stays used)."""
-        self._db.execute("DELETE FROM instances WHERE id=? AND status=?", (instance_id, _DELETED))
+        self._db.execute("DELETE FROM instances WHERE id=? AND status=?", (instance_id, DELETED))
 
     def save_pending(self, p: Pending) -> None:
         self._db.execute(
             "INSERT INTO pending(id, job_name, data) VALUES(?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET data=excluded.data",
-            (p.id, p.job_name, json.dumps(p.to_json())),
+            (p.id, p.job_name, pending_row(p)),
         )
 
     def delete_pending(self, pending_id: int) -> None:
@@ -98,22 +101,11 @@ class Store:
         self._db.execute(
             "DELETE FROM instances WHERE status=? AND id NOT IN "
             "(SELECT id FROM instances WHERE status=? ORDER BY id DESC LIMIT ?)",
-            (_DELETED, _DELETED, KEEP_DELETED),
+            (DELETED, DELETED, KEEP_DELETED),
         )
         rows = self._db.execute("SELECT id, instance, members FROM instances ORDER BY id").fetchall()
-        return [Instance.from_row(i, blob, members) for i, blob, members in rows]
+        return [instance_from_row(i, blob, members) for i, blob, members in rows]
 
     def load_pending(self) -> list[Pending]:
-        out = []
-        for id_, job, data in self._db.execute("SELECT id, job_name, data FROM pending ORDER BY id"):
-            d = json.loads(data)
-            out.append(
-                Pending(
-                    id=id_,
-                    job_name=job,
-                    spec=JobSpec(**d["spec"]),
-                    members=[Member.from_json(m) for m in d["members"]],
-                    last_registration=float(d.get("last_registration", 0.0)),
-                )
-            )
-        return out
+        rows = self._db.execute("SELECT id, job_name, data FROM pending ORDER BY id").fetchall()
+        return [pending_from_row(id_, job, data) for id_, job, data in rows]

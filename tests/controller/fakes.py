@@ -63,7 +63,8 @@ class FakeNodeManager:
 
     def __init__(self) -> None:
         self.starts: list[nodemanager_pb2.StartEnginesRequest] = []
-        self.fail_starts = 0  # answer the next N StartEngines with INTERNAL
+        self.fail_starts = 0  # answer the next N StartEngines with ``start_error``
+        self.start_error = errors.error_info(grpc.StatusCode.INTERNAL, "LAUNCH_FAILED", "test: launch failed")
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -72,7 +73,7 @@ class FakeNodeManager:
         self.starts.append(req)
         if self.fail_starts:
             self.fail_starts -= 1
-            raise errors.error_info(grpc.StatusCode.INTERNAL, "LAUNCH_FAILED", "test: launch failed")
+            raise self.start_error
         return nodemanager_pb2.StartEnginesResponse(
             endpoints=[
                 common_pb2.Endpoint(

@@ -7,10 +7,11 @@ import pytest
 from google.rpc import error_details_pb2
 from motor.v1 import common_pb2, controller_pb2
 
+from services.common import errors
 from services.common.errors import details_of
 from services.controller import assembly
 from services.controller.model import JobSpec, Member
-from tests.controller.fakes import DELETED, INITIAL, running_controller, until
+from tests.controller.fakes import ACTIVE, DELETED, INITIAL, NORMAL, running_controller, until
 
 SIM, SGLANG = common_pb2.ENGINE_TYPE_SIM, common_pb2.ENGINE_TYPE_SGLANG
 
@@ -237,4 +238,29 @@ async def test_start_engines_failing_drops_the_instance(tmp_path, node_managers)
         [gone] = await until(lambda: h.instances(status=DELETED))
         assert gone.id == 1 and len(a.starts) == 2  # one try + one retry
         assert await h.instances() == []
+        assert (await agent.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER
+
+
+async def test_start_engines_is_retried_and_the_instance_survives(tmp_path, node_managers) -> None:
+    a = await node_managers()
+    a.fail_starts = 2  # the NodeManager recovers on the third try
+    async with running_controller(tmp_path, start_command_retries=3) as h:
+        agent = h.agent(job="j", nm=a)
+        await agent.register()
+        await until(lambda: len(a.starts) == 3)
+        await agent.beat(NORMAL)
+        [inst] = await until(lambda: h.instances(status=ACTIVE))
+        assert inst.id == 1 and await h.instances(status=DELETED) == []
+        assert len(a.starts) == 3 and a.starts[0] == a.starts[2]  # the same command each time
+
+
+async def test_node_mismatch_is_not_retried(tmp_path, node_managers) -> None:
+    a = await node_managers()
+    a.fail_starts = 100
+    a.start_error = errors.precondition("NODE_MISMATCH", "node/x", "test: not this node's job")
+    async with running_controller(tmp_path, start_command_retries=3) as h:
+        agent = h.agent(job="j", nm=a)
+        await agent.register()
+        [gone] = await until(lambda: h.instances(status=DELETED))
+        assert gone.id == 1 and len(a.starts) == 1
         assert (await agent.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER

@@ -230,3 +230,23 @@ async def test_heartbeat_stats_are_logged(tmp_path, node_managers, monkeypatch, 
         assert line["messages"] == 3 and line["ack_p99_ms"] >= line["ack_p50_ms"] >= 0
         assert list(line)[:4] == ["messages", "ack_p50_ms", "ack_p99_ms", "window_s"]
         assert line["gc_collections"] >= 0 and line["gc_max_ms"] >= 0
+
+
+async def test_a_lost_observation_is_corrected_by_the_resync(tmp_path, node_managers, monkeypatch) -> None:
+    from services.controller import app
+
+    monkeypatch.setattr(app, "RESYNC_S", 0.2)
+    nm = await node_managers()
+    async with running_controller(tmp_path) as h:
+        agent = h.agent(job="p", nm=nm)
+        await agent.register()
+        # The start answered (its pid is recorded): nothing left in flight to look at the beat.
+        await until(lambda: _first_pid(h))
+        monkeypatch.setattr(h.controller.hub, "enqueue", lambda instance_id: None)  # events get lost
+        await agent.beat(NORMAL)
+        await until(lambda: h.instances(status=ACTIVE), timeout=5)
+
+
+async def _first_pid(h) -> int:
+    found = await h.instances()
+    return found[0].endpoints[0].pid if found else 0

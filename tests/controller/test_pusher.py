@@ -13,7 +13,7 @@ from motor.v1 import common_pb2
 from services.controller import state_machine as sm
 from services.controller.instances import InstanceTable
 from services.controller.model import Instance, JobSpec, Member
-from services.controller.pusher import CoordinatorPusher
+from services.controller.pusher import CoordinatorSync
 from services.controller.store import Store
 from tests.controller.fakes import FakeCoordinator, until
 
@@ -21,11 +21,11 @@ from tests.controller.fakes import FakeCoordinator, until
 class World:
     """An instance table (with its database) and one pusher watching it."""
 
-    def __init__(self, tmp: Path, address: str, sync_interval_s: float = 0.0) -> None:
+    def __init__(self, tmp: Path, address: str, sync_interval_s: float = 0.0, resync_s: float = 30.0) -> None:
         self.store = Store(tmp)
         self.table = InstanceTable(self.store)
-        self.pusher = CoordinatorPusher(address, self.table, sync_interval_s=sync_interval_s)
-        self.table.subscribe(self.pusher)
+        self.sync = CoordinatorSync([address], self.table, sync_interval_s=sync_interval_s, resync_s=resync_s)
+        self.pusher = self.sync.pushers[address]
         self._next_port = 10000
 
     def instance(self, status: int = sm.ACTIVE) -> Instance:
@@ -50,10 +50,10 @@ class World:
 @pytest.fixture
 async def world(tmp_path: Path, coordinator: FakeCoordinator) -> AsyncIterator[World]:
     w = World(tmp_path, coordinator.address)
-    w.pusher.start()
+    w.sync.start()
     await until(lambda: coordinator.count("Set", ok=True) == 1)  # the start-up sync
     yield w
-    await w.pusher.close()
+    await w.sync.close()
     w.store.close()
 
 
@@ -117,11 +117,11 @@ async def test_delete_not_found_counts_as_done(world: World, coordinator: FakeCo
 
 async def test_periodic_set(tmp_path: Path, coordinator: FakeCoordinator) -> None:
     w = World(tmp_path, coordinator.address, sync_interval_s=0.1)
-    w.pusher.start()
+    w.sync.start()
     try:
         await until(lambda: coordinator.count("Set", ok=True) >= 3)
     finally:
-        await w.pusher.close()
+        await w.sync.close()
         w.store.close()
 
 
@@ -134,7 +134,7 @@ def _free_port() -> int:
 async def test_coordinator_down_then_up_gets_a_full_set(tmp_path: Path) -> None:
     port = _free_port()
     w = World(tmp_path, f"127.0.0.1:{port}")
-    w.pusher.start()
+    w.sync.start()
     late = FakeCoordinator()
     try:
         a = w.instance(sm.ACTIVE)
@@ -143,14 +143,14 @@ async def test_coordinator_down_then_up_gets_a_full_set(tmp_path: Path) -> None:
         await until(lambda: a.id in late.table, timeout=5)
         assert late.count("Set", ok=True) == 1 and late.count("Add") == 0
     finally:
-        await w.pusher.close()
+        await w.sync.close()
         await late.stop()
         w.store.close()
 
 
 async def test_watch_break_and_return_resyncs(tmp_path: Path, coordinator: FakeCoordinator) -> None:
     w = World(tmp_path, coordinator.address)
-    w.pusher.start()
+    w.sync.start()
     try:
         await until(lambda: coordinator.count("Set", ok=True) == 1)
         a = w.instance(sm.ACTIVE)
@@ -163,5 +163,26 @@ async def test_watch_break_and_return_resyncs(tmp_path: Path, coordinator: FakeC
         await until(lambda: a.id in coordinator.table, timeout=5)
         assert coordinator.count("Set", ok=True) == 2
     finally:
-        await w.pusher.close()
+        await w.sync.close()
+        w.store.close()
+
+
+async def test_a_lost_event_is_corrected_by_the_resync(
+    tmp_path: Path, coordinator: FakeCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = World(tmp_path, coordinator.address, resync_s=0.2)
+    monkeypatch.setattr(w.pusher, "on_transition", lambda *args: None)  # every event is lost
+    w.sync.start()
+    try:
+        await until(lambda: coordinator.count("Set", ok=True) == 1)
+        a = w.instance(sm.ACTIVE)
+        await until(lambda: a.id in coordinator.table, timeout=5)
+        w.table.transition(a, sm.PAUSED, "test")
+        await until(lambda: a.id in coordinator.paused, timeout=5)
+        w.table.transition(a, sm.INACTIVE, "test")
+        await until(lambda: a.id not in coordinator.table, timeout=5)
+        # The resync sent the differences, not a full Set.
+        assert [coordinator.count(m, ok=True) for m in ("Set", "Add", "Pause", "Delete")] == [1, 1, 1, 1]
+    finally:
+        await w.sync.close()
         w.store.close()

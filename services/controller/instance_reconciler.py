@@ -1,0 +1,120 @@
+"""Reconciling one assembled instance with what its NodeManagers report.
+
+``reconcile(instance_id)`` compares the instance with the latest observations (the heartbeat
+handlers record them and enqueue the id):
+
+1. a NodeManager silent for ``instance_heartbeat_timeout_s`` → DELETED;
+2. the endpoint statuses → the state machine's next status (persisted, then observers told);
+3. members whose engines are not running yet → ``StartEngines``. A failed round is retried with
+   the key's backoff up to ``start_command_retries`` times, then the instance is DELETED;
+   a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from services.common import errors, log, retry
+from services.common.config import ControllerConfig
+
+from . import assembly
+from . import state_machine as sm
+from .instances import InstanceTable
+from .model import Instance, Member
+from .nm_client import NodeManagerClients
+from .reconciler import DONE, Result, Retry, Terminal
+
+# Retrying a StartEngines cannot fix these; every other failure (the NodeManager down or slow,
+# an engine that failed to launch) may be transient.
+START_POLICY = retry.policy(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+class InstanceReconciler:
+    def __init__(self, cfg: ControllerConfig, table: InstanceTable, nm_clients: NodeManagerClients) -> None:
+        self.table = table
+        self.nm_clients = nm_clients
+        self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
+        self.start_retries = cfg.start_command_retries
+
+    async def reconcile(self, instance_id: int) -> Result:
+        inst = self.table.live.get(instance_id)
+        if inst is None:
+            return DONE
+        now = time.monotonic()
+        silent = next((m for m in inst.members if now - m.last_heard > self.heartbeat_timeout_s), None)
+        if silent is not None:
+            log.warn(
+                "heartbeat_timeout",
+                instance_id=inst.id,
+                node_manager=silent.address,
+                silent_s=round(now - silent.last_heard, 3),
+                stream_open=silent.open_streams > 0,
+            )
+            self.table.transition(inst, sm.after_heartbeat_timeout(inst.status), "heartbeat_timeout")
+            return DONE
+        self.evaluate(inst)
+        if any(m.started is False for m in inst.members):
+            await self._start(inst)
+            self.evaluate(inst)
+        return DONE
+
+    def evaluate(self, inst: Instance) -> None:
+        """Run the state machine on the endpoint statuses last reported."""
+        new, reason = sm.next_status(
+            inst.status, ((ep.status, ep.headless) for ep in inst.endpoints), separated=inst.separated
+        )
+        if new != inst.status:
+            self.table.transition(inst, new, reason)
+
+    async def _start(self, inst: Instance) -> None:
+        members = [m for m in inst.members if m.started is False]
+        results = await asyncio.gather(
+            *(self.nm_clients.start_engines(m.address, assembly.start_command(inst, m)) for m in members),
+            return_exceptions=True,
+        )
+        if inst.status == sm.DELETED:
+            return
+        failed: list[tuple[Member, errors.RpcFailure]] = []
+        for m, result in zip(members, results, strict=True):
+            if isinstance(result, grpc.RpcError):
+                failed.append((m, errors.RpcFailure.of(result)))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                m.started = True
+                for reported in result.endpoints:
+                    ep = m.by_id.get(reported.id)
+                    if ep is not None and reported.pid:
+                        ep.pid = reported.pid
+        if not failed:
+            inst.start_failures = 0
+            log.event("engines_started", instance_id=inst.id, job=inst.job_name, node_managers=len(members))
+            return
+        inst.start_failures += 1
+        for m, failure in failed:
+            log.error(
+                "start_engines_failed",
+                instance_id=inst.id,
+                node_manager=m.address,
+                code=failure.code.name,
+                reason=failure.reason,
+                message=failure.message,
+                attempt=inst.start_failures,
+            )
+        mismatch = next((f for _, f in failed if f.reason == "NODE_MISMATCH"), None)
+        terminal = mismatch or next((f for _, f in failed if not START_POLICY.retryable(f.code)), None)
+        if terminal is not None or inst.start_failures > self.start_retries:
+            self.table.delete(inst, "start_failed")
+            why = terminal or failed[0][1]
+            raise Terminal(f"instance {inst.id}: StartEngines failed ({why}); instance dropped")
+        raise Retry(f"instance {inst.id}: StartEngines failed on {len(failed)} NodeManager(s)")

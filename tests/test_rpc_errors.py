@@ -1,0 +1,110 @@
+"""A bug in a handler (an exception that is not a MotorError) answers INTERNAL with an ErrorInfo
+and never the exception's text; the server's log has the traceback. Every kind of RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from motor.v1 import controller_pb2, controller_pb2_grpc
+
+from services.common import errors, log
+from services.common.rpc import BidiStream
+from services.common.server import MotorServer
+from services.controller.registration import Registrar
+from tests.controller.fakes import running_controller
+from tests.test_runtime import CONTROLLER, StubController, section
+
+SECRET = "token=hunter2 at /srv/private/path"
+
+
+class Buggy(StubController):
+    async def ListInstances(self, request: Any, context: Any) -> Any:
+        raise RuntimeError(SECRET)
+
+    async def WatchAlarms(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        yield controller_pb2.WatchAlarmsResponse()
+        raise KeyError(SECRET)
+
+    async def Heartbeat(self, stream: BidiStream, context: Any) -> None:
+        await stream.read()
+        raise ZeroDivisionError(SECRET)
+
+
+@pytest.fixture
+async def buggy() -> AsyncIterator[MotorServer]:
+    srv = MotorServer("controller", section(), [(CONTROLLER, Buggy())], port=0)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+def assert_internal(err: grpc.aio.AioRpcError, method: str) -> None:
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert SECRET not in (err.details() or "") and "Error" not in (err.details() or "")
+    [info] = [d for d in errors.details_of(err) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert (info.reason, info.domain, info.metadata["method"]) == ("INTERNAL", "motor", method)
+
+
+def failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", "") == "rpc_failed"]
+
+
+async def test_unary_server_streaming_and_bidi_handlers(buggy: MotorServer, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    async with grpc.aio.insecure_channel(buggy.address) as ch:
+        stub = controller_pb2_grpc.ControllerStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
+        assert_internal(unary.value, "/motor.v1.Controller/ListInstances")
+
+        watch = stub.WatchAlarms(controller_pb2.WatchAlarmsRequest(), timeout=5)
+        assert await watch.read() == controller_pb2.WatchAlarmsResponse()
+        with pytest.raises(grpc.aio.AioRpcError) as streaming:
+            await watch.read()
+        assert_internal(streaming.value, "/motor.v1.Controller/WatchAlarms")
+
+        beats = stub.Heartbeat(timeout=5)
+        await beats.write(controller_pb2.HeartbeatRequest(beat=controller_pb2.Beat(node_id=1)))
+        with pytest.raises(grpc.aio.AioRpcError) as bidi:
+            await beats.read()
+        assert_internal(bidi.value, "/motor.v1.Controller/Heartbeat")
+
+    logged = failures(caplog)
+    assert [type(r.exc_info[1]) for r in logged if r.exc_info] == [RuntimeError, KeyError, ZeroDivisionError]
+
+
+async def test_the_log_line_carries_the_traceback_on_one_line(capsys) -> None:
+    log.setup("test", "json")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("rpc_failed", method="/m")
+    [line] = capsys.readouterr().err.splitlines()
+    fields = json.loads(line)
+    assert fields["event"] == "rpc_failed" and fields["error"] == "RuntimeError: boom"
+    assert "Traceback (most recent call last)" in fields["traceback"]
+    assert "test_the_log_line_carries_the_traceback_on_one_line" in fields["traceback"]
+
+
+async def test_a_real_controller_handler(tmp_path: Path, monkeypatch, caplog) -> None:
+    def broken(self: Registrar, request: Any) -> Any:
+        raise OSError(SECRET)
+
+    monkeypatch.setattr(Registrar, "register", broken)
+    caplog.set_level(logging.INFO)
+    async with running_controller(tmp_path) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.agent(job="j", nm_port=7399).register()
+        assert_internal(err.value, "/motor.v1.Controller/Register")
+        # The server goes on serving.
+        assert await asyncio.wait_for(h.instances(), 5) == []
+    [record] = failures(caplog)
+    assert record.exc_info is not None and isinstance(record.exc_info[1], OSError)
