@@ -15,17 +15,20 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import log
+from services.common import log, retry
+from services.common.channel import open_channel
 from services.common.config import Config, ConfigError, load
 from services.common.procgroup import Reaper, become_subreaper
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
-BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_RUN_S = 1.0, 10.0, 30.0
+# A child that ran this long was healthy: its next restart waits the shortest delay again.
+HEALTHY_RUN_S = 30.0
 STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover engines
 
 
@@ -38,7 +41,7 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task[None] | None = None
     restarts: int = 0
-    backoff: float = BACKOFF_START_S
+    backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=1.0, maximum=10.0))
     started: float = 0.0
 
 
@@ -109,8 +112,8 @@ class Cluster:
                 dict(env, MOTOR_COORDINATOR_CONTROLLER=self.controller_addr),
             )
         )
-        nm = self.cfg.nodemanager
-        engine_base = nm.ports[0] + off
+        nm_cfg = self.cfg.nodemanager
+        engine_base = nm_cfg.ports[0] + off
         roles = ["prefill"] * a.prefill + ["decode"] * a.decode + ["union"] * a.union
         seen: dict[str, int] = {}
         for i, role in enumerate(roles):
@@ -119,7 +122,7 @@ class Cluster:
             self.children.append(
                 Child(
                     f"nm-{i}",
-                    [*base, "nodemanager", *config, "--port", str(nm.port + i + off)],
+                    [*base, "nodemanager", *config, "--port", str(nm_cfg.port + i + off)],
                     dict(
                         env,
                         MOTOR_NODEMANAGER_CONTROLLER=self.controller_addr,
@@ -169,24 +172,19 @@ class Cluster:
                 await child.pump
             if self.stopping.is_set():
                 return
-            ran = loop.time() - child.started
-            if ran > HEALTHY_RUN_S:
-                child.backoff = BACKOFF_START_S
-            log.warn("restart", component=child.name, rc=rc, in_s=child.backoff)
+            if loop.time() - child.started > HEALTHY_RUN_S:
+                child.backoff.reset()
+            delay = child.backoff.next()
+            log.warn("restart", component=child.name, rc=rc, in_s=round(delay, 2))
             try:
-                await asyncio.wait_for(self.stopping.wait(), child.backoff)
+                await asyncio.wait_for(self.stopping.wait(), delay)
                 return
             except TimeoutError:
                 pass
-            child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
             child.restarts += 1
             await self.spawn(child)
 
     async def wait_serving(self, addr: str, service: str) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from services.common.channel import open_channel
-
         async with open_channel(addr) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while not self.stopping.is_set():

@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import (
     alarm_pb2,
@@ -20,10 +22,15 @@ from motor.v1 import (
     coordinator_pb2_grpc,
 )
 
+from services.common import enums
 from services.common.channel import open_channel
 from services.common.config import ConfigError, read_key_file
 
+if TYPE_CHECKING:
+    from google.protobuf.internal.enum_type_wrapper import _EnumTypeWrapper
+
 MULTI_COMMAND = True
+_V = TypeVar("_V", bound=int)
 
 
 def common_flags(p: argparse.ArgumentParser) -> None:
@@ -34,28 +41,28 @@ def common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
-def as_dict(msg: Any) -> dict[str, Any]:
+def as_dict(msg: Message) -> dict[str, Any]:
     return MessageToDict(msg, preserving_proto_field_name=True)
 
 
-def short_enum(enum: Any, value: int, prefix: str) -> str:
+def short_enum(enum: _EnumTypeWrapper[_V], value: _V, prefix: str) -> str:
     return enum.Name(value).removeprefix(prefix)
 
 
 def endpoint_text(ep: common_pb2.Endpoint) -> str:
-    status = short_enum(common_pb2.EndpointStatus, ep.status, "ENDPOINT_STATUS_")
+    status = enums.endpoint_status_name(ep.status)
     extra = (f",pid={ep.pid}" if ep.pid else "") + (",headless" if ep.headless else "")
     return f"{ep.host}:{ep.port}({status}{extra})"
 
 
-def instance_rows(instances: Any) -> list[list[str]]:
+def instance_rows(instances: Iterable[common_pb2.Instance]) -> list[list[str]]:
     rows = [["ID", "ROLE", "STATUS", "MODEL", "JOB", "ENDPOINTS"]]
     for i in instances:
         rows.append(
             [
                 str(i.id),
                 short_enum(common_pb2.Role, i.role, "ROLE_"),
-                short_enum(common_pb2.InstanceStatus, i.status, "INSTANCE_STATUS_"),
+                enums.status_name(i.status),
                 i.model_name,
                 i.job_name,
                 " ".join(endpoint_text(e) for e in i.endpoints),
@@ -131,7 +138,7 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
             )
             counts: dict[str, int] = {}
             for i in resp.instances:
-                s = short_enum(common_pb2.InstanceStatus, i.status, "INSTANCE_STATUS_")
+                s = enums.status_name(i.status)
                 counts[s] = counts.get(s, 0) + 1
             out["controller"]["instances"] = counts
     async with open_channel(args.coordinator, key=key) as ch:

@@ -1,4 +1,4 @@
-"""Freeze and suicide arbitration (behaviour.md "Suicide arbitration", "Freeze").
+"""Freeze and suicide arbitration.
 
 When engines stay broken and nobody repairs them in place, the NodeManager stops its engines
 and exits non-zero so the pod (or ``motor up``) restarts it. A freeze holds that fallback off
@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from services.common import log
-from services.nodemanager.engine import ABNORMAL, Engine
+from services.common import enums, log
+from services.nodemanager.engine import Engine
 
 
 class Freeze:
@@ -83,7 +83,7 @@ class SuicideArbiter:
             self.count = 0
             return False
         dead = [e for e in engines if not e.alive and not e.stopping]
-        abnormal = [e for e in engines if e.status == ABNORMAL]
+        abnormal = [e for e in engines if e.status == enums.EP_ABNORMAL]
         # A model still loading is not broken; a process that died is broken all the same.
         starting = any(e.alive and e.in_startup_window() for e in engines)
         if not (dead or abnormal) or (starting and not dead):

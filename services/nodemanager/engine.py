@@ -1,5 +1,4 @@
-"""One engine endpoint: its process group, its readiness and its death (behaviour.md
-"Readiness", "Death detection", "Stopping engines").
+"""One engine endpoint: its process group, its readiness and its death.
 
 Status: INITIAL until the process runs, WAIT_TO_START until ``/health`` answers 200 and
 ``/v1/models`` lists the model, then NORMAL. Headless engines have no HTTP server and are NORMAL
@@ -15,22 +14,17 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol
 
 import aiohttp
 from motor.v1 import common_pb2
 
-from services.common import log, procgroup
+from services.common import enums, log, procgroup, tasks
 from services.common.config import NodeManagerConfig
 from services.nodemanager.launch import EndpointSpec, LaunchParams
 
-Status: TypeAlias = common_pb2.EndpointStatus.ValueType
 _LINE_LIMIT = 1 << 20
 _EXIT_POLL_S = 0.05
-INITIAL = common_pb2.ENDPOINT_STATUS_INITIAL
-WAIT_TO_START = common_pb2.ENDPOINT_STATUS_WAIT_TO_START
-NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
-ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
 
 
 @dataclass(frozen=True)
@@ -78,7 +72,7 @@ class Engine:
         self.hooks = hooks
         self.reaper = reaper
         self.http = http
-        self.status: Status = INITIAL
+        self.status: enums.EndpointStatus = enums.EP_INITIAL
         self.pid = 0  # the leader (= pgid) of the current process group; 0 = none
         self.last_pid = 0
         self.alive = False
@@ -98,7 +92,7 @@ class Engine:
     def in_startup_window(self) -> bool:
         return not self.ever_normal and time.monotonic() - self.started_at < self.timing.startup_timeout_s
 
-    def to_proto(self, status: Status | None = None) -> common_pb2.Endpoint:
+    def to_proto(self, status: enums.EndpointStatus | None = None) -> common_pb2.Endpoint:
         return common_pb2.Endpoint(
             id=self.spec.id,
             host=self.spec.host,
@@ -110,11 +104,11 @@ class Engine:
             pid=self.pid,
         )
 
-    def _set(self, status: Status, *, force: bool = False) -> None:
+    def _set(self, status: enums.EndpointStatus, *, force: bool = False) -> None:
         if status == self.status and not force:
             return
         old, self.status = self.status, status
-        if status == NORMAL:
+        if status == enums.EP_NORMAL:
             self.ever_normal = True
         log.event(
             "endpoint_status",
@@ -144,9 +138,7 @@ class Engine:
         )
         if log_prefix is not None and proc.stdout is not None:
             # Not in self._tasks: it drains to EOF even after the leader exits.
-            self._pump = asyncio.create_task(
-                _pump(proc.stdout, log_prefix), name=f"engine-{self.spec.id}-log"
-            )
+            self._pump = tasks.start(f"engine-{self.spec.id}-log", _pump(proc.stdout, log_prefix))
         self.reaper.watch(proc.pid)
         self._proc = proc
         self.pid = self.last_pid = proc.pid
@@ -155,12 +147,12 @@ class Engine:
         log.event(
             "engine_started", endpoint_id=self.spec.id, port=self.spec.port, pid=proc.pid, argv0=argv[0]
         )
-        self._tasks.append(asyncio.create_task(self._watch_exit(proc), name=f"engine-{self.spec.id}-exit"))
+        self._tasks.append(tasks.start(f"engine-{self.spec.id}-exit", self._watch_exit(proc)))
         if self.spec.headless:
-            self._set(NORMAL)
+            self._set(enums.EP_NORMAL)
         else:
-            self._set(WAIT_TO_START)
-            self._tasks.append(asyncio.create_task(self._probe_loop(), name=f"engine-{self.spec.id}-probe"))
+            self._set(enums.EP_WAIT)
+            self._tasks.append(tasks.spawn(f"engine-{self.spec.id}-probe", self._probe_loop))
         return proc.pid
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
@@ -181,7 +173,7 @@ class Engine:
             )
             # Report first: the Controller should know within a second.
             self.hooks.engine_died(self, proc.pid, detail)
-            self._set(ABNORMAL, force=True)  # pid is 0 now: always worth a beat
+            self._set(enums.EP_ABNORMAL, force=True)  # pid is 0 now: always worth a beat
             # The leader is gone; anything left in its group (workers) must not keep a port.
             await procgroup.stop_group(proc.pid, 0, self.reaper)
         finally:
@@ -226,15 +218,15 @@ class Engine:
         if ok:
             self.failures = 0
             self.abnormal_since = None
-            self._set(NORMAL)
+            self._set(enums.EP_NORMAL)
             return
         if not (self.ever_normal or now - self.started_at >= self.timing.startup_timeout_s):
             return  # still loading: failures do not count in the start-up window
         self.failures += 1
-        if self.status != ABNORMAL:
+        if self.status != enums.EP_ABNORMAL:
             if self.failures >= self.timing.max_failures:
                 self.abnormal_since = now
-                self._set(ABNORMAL)
+                self._set(enums.EP_ABNORMAL)
                 if self.ever_normal:
                     self.hooks.engine_unhealthy(self, why)
             return

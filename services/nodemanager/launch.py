@@ -1,4 +1,4 @@
-"""Engine command lines and environments (behaviour.md "Engine launch").
+"""Engine command lines and environments.
 
 Pure functions: given the node's configuration and one endpoint of a start command, what argv
 and environment the engine process gets. Tests compare these lists exactly, and the stand-in
@@ -15,19 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from motor.v1 import common_pb2
+from services.common import enums
 
-ROLE_NAMES = {
-    common_pb2.ROLE_PREFILL: "prefill",
-    common_pb2.ROLE_DECODE: "decode",
-    common_pb2.ROLE_UNION: "union",
-}
-ROLE_ENUMS = {name: value for value, name in ROLE_NAMES.items()}
-ENGINE_TYPES = {
-    "vllm": common_pb2.ENGINE_TYPE_VLLM,
-    "sglang": common_pb2.ENGINE_TYPE_SGLANG,
-    "sim": common_pb2.ENGINE_TYPE_SIM,
-}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -68,18 +57,19 @@ class LaunchParams:
     @property
     def sglang_style(self) -> bool:
         """Whether the engine speaks SGLang's bootstrap hand-off."""
-        return self.engine_type == "sglang" or (self.engine_type == "sim" and self.sim_protocol == "sglang")
+        return pd_protocol(self.engine_type, self.sim_protocol) == enums.PD_SGLANG
 
     @property
     def disaggregated(self) -> bool:
         return self.role in KV_ROLES
 
 
-def pd_protocol(engine_type: str, sim_protocol: str) -> int:
-    """The KV hand-off protocol a node's engines speak (RegisterRequest.pd_protocol)."""
-    if engine_type == "sglang" or (engine_type == "sim" and sim_protocol == "sglang"):
-        return common_pb2.PD_PROTOCOL_SGLANG
-    return common_pb2.PD_PROTOCOL_VLLM
+def pd_protocol(engine_type: str, sim_protocol: str) -> enums.PdProtocol:
+    """The KV hand-off protocol a node's engines speak (RegisterRequest.pd_protocol): the
+    engine's own, except that the simulated engine speaks the one ``sim_protocol`` names."""
+    engine = enums.ENGINE_TYPES_BY_NAME[engine_type]
+    sim_sglang = engine == enums.ENGINE_SIM and sim_protocol == "sglang"
+    return enums.pd_protocol_of(enums.PD_SGLANG if sim_sglang else enums.PD_UNSPECIFIED, engine)
 
 
 def bootstrap_port(params: LaunchParams, ep: EndpointSpec) -> int:

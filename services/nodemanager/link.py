@@ -1,41 +1,33 @@
 """The NodeManager's connection to the Controller: ``Register`` and the ``Heartbeat`` stream.
 
-Registration retries on UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and ALREADY_EXISTS
-(1 s doubling to 30 s, plus jitter) and gives up for good on INVALID_ARGUMENT, UNAUTHENTICATED
-and PERMISSION_DENIED. The stream stays open for the node's life: a beat every interval and at
-once on any status change, an engine event the instant an engine dies; it reconnects with
-0.2 s doubling to 2 s plus jitter, and on ``DIRECTIVE_REREGISTER`` registers again with its
-instance id (the engines keep running).
+Registration gives up for good (the node exits 1) only on a request that can never be accepted:
+INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED. Everything else is retried, 1 s doubling to
+30 s with jitter: ALREADY_EXISTS too, because it means the node's previous session has not timed
+out yet. The stream stays open for the node's life: a beat every interval and at once on any
+status change, an engine event the instant an engine dies; it reconnects after 0.2 s doubling to
+2 s with jitter, and on ``DIRECTIVE_REREGISTER`` (or a STALE_SESSION refusal) registers again with
+its instance id (the engines keep running).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import random
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
-from services.common import errors, log
+from services.common import enums, errors, log, retry
 from services.common.channel import open_channel
 from services.common.config import NodeManagerConfig, read_key_file
 from services.nodemanager import launch
 from services.nodemanager.supervisor import EngineSupervisor
 
-RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ALREADY_EXISTS,
-}
-FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-REGISTER_BACKOFF = (1.0, 30.0)
-STREAM_BACKOFF = (0.2, 2.0)
+REGISTER_POLICY = retry.policy(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
 REGISTER_TIMEOUT_S = 5.0
 DEFAULT_INTERVAL_S = 3.0
 # No ack for this many beat intervals (and at least ACK_MIN_S): the stream is dead even if TCP
@@ -46,10 +38,6 @@ ACK_MIN_S = 10.0
 
 class RegistrationRefused(Exception):
     """The Controller refused this node for good (exit 1)."""
-
-
-def jittered(delay: float) -> float:
-    return delay + random.uniform(0, delay / 4)
 
 
 class ControllerLink:
@@ -65,7 +53,7 @@ class ControllerLink:
             max_message_bytes=nm_cfg.max_message_bytes,
             service="nodemanager",
         )
-        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.stub: controller_pb2_grpc.ControllerAsyncStub = controller_pb2_grpc.ControllerStub(self.channel)
         self.node_id = 0
         self.session_epoch = 0
         self.interval_s = DEFAULT_INTERVAL_S
@@ -103,9 +91,9 @@ class ControllerLink:
         par = cfg.parallel
         return controller_pb2.RegisterRequest(
             job_name=cfg.job_name,
-            role=launch.ROLE_ENUMS[cfg.role],
+            role=enums.ROLES_BY_NAME[cfg.role],
             model_name=cfg.served_model_name or cfg.model,
-            engine_type=launch.ENGINE_TYPES[cfg.engine_type],
+            engine_type=enums.ENGINE_TYPES_BY_NAME[cfg.engine_type],
             host=cfg.host,
             nm_port=self.nm_port,
             ports=list(cfg.ports),
@@ -113,31 +101,30 @@ class ControllerLink:
             parallel=common_pb2.ParallelConfig(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, nnodes=par.nnodes),
             node_rank=cfg.node_rank,
             instance_id=self.sup.instance_id,
-            pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),  # type: ignore[arg-type]
+            pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),
         )
 
     async def register(self) -> None:
-        delay = REGISTER_BACKOFF[0]
+        backoff = retry.Backoff(initial=1.0, maximum=30.0)
         self.registered.clear()
         while True:
             req = self.register_request()
             try:
                 resp = await self.stub.Register(req, timeout=REGISTER_TIMEOUT_S, wait_for_ready=False)
             except grpc.aio.AioRpcError as err:
-                code = err.code()
-                if code in FATAL:
-                    log.error("register_refused", code=code.name, message=err.details() or "")
-                    raise RegistrationRefused(f"{code.name}: {err.details()}") from None
-                wait = jittered(delay)
+                failure = errors.RpcFailure.of(err)
+                if not REGISTER_POLICY.retryable(failure.code):
+                    log.error("register_refused", code=failure.code.name, message=failure.message)
+                    raise RegistrationRefused(str(failure)) from None
+                wait = backoff.next()
                 log.warn(
                     "register_failed",
                     controller=self.nm_cfg.controller,
-                    code=code.name,
-                    message=err.details() or "",
+                    code=failure.code.name,
+                    message=failure.message,
                     retry_in_s=round(wait, 2),
                 )
                 await asyncio.sleep(wait)
-                delay = min(delay * 2, REGISTER_BACKOFF[1])
                 continue
             self.node_id = resp.node_id
             self.session_epoch = resp.session_epoch
@@ -164,18 +151,16 @@ class ControllerLink:
     async def run(self) -> None:
         """Register, then keep the stream open until cancelled. Raises RegistrationRefused."""
         await self.register()
-        delay = STREAM_BACKOFF[0]
+        backoff = retry.Backoff(initial=0.2, maximum=2.0)
         while True:
             outcome, healthy = await self._stream_once()
             if outcome == "reregister":
                 await self.register()
-                delay = STREAM_BACKOFF[0]
+                backoff.reset()
                 continue
             if healthy:
-                delay = STREAM_BACKOFF[0]
-            wait = jittered(delay)
-            await asyncio.sleep(wait)
-            delay = min(delay * 2, STREAM_BACKOFF[1])
+                backoff.reset()
+            await backoff.sleep()
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -230,7 +215,10 @@ class ControllerLink:
             if not fut.done():
                 fut.set_result(True)
 
-    async def _watchdog(self, call: Any) -> None:
+    async def _watchdog(
+        self,
+        call: grpc.aio.StreamStreamCall[controller_pb2.HeartbeatRequest, controller_pb2.HeartbeatResponse],
+    ) -> None:
         limit = max(ACK_INTERVALS * self.interval_s, ACK_MIN_S)
         while True:
             await asyncio.sleep(min(limit / 4, 1.0))
@@ -256,18 +244,19 @@ class ControllerLink:
                         )
                     healthy = True
                     self._on_ack(resp.ack.seq)
-                elif kind == "directive" and resp.directive == controller_pb2.DIRECTIVE_REREGISTER:
+                elif kind == "directive" and resp.directive == enums.REREGISTER:
                     log.warn("reregister_requested", node_id=self.node_id, session_epoch=self.session_epoch)
                     call.cancel()
                     return "reregister", healthy
             log.warn("heartbeat_stream_ended", node_id=self.node_id)
             return "broken", healthy
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and _stale_session(err):
-                log.warn("session_stale", node_id=self.node_id, message=err.details() or "")
+            failure = errors.RpcFailure.of(err)
+            if failure.reason == "STALE_SESSION":
+                log.warn("session_stale", node_id=self.node_id, message=failure.message)
                 return "reregister", healthy
-            if err.code() != grpc.StatusCode.CANCELLED:
-                log.warn("heartbeat_stream_broken", code=err.code().name, message=err.details() or "")
+            if failure.code != grpc.StatusCode.CANCELLED:
+                log.warn("heartbeat_stream_broken", code=failure.code.name, message=failure.message)
             return "broken", healthy
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -282,10 +271,3 @@ class ControllerLink:
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
-
-
-def _stale_session(err: grpc.aio.AioRpcError) -> bool:
-    for d in errors.details_of(err):
-        if isinstance(d, error_details_pb2.PreconditionFailure):
-            return any(v.type == "STALE_SESSION" for v in d.violations)
-    return False

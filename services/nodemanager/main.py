@@ -9,11 +9,10 @@ registration (rc 1); every path stops the engines first.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from motor.v1 import nodemanager_pb2
 
-from services.common import log, procgroup
+from services.common import log, procgroup, tasks
 from services.common.config import Config
 from services.common.server import MotorServer
 from services.common.service_main import service_main
@@ -21,7 +20,7 @@ from services.nodemanager.arbiter import SuicideArbiter
 from services.nodemanager.link import ControllerLink, RegistrationRefused
 from services.nodemanager.service import NodeManagerService
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
-from services.nodemanager.supervisor import EngineSupervisor, cancel_quietly
+from services.nodemanager.supervisor import EngineSupervisor
 
 # On shutdown engines get at most this long after SIGTERM before SIGKILL, whatever
 # engine_stop_grace_s says: a stopping NodeManager must be gone within seconds (motor up stops
@@ -61,25 +60,23 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     sup.address = server.address
     server.announce()
 
-    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(reaper.run(), name="reaper")]
+    running = [tasks.spawn("reaper", reaper.run)]
     link: ControllerLink | None = None
     if c.job_name:
         link = ControllerLink(c, port, sup)
         sup.sink = link
-        link_task = asyncio.create_task(link.run(), name="controller-link")
 
-        def link_done(task: asyncio.Task[None]) -> None:
-            if task.cancelled():
-                return
-            exc = task.exception()
-            if isinstance(exc, RegistrationRefused):
+        async def keep_link(link: ControllerLink) -> None:
+            # The link runs for the node's life; when it fails, the node exits 1 and is restarted.
+            try:
+                await link.run()
+            except RegistrationRefused as exc:
                 request_exit(1, f"registration refused: {exc}")
-            elif exc is not None:
-                log.error("controller_link_failed", reason=f"{type(exc).__name__}: {exc}")
+            except Exception:
+                log.exception("controller_link_failed")
                 request_exit(1, "controller link failed")
 
-        link_task.add_done_callback(link_done)
-        tasks.append(link_task)
+        running.append(asyncio.create_task(keep_link(link), name="controller-link"))
     else:
         log.event("registration_disabled", reason="empty job_name")
     arbiter = SuicideArbiter(
@@ -88,7 +85,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
         c.suicide_threshold,
         lambda reason: request_exit(1, f"suicide: {reason}"),
     )
-    tasks.append(asyncio.create_task(arbiter.run(), name="suicide-arbiter"))
+    running.append(tasks.spawn("suicide-arbiter", arbiter.run))
 
     stop_wait = asyncio.create_task(stop.wait())
     done_wait = asyncio.create_task(done.wait())
@@ -97,11 +94,11 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     done_wait.cancel()
     rc = exit_rc[0] if exit_rc else 0
 
-    for task in reversed(tasks[1:]):
-        await cancel_quietly(task)
+    for task in reversed(running[1:]):
+        await tasks.cancel_quietly(task)
     grace = min(c.engine_stop_grace_s, SHUTDOWN_ENGINE_GRACE_S)
     await asyncio.gather(sup.close(grace), server.stop())
-    await cancel_quietly(tasks[0])
+    await tasks.cancel_quietly(running[0])
     reaper.reap()
     if link is not None:
         await link.close()

@@ -1,4 +1,8 @@
-"""motor.v1.NodeManager servicer: a thin layer over :class:`EngineSupervisor`."""
+"""motor.v1.NodeManager servicer: a thin layer over :class:`EngineSupervisor`.
+
+It subclasses the generated servicer for its method types only: ``services.common.rpc`` registers
+the methods itself (raw-bytes parsing, validators, rich errors).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 from motor.v1 import nodemanager_pb2 as pb
+from motor.v1 import nodemanager_pb2_grpc
 
 from services.common import log
 from services.nodemanager import validation
@@ -15,7 +20,7 @@ from services.nodemanager.supervisor import EngineSupervisor
 EXIT_AFTER_STOP_S = 0.3
 
 
-class NodeManagerService:
+class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
     VALIDATORS = validation.VALIDATORS
 
     def __init__(self, supervisor: EngineSupervisor, request_exit: Callable[[int, str, float], None]) -> None:

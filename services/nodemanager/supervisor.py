@@ -7,9 +7,8 @@ to it. Status changes and deaths go to an :class:`EventSink` (the heartbeat stre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -18,17 +17,14 @@ import grpc
 from motor.v1 import common_pb2, controller_pb2
 from motor.v1 import nodemanager_pb2 as pb
 
-from services.common import errors, log, procgroup
+from services.common import enums, errors, log, procgroup, tasks
 from services.common.config import EngineConfig, NodeManagerConfig
 from services.nodemanager import launch
 from services.nodemanager.arbiter import Freeze
-from services.nodemanager.engine import NORMAL, WAIT_TO_START, Engine, Status, Timing
+from services.nodemanager.engine import Engine, Timing
 from services.nodemanager.launch import EndpointSpec, LaunchError, LaunchParams
 from services.nodemanager.statefile import EngineRecord, StateFile
 
-PAUSED = common_pb2.ENDPOINT_STATUS_PAUSED
-ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
-INITIAL = common_pb2.ENDPOINT_STATUS_INITIAL
 ENGINE_INDEX_ENV = "MOTOR_UP_ENGINE_INDEX"
 # A death report not acked within this long freezes nothing: the Controller is unreachable.
 ACK_WAIT_S = 10.0
@@ -88,18 +84,18 @@ class EngineSupervisor:
         self.lock = asyncio.Lock()
         self.closed = False
         self._http: aiohttp.ClientSession | None = None
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- what we report ----------------------------------------------------------------------
 
     def current_engines(self) -> Iterable[Engine]:
         return [self.engines[k] for k in sorted(self.engines)]
 
-    def _reported(self, e: Engine) -> Status:
+    def _reported(self, e: Engine) -> enums.EndpointStatus:
         if self.relaunching:
-            return INITIAL  # engines are down on purpose: nothing status-driven to report
-        if self.paused and e.status != ABNORMAL:
-            return PAUSED
+            return enums.EP_INITIAL  # engines are down on purpose: nothing status-driven to report
+        if self.paused and e.status != enums.EP_ABNORMAL:
+            return enums.EP_PAUSED
         return e.status
 
     def endpoints(self) -> list[common_pb2.Endpoint]:
@@ -114,7 +110,7 @@ class EngineSupervisor:
             status = self._reported(e)
             if not e.alive:
                 return False
-            if status == NORMAL or (relaxed and e.spec.headless and status == WAIT_TO_START):
+            if status == enums.EP_NORMAL or (relaxed and e.spec.headless and status == enums.EP_WAIT):
                 continue
             return False
         return True
@@ -126,12 +122,12 @@ class EngineSupervisor:
             self.sink.beat_now()
 
     def engine_died(self, engine: Engine, pid: int, detail: str) -> None:
-        acked = self.sink.engine_event(controller_pb2.ENGINE_EVENT_TYPE_DEAD, engine.spec.id, pid, detail)
-        self._spawn_task(self._freeze_when_acked(acked, pid))
+        acked = self.sink.engine_event(enums.EVENT_DEAD, engine.spec.id, pid, detail)
+        self._spawn_task(f"freeze-when-acked-{pid}", self._freeze_when_acked(acked, pid))
 
     def engine_unhealthy(self, engine: Engine, detail: str) -> None:
         log.warn("engine_unhealthy", endpoint_id=engine.spec.id, pid=engine.pid, detail=detail)
-        self.sink.engine_event(controller_pb2.ENGINE_EVENT_TYPE_UNHEALTHY, engine.spec.id, engine.pid, detail)
+        self.sink.engine_event(enums.EVENT_UNHEALTHY, engine.spec.id, engine.pid, detail)
 
     async def _freeze_when_acked(self, acked: asyncio.Future[bool], pid: int) -> None:
         # Freeze only when the Controller has the report and will relaunch; otherwise the
@@ -144,8 +140,8 @@ class EngineSupervisor:
         if ok and self.sink.relaunch_enabled:
             self.freeze.freeze(self.nm_cfg.engine_restart_wait_timeout_s, reason=f"engine {pid} died")
 
-    def _spawn_task(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn_task(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = tasks.start(name, coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -158,7 +154,7 @@ class EngineSupervisor:
         job = cfg.job_name
         if job and req.job_name != job:
             problems.append(f"job_name {req.job_name!r} is not this node's job {job!r}")
-        if req.role != launch.ROLE_ENUMS[cfg.role]:
+        if req.role != enums.ROLES_BY_NAME[cfg.role]:
             problems.append(f"role {common_pb2.Role.Name(req.role)} is not this node's role {cfg.role}")
         ports = list(cfg.ports)
         got = [e.port for e in req.endpoints]
@@ -177,7 +173,7 @@ class EngineSupervisor:
             engine_type=cfg.engine_type,
             model=cfg.model,
             served_model_name=cfg.served_model_name or cfg.model,
-            role=launch.ROLE_NAMES[req.role],
+            role=enums.ROLE_NAMES[req.role],
             instance_id=req.instance_id,
             tp=par.tp,
             dp=par.dp,
@@ -330,7 +326,7 @@ class EngineSupervisor:
                 f"instance/{req.instance_id}",
                 f"this node serves instance {self.instance_id}, not {req.instance_id}",
             )
-        if req.action == pb.RESTART_ACTION_ABORT:
+        if req.action == enums.ABORT:
             self.freeze.unfreeze(reason="relaunch aborted")
             return self.relaunch_count
         if self.relaunching:
@@ -362,11 +358,3 @@ class EngineSupervisor:
         finally:
             self.relaunching = False
             self.sink.beat_now()
-
-
-async def cancel_quietly(task: asyncio.Task[Any] | None) -> None:
-    if task is None:
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task

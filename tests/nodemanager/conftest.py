@@ -209,7 +209,7 @@ async def controller() -> AsyncIterator[ControllerServer]:
 def nm_config(tmp_path: Path, ports: list[int], **overrides: Any) -> dict[str, Any]:
     """A sectioned config for a test NodeManager (fast probes, short graces)."""
     engine = overrides.pop("engine", {})
-    nm = {
+    nm_cfg = {
         "port": 0,
         "controller": "127.0.0.1:1",
         "job_name": "",
@@ -228,7 +228,7 @@ def nm_config(tmp_path: Path, ports: list[int], **overrides: Any) -> dict[str, A
         "suicide_threshold": 3,
         **overrides,
     }
-    return {"nodemanager": nm, "engine": engine}
+    return {"nodemanager": nm_cfg, "engine": engine}
 
 
 class NodeManagerProc:
@@ -245,16 +245,16 @@ class NodeManagerProc:
         self._tracker.update(p for p in pids if p > 0)
 
     def start_request(self, instance_id: int = 5, **overrides: Any) -> nodemanager_pb2.StartEnginesRequest:
-        nm = self.cfg["nodemanager"]
+        nm_cfg = self.cfg["nodemanager"]
         role = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}.get(
-            nm["role"], common_pb2.ROLE_UNION
+            nm_cfg["role"], common_pb2.ROLE_UNION
         )
         fields: dict[str, Any] = {
-            "job_name": nm["job_name"] or "job-a",
+            "job_name": nm_cfg["job_name"] or "job-a",
             "instance_id": instance_id,
             "role": role,
             "endpoints": [
-                common_pb2.Endpoint(id=i, host="127.0.0.1", port=p) for i, p in enumerate(nm["ports"])
+                common_pb2.Endpoint(id=i, host="127.0.0.1", port=p) for i, p in enumerate(nm_cfg["ports"])
             ],
             "master_host": "127.0.0.1",
         }

@@ -1,11 +1,11 @@
-"""Freeze and suicide arbitration, step by step (behaviour.md "Suicide arbitration", "Freeze")."""
+"""Freeze and suicide arbitration, step by step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.enums import EP_ABNORMAL, EP_NORMAL, EP_WAIT
 from services.nodemanager.arbiter import Freeze, SuicideArbiter
-from services.nodemanager.engine import ABNORMAL, NORMAL, WAIT_TO_START
 
 
 class Clock:
@@ -23,7 +23,7 @@ class FakeSpec:
 
 @dataclass
 class FakeEngine:
-    status: int = NORMAL
+    status: int = EP_NORMAL
     alive: bool = True
     stopping: bool = False
     starting: bool = False
@@ -66,16 +66,16 @@ def test_suicide_after_threshold_consecutive_bad_checks() -> None:
     calls: list[str] = []
     arb = SuicideArbiter(node, 1, 3, calls.append)  # type: ignore[arg-type]
     assert not arb.step()
-    engine.status = ABNORMAL
+    engine.status = EP_ABNORMAL
     assert [arb.step(), arb.step()] == [False, False]
-    engine.status = NORMAL  # recovered: the count resets
+    engine.status = EP_NORMAL  # recovered: the count resets
     assert not arb.step() and arb.count == 0
-    engine.status = ABNORMAL
+    engine.status = EP_ABNORMAL
     assert [arb.step(), arb.step(), arb.step()] == [False, False, True]
 
 
 def test_count_resets_on_freeze_generation_and_startup_window() -> None:
-    engine = FakeEngine(status=ABNORMAL)
+    engine = FakeEngine(status=EP_ABNORMAL)
     node = FakeNode(engine)
     arb = SuicideArbiter(node, 1, 2, lambda _: None)  # type: ignore[arg-type]
     assert not arb.step()
@@ -85,12 +85,12 @@ def test_count_resets_on_freeze_generation_and_startup_window() -> None:
     assert not arb.step()
     node.generation += 1  # a new endpoint set
     assert not arb.step() and arb.count == 0
-    engine.status, engine.starting = WAIT_TO_START, True
-    loading = FakeEngine(status=ABNORMAL, starting=True)
+    engine.status, engine.starting = EP_WAIT, True
+    loading = FakeEngine(status=EP_ABNORMAL, starting=True)
     node.engines = [loading]
     assert not arb.step() and not arb.step()
     # ...but a dead process counts even while another endpoint is still loading
-    node.engines = [loading, FakeEngine(status=ABNORMAL, alive=False)]
+    node.engines = [loading, FakeEngine(status=EP_ABNORMAL, alive=False)]
     assert [arb.step(), arb.step()] == [False, True]
 
 
@@ -98,6 +98,6 @@ def test_no_engines_or_relaunching_never_counts() -> None:
     node = FakeNode()
     arb = SuicideArbiter(node, 1, 1, lambda _: None)  # type: ignore[arg-type]
     assert not arb.step()
-    node.engines = [FakeEngine(status=ABNORMAL)]
+    node.engines = [FakeEngine(status=EP_ABNORMAL)]
     node.relaunching = True
     assert not arb.step()

@@ -79,18 +79,37 @@ async def test_registration_retries_until_controller_is_up(tmp_path: Path, start
         await ctl.stop()
 
 
-@pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "PERMISSION_DENIED"])
+REFUSALS = {
+    "INVALID_ARGUMENT": errors.bad_request([("job_name", "required")]),
+    "UNAUTHENTICATED": errors.MotorError(grpc.StatusCode.UNAUTHENTICATED, "missing management key"),
+    "PERMISSION_DENIED": errors.MotorError(grpc.StatusCode.PERMISSION_DENIED, "wrong management key"),
+}
+
+
+@pytest.mark.parametrize("code", list(REFUSALS))
 async def test_refused_registration_exits_1(tmp_path: Path, controller, start_nm, code: str) -> None:
-    if code == "INVALID_ARGUMENT":
-        controller.fake.register_errors.append(errors.bad_request([("job_name", "required")]))
-    else:
-        controller.fake.register_errors.append(
-            errors.MotorError(grpc.StatusCode.PERMISSION_DENIED, "wrong management key")
-        )
+    controller.fake.register_errors.append(REFUSALS[code])
     cfg = nm_config(tmp_path, [free_port_pair()], job_name="job-a", controller=controller.address)
     nm = await start_nm(cfg)
     assert await nm.wait_exit() == 1
     assert f"code={code}" in await nm.wait_line("event=register_refused")
+
+
+async def test_registration_retries_through_already_exists_and_cancelled(
+    tmp_path: Path, controller, start_nm
+) -> None:
+    fake = controller.fake
+    fake.register_errors += [
+        errors.already_exists("NODE_REGISTERED", "the previous session has not timed out"),
+        errors.MotorError(grpc.StatusCode.CANCELLED, "controller shutting down"),
+    ]
+    cfg = nm_config(tmp_path, [free_port_pair()], job_name="job-a", controller=controller.address)
+    nm = await start_nm(cfg)
+    await until(lambda: fake.beats(), 15, "a beat after two failed registrations")
+    assert len(fake.registers) == 3
+    assert "code=ALREADY_EXISTS" in await nm.wait_line("event=register_failed")
+    assert "event=register_failed" in await nm.wait_line("code=CANCELLED")
+    assert nm.proc.popen.poll() is None
 
 
 async def test_engines_beats_reregister_and_dead_event(tmp_path: Path, controller, start_nm) -> None:

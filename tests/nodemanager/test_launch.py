@@ -1,4 +1,4 @@
-"""Engine argv and environment, as pure functions (behaviour.md "Engine launch")."""
+"""Engine argv and environment, as pure functions."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The vLLM and SGLang launch lines, proved with stand-ins (behaviour.md "Engine launch"): a
-``vllm`` executable first on PATH and an ``sglang/launch_server.py`` first on PYTHONPATH record
+"""The vLLM and SGLang launch lines, proved with stand-ins: a ``vllm`` executable first on PATH and an ``sglang/launch_server.py`` first on PYTHONPATH record
 their argv and environment, then become the simulated engine. The NodeManager cannot tell."""
 
 from __future__ import annotations

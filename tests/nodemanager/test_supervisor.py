@@ -1,5 +1,5 @@
-"""EngineSupervisor in-process: RestartEngines serialization, failure and abort (behaviour.md
-"RestartEngines"), with the process work replaced by gates the test controls."""
+"""EngineSupervisor in-process: RestartEngines serialization, failure and abort, with the process
+work replaced by gates the test controls."""
 
 from __future__ import annotations
 
@@ -24,9 +24,7 @@ ABORT = pb.RestartEnginesRequest(action=pb.RESTART_ACTION_ABORT)
 
 
 def supervisor(tmp_path: Path) -> EngineSupervisor:
-    cfg = load(
-        None, env={}, overrides={"nodemanager": {"job_name": "job-a", "state_dir": str(tmp_path)}}
-    )
+    cfg = load(None, env={}, overrides={"nodemanager": {"job_name": "job-a", "state_dir": str(tmp_path)}})
     sup = EngineSupervisor(cfg.nodemanager, cfg.engine, StateFile(tmp_path), Reaper())
     sup.command = pb.StartEnginesRequest(
         job_name="job-a",

@@ -1,0 +1,69 @@
+"""Background tasks: an unexpected failure reaches the log with its traceback; a supervised loop
+is started again after it fails; a cancellation is not a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common import tasks
+from services.common.retry import Backoff
+from tests.controller.fakes import until
+
+
+def failed(caplog: pytest.LogCaptureFixture) -> list:
+    return [r for r in caplog.records if r.getMessage() == "task_failed"]
+
+
+async def test_a_failing_task_logs_its_traceback_and_ends(caplog: pytest.LogCaptureFixture) -> None:
+    async def broken() -> None:
+        raise RuntimeError("probe table corrupt")
+
+    task = tasks.start("engine-0-exit", broken())
+    assert await task is None
+    (record,) = failed(caplog)
+    assert record.levelname == "ERROR" and record.exc_info is not None
+    assert isinstance(record.exc_info[1], RuntimeError)
+    assert task.get_name() == "engine-0-exit"
+
+
+async def test_a_cancelled_task_is_cancelled_not_failed(caplog: pytest.LogCaptureFixture) -> None:
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    task = tasks.start("reaper", forever())
+    await started.wait()
+    await tasks.cancel_quietly(task)
+    assert task.cancelled()
+    assert not failed(caplog)
+
+
+async def test_a_supervised_loop_is_restarted_after_each_failure(caplog: pytest.LogCaptureFixture) -> None:
+    runs: list[int] = []
+
+    async def flaky() -> None:
+        runs.append(len(runs))
+        if len(runs) == 2:
+            raise asyncio.CancelledError  # a stray one, as grpc.aio raises for a closed channel
+        if len(runs) < 4:
+            raise KeyError("lost")
+        await asyncio.Event().wait()
+
+    task = tasks.spawn("pusher", flaky, Backoff(0.01, 0.02))
+    await until(lambda: len(runs) == 4)
+    assert [type(r.exc_info[1]) for r in failed(caplog)] == [KeyError, asyncio.CancelledError, KeyError]
+    await tasks.cancel_quietly(task)
+    assert task.cancelled() and len(failed(caplog)) == 3
+
+
+async def test_a_supervised_loop_that_returns_is_done(caplog: pytest.LogCaptureFixture) -> None:
+    async def once() -> None:
+        return None
+
+    task = tasks.spawn("arbiter", once)
+    assert await asyncio.wait_for(task, 5) is None
+    assert not failed(caplog)
