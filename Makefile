@@ -32,6 +32,7 @@ gen: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python tools/apidoc.py
+	$(BIN)/python -m services.common.config.reference > docs/configuration.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests bench tools

@@ -1,4 +1,4 @@
-"""Configuration loading (contracts.md "Configuration") and ``motor config check``."""
+"""Configuration loading (docs/configuration.md) and ``motor config check``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ COMMON = {
     "max_message_bytes",
     "log_format",
 }
-# Transcribed from the contracts.md table, so the schema cannot drift from it silently.
+# Transcribed from the public list of keys, so the schema cannot drift from it silently.
 CONTRACT_KEYS = {
     "controller": """port coordinators state_dir heartbeat_interval_s instance_heartbeat_timeout_s
         instance_assemble_timeout_s start_command_retries coordinator_set_sync_interval_s

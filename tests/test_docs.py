@@ -8,12 +8,28 @@ import sys
 
 import pytest
 
+from services.common.config import DEFAULTS, reference
+from services.common.config.sections import SECTION_TYPES, docs
 from tests.procs import ROOT
 
 # Design notes that live outside the repository: a reader who cloned only the repository cannot
 # follow a pointer to them. Spelled in pieces so a repository-wide search does not flag this file.
 OUTSIDE_REFERENCES = "|".join(["shared" + "/design", r"behaviour\.md", r"contracts\.md"])
 DOC_PATHS = ["protos", "gen", "docs", "tools"]
+
+
+def test_configuration_reference_is_fresh() -> None:
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == reference.render(), "docs/configuration.md is stale: run `make docs`"
+
+
+def test_configuration_reference_lists_every_key_with_its_meaning() -> None:
+    text = reference.render()
+    for section, cls in SECTION_TYPES.items():
+        meanings = docs(cls)
+        for name in DEFAULTS[section]:
+            assert f"| `{name}` |" in text, f"{section}.{name} missing"
+            assert meanings.get(name), f"{section}.{name} has no documentation"
 
 
 def test_api_reference_is_fresh() -> None:

@@ -1,9 +1,9 @@
 """Client channels between mesh services.
 
-Every channel gets the keepalive settings of behaviour.md, message-size limits, a retry policy for
-idempotent unary RPCs, and an interceptor that gives every unary call a deadline (5 s unless the
-caller sets one), ``wait_for_ready`` (a peer that is restarting is waited for, up to the deadline)
-and the management key when one is configured.
+Every channel gets the client keepalive settings (docs/architecture.md, "Runtime rules"),
+message-size limits, a retry policy for idempotent unary RPCs, and an interceptor that gives
+every unary call a deadline (5 s unless the caller sets one), ``wait_for_ready`` (a peer that is
+restarting is waited for, up to the deadline) and the management key when one is configured.
 """
 
 from __future__ import annotations

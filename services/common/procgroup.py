@@ -1,4 +1,4 @@
-"""Process groups and reaping (behaviour.md "Stopping engines").
+"""Process groups and reaping (docs/architecture.md, "The NodeManager").
 
 Every engine runs in its own session, so its process group is the unit we signal. A stop is
 complete only when ``killpg(pgid, 0)`` raises ESRCH: zombies count as members, so we also reap

@@ -1,4 +1,4 @@
-"""The grpc.aio server every Motor service runs on (behaviour.md "Runtime rules").
+"""The grpc.aio server every Motor service runs on (docs/architecture.md, "Runtime rules").
 
 Health (``""`` plus each served service), reflection, keepalive policy, ``so_reuseport = 0``,
 message-size limits, raw-bytes method wrappers, interceptors (tracing, access log, management key),

@@ -60,8 +60,9 @@ class ServerConfig:
     format. (The engine section accepts them too, so every section reads the same way.)"""
 
     host: str = setting("127.0.0.1", c.HOST)
-    """Address the service's listeners bind to, and the address it gives peers for itself.
-    The default keeps every port reachable from this machine only."""
+    """Address the service's listeners bind to (a NodeManager also registers with it, so the
+    Controller must reach it there). The default keeps every port reachable from this machine
+    only."""
     management_key_file: str = setting("", c.FILE)
     """File holding the management key. When set, every motor.v1 RPC must carry it in the
     `x-motor-management-key` metadata (health and reflection never need it). The file must not
@@ -152,9 +153,9 @@ class CoordinatorConfig(ServerConfig):
     """File of client API keys, one per line (`#` comments allowed). When set, the inference API
     requires `Authorization: Bearer <key>`."""
     controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
-    """The Controller's address."""
+    """The Controller's address, where precision alarms are reported (not built yet)."""
     controller_key_file: str = setting("", c.FILE)
-    """Management key presented to the Controller."""
+    """Management key presented to the Controller (not used until precision alarms are built)."""
     precision_check_enabled: bool = setting(False, c.BOOLEAN)
     """Sample decode output for precision problems (not built yet)."""
     precision_interval_s: float = setting(30, c.DURATION)
