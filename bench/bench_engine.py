@@ -147,7 +147,7 @@ def _report(results: list[Result], load_before: float) -> str:
             "",
             "Engine CPU near 100% means the engine (one event loop) is the bottleneck; lower means the",
             "Python client is. Absolute numbers move between runs and machines; compare ratios from",
-            "one run (quality.md lists the peer figures measured on the reference machine).",
+            "one run.",
             "",
         ]
     )

@@ -1,4 +1,4 @@
-"""Propagation (quality.md "Benchmarks" 4): Controller instance change → Coordinator table.
+"""Propagation: Controller instance change → Coordinator table.
 
 A real Coordinator and a real Controller (its ``coordinators`` pointing at the Coordinator), and
 two fake NodeManagers in this process (bench/loadgen: one prefill job, one decode job, served by

@@ -1,4 +1,4 @@
-"""Control-plane scale (quality.md "Benchmarks" 3): N simulated NodeManagers beating every 3 s
+"""Control-plane scale: N simulated NodeManagers beating every 3 s
 to one real Controller pinned to one core.
 
 For each N: a Controller (``motor controller``, empty ``coordinators``, heartbeat interval 3 s,

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from motor.v1 import (
@@ -17,7 +17,9 @@ from motor.v1 import (
     controller_pb2,
     controller_pb2_grpc,
     coordinator_pb2,
+    coordinator_pb2_grpc,
     nodemanager_pb2,
+    nodemanager_pb2_grpc,
 )
 
 from services.common import errors
@@ -25,6 +27,7 @@ from services.common.config import ControllerConfig, load
 from services.common.server import MotorServer
 from services.controller.app import Controller
 
+R = TypeVar("R")
 NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
 WAIT = common_pb2.ENDPOINT_STATUS_WAIT_TO_START
 ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
@@ -58,7 +61,7 @@ async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
 # ---- NodeManager server ------------------------------------------------------------------------
 
 
-class FakeNodeManager:
+class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     """Records StartEngines and answers GetStatus, like a NodeManager with no engines yet."""
 
     def __init__(self) -> None:
@@ -69,7 +72,9 @@ class FakeNodeManager:
         self.host = "127.0.0.1"
         self.port = 0
 
-    async def StartEngines(self, req: nodemanager_pb2.StartEnginesRequest, ctx: Any) -> Any:
+    async def StartEngines(
+        self, req: nodemanager_pb2.StartEnginesRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.StartEnginesResponse:
         self.starts.append(req)
         if self.fail_starts:
             self.fail_starts -= 1
@@ -87,19 +92,29 @@ class FakeNodeManager:
             ]
         )
 
-    async def GetStatus(self, req: nodemanager_pb2.GetStatusRequest, ctx: Any) -> Any:
+    async def GetStatus(
+        self, req: nodemanager_pb2.GetStatusRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.GetStatusResponse:
         return nodemanager_pb2.GetStatusResponse(ready=False)
 
-    async def RestartEngines(self, req: Any, ctx: Any) -> Any:
+    async def RestartEngines(
+        self, req: nodemanager_pb2.RestartEnginesRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.RestartEnginesResponse:
         raise errors.unimplemented("test")
 
-    async def Pause(self, req: Any, ctx: Any) -> Any:
+    async def Pause(
+        self, req: nodemanager_pb2.PauseRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.PauseResponse:
         return nodemanager_pb2.PauseResponse()
 
-    async def Resume(self, req: Any, ctx: Any) -> Any:
+    async def Resume(
+        self, req: nodemanager_pb2.ResumeRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.ResumeResponse:
         return nodemanager_pb2.ResumeResponse()
 
-    async def Stop(self, req: Any, ctx: Any) -> Any:
+    async def Stop(
+        self, req: nodemanager_pb2.StopRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.StopResponse:
         return nodemanager_pb2.StopResponse()
 
     async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:
@@ -118,7 +133,7 @@ class FakeNodeManager:
 # ---- Coordinator server ------------------------------------------------------------------------
 
 
-class FakeCoordinator:
+class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """A Coordinator's management table, recording every call; can fail the next N calls."""
 
     def __init__(self) -> None:
@@ -144,7 +159,7 @@ class FakeCoordinator:
             # INTERNAL, not UNAVAILABLE: the channel's retry policy would hide UNAVAILABLE.
             raise errors.error_info(grpc.StatusCode.INTERNAL, "TEST_FAILURE", f"test: {method} failed")
 
-    def _ok(self, method: str, req: Any, cls: Any) -> Any:
+    def _ok(self, method: str, req: Any, cls: Callable[..., R]) -> R:
         self.calls.append((method, req, True))
         self.revision += 1
         return cls(revision=self.revision, instance_count=len(self.table), incarnation=self.incarnation)
@@ -155,19 +170,25 @@ class FakeCoordinator:
     def count(self, method: str, ok: bool | None = None) -> int:
         return sum(1 for m, _, good in self.calls if m == method and (ok is None or good == ok))
 
-    async def SetInstances(self, req: coordinator_pb2.SetInstancesRequest, ctx: Any) -> Any:
+    async def SetInstances(
+        self, req: coordinator_pb2.SetInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.SetInstancesResponse:
         self._enter("Set", req)
         self.table = {i.id: i for i in req.instances}
         self.paused = {i.id for i in req.instances if i.status == PAUSED}
         return self._ok("Set", req, coordinator_pb2.SetInstancesResponse)
 
-    async def AddInstances(self, req: coordinator_pb2.AddInstancesRequest, ctx: Any) -> Any:
+    async def AddInstances(
+        self, req: coordinator_pb2.AddInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.AddInstancesResponse:
         self._enter("Add", req)
         for i in req.instances:
             self.table[i.id] = i
         return self._ok("Add", req, coordinator_pb2.AddInstancesResponse)
 
-    async def DeleteInstances(self, req: coordinator_pb2.DeleteInstancesRequest, ctx: Any) -> Any:
+    async def DeleteInstances(
+        self, req: coordinator_pb2.DeleteInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DeleteInstancesResponse:
         self._enter("Delete", req)
         for i in req.instances:
             if i.id not in self.table:
@@ -178,17 +199,23 @@ class FakeCoordinator:
             self.paused.discard(i.id)
         return self._ok("Delete", req, coordinator_pb2.DeleteInstancesResponse)
 
-    async def PauseInstances(self, req: coordinator_pb2.PauseInstancesRequest, ctx: Any) -> Any:
+    async def PauseInstances(
+        self, req: coordinator_pb2.PauseInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.PauseInstancesResponse:
         self._enter("Pause", req)
         self.paused |= set(req.ids)
         return self._ok("Pause", req, coordinator_pb2.PauseInstancesResponse)
 
-    async def ResumeInstances(self, req: coordinator_pb2.ResumeInstancesRequest, ctx: Any) -> Any:
+    async def ResumeInstances(
+        self, req: coordinator_pb2.ResumeInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ResumeInstancesResponse:
         self._enter("Resume", req)
         self.paused -= set(req.ids)
         return self._ok("Resume", req, coordinator_pb2.ResumeInstancesResponse)
 
-    async def ListInstances(self, req: Any, ctx: Any) -> Any:
+    async def ListInstances(
+        self, req: coordinator_pb2.CoordinatorListInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.CoordinatorListInstancesResponse:
         return coordinator_pb2.CoordinatorListInstancesResponse(
             available=[i for k, i in self.table.items() if k not in self.paused],
             paused=[i for k, i in self.table.items() if k in self.paused],
@@ -196,7 +223,9 @@ class FakeCoordinator:
             incarnation=self.incarnation,
         )
 
-    async def ClearPrecisionAlarm(self, req: Any, ctx: Any) -> Any:
+    async def ClearPrecisionAlarm(
+        self, req: coordinator_pb2.ClearPrecisionAlarmRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ClearPrecisionAlarmResponse:
         raise errors.unimplemented("test")
 
     async def start(self, port: int = 0) -> FakeCoordinator:
