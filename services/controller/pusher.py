@@ -155,6 +155,7 @@ class CoordinatorPusher:
         self._dirty.clear()
         routable = self._table.routable()
         req = coordinator_pb2.SetInstancesRequest(instances=[instance_pb(i) for i in routable])
+        sent = _held_of(routable)  # what the Coordinator will hold, whatever changes meanwhile
         self._set_in_flight = True
         try:
             resp = await self._stub.SetInstances(req, timeout=CALL_TIMEOUT_S, wait_for_ready=False)
@@ -167,7 +168,7 @@ class CoordinatorPusher:
         self._last_warn = ("", float("-inf"))
         self.last_set_ok = time.monotonic()
         self.incarnation = resp.incarnation
-        self._held = {i.id: Held(i.status == PAUSED, identity_pb(i)) for i in routable}
+        self._held = sent
         self.synced_fingerprint = hashlib.blake2b(
             req.SerializeToString(deterministic=True), digest_size=8
         ).hexdigest()
@@ -200,8 +201,9 @@ class CoordinatorPusher:
         if deletes:
             await self._delete(held, deletes)
         if adds:
+            sent = _held_of(adds)
             await self._call("add", instances=[instance_pb(i) for i in adds])
-            held.update((i.id, Held(i.status == PAUSED, identity_pb(i))) for i in adds)
+            held.update(sent)
         for kind, ids in (("pause", pauses), ("resume", resumes)):
             if ids:
                 await self._call(kind, ids=ids)
@@ -322,6 +324,10 @@ class CoordinatorPusher:
             await backoff.sleep()
             # A fresh channel connects at once instead of waiting out gRPC's reconnect backoff.
             self._open()
+
+
+def _held_of(instances: list[Instance]) -> dict[int, Held]:
+    return {i.id: Held(i.status == PAUSED, identity_pb(i)) for i in instances}
 
 
 class _NotFound(Exception):

@@ -141,6 +141,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.table: dict[int, common_pb2.Instance] = {}
         self.paused: set[int] = set()
         self.fail_next = 0
+        self.on_answer: Callable[[str], None] | None = None  # runs as a call succeeds (method)
         self.incarnation = uuid.uuid4().hex
         self.revision = 0
         self.server: MotorServer | None = None
@@ -161,6 +162,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _ok(self, method: str, req: Any, cls: Callable[..., R]) -> R:
         self.calls.append((method, req, True))
+        if self.on_answer is not None:
+            self.on_answer(method)
         self.revision += 1
         return cls(revision=self.revision, instance_count=len(self.table), incarnation=self.incarnation)
 

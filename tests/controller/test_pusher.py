@@ -186,3 +186,19 @@ async def test_a_lost_event_is_corrected_by_the_resync(
     finally:
         await w.sync.close()
         w.store.close()
+
+
+async def test_a_change_made_while_a_call_is_in_flight_follows_it(
+    world: World, coordinator: FakeCoordinator
+) -> None:
+    a = world.instance(sm.INITIAL)
+
+    def pause_during_add(method: str) -> None:
+        if method == "Add":  # the Coordinator has taken the Add; its answer is not back yet
+            world.table.transition(a, sm.PAUSED, "test")
+
+    coordinator.on_answer = pause_during_add
+    world.table.transition(a, sm.ACTIVE, "test")
+    await until(lambda: a.id in coordinator.paused)
+    [add] = coordinator.ok_calls("Add")
+    assert add.instances[0].status == sm.ACTIVE and coordinator.count("Pause", ok=True) == 1
