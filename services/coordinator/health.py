@@ -14,7 +14,8 @@ from collections.abc import Callable
 import aiohttp
 
 from services.common import log
-from services.coordinator.routes import ROLE_NAMES, RoutingView, Target, Upstream
+from services.common.enums import ROLE_NAMES
+from services.coordinator.routes import RoutingView, Target, Upstream
 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)

@@ -1,54 +1,43 @@
-"""The OpenAI-compatible inference server (contracts.md "Inference API")."""
+"""The OpenAI-compatible inference server: the ``/v1`` API, probes and metrics
+(docs/architecture.md, "The flow of a request").
+
+Errors are :class:`OpenAIError` bodies, raised by the handlers and answered by the shared error
+middleware; while nothing is routable, the API answers 503 ``no_routable_instance`` with
+``Retry-After: 1`` (docs/operations.md, "Health and readiness").
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from services.common.http_errors import JSON_CT, OpenAIError, error_middleware, model_not_found
 from services.coordinator.bodies import estimate_tokens
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import Call, Router
 from services.coordinator.routes import RoutingView
-from services.coordinator.upstream import JSON_CT, error_response
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
-# contracts.md: the exact body while nothing is routable.
-NO_ROUTE_BODY = json.dumps(
-    {
-        "error": {
-            "message": "no routable instance",
-            "type": "service_unavailable",
-            "param": None,
-            "code": "no_routable_instance",
-        }
-    }
-).encode()
 
 
-def _no_route() -> web.Response:
-    return web.Response(status=503, body=NO_ROUTE_BODY, headers={"Content-Type": JSON_CT, "Retry-After": "1"})
+def _not_routable() -> OpenAIError:
+    return OpenAIError(
+        503,
+        "no routable instance",
+        "service_unavailable",
+        "no_routable_instance",
+        headers={"Retry-After": "1"},
+    )
 
 
-def _model_not_found(model: str) -> web.Response:
-    body = {
-        "error": {
-            "message": f"The model `{model}` does not exist.",
-            "type": "invalid_request_error",
-            "param": "model",
-            "code": "model_not_found",
-        }
-    }
-    return web.Response(status=404, body=json.dumps(body).encode(), content_type=JSON_CT)
-
-
-def _bad_request(message: str, code: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-    return web.Response(status=400, body=json.dumps(body).encode(), content_type=JSON_CT)
+def _bad_request(message: str, code: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", code, param)
 
 
 class ApiKeys:
@@ -88,7 +77,7 @@ class InferenceApp:
         self.draining = False
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
@@ -117,24 +106,38 @@ class InferenceApp:
 
     # -- OpenAI API -----------------------------------------------------------------------
 
-    def _denied(self, request: web.Request) -> web.Response | None:
-        if self._keys is None or self._keys.allows(request.headers.get("Authorization")):
-            return None
-        return error_response(
-            401, "invalid or missing API key", "invalid_request_error", "invalid_api_key",
-            **{"WWW-Authenticate": "Bearer"},
-        )  # fmt: skip
+    def _check_key(self, request: web.Request) -> None:
+        if self._keys is not None and not self._keys.allows(request.headers.get("Authorization")):
+            raise OpenAIError(
+                401, "invalid or missing API key", "invalid_request_error", "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def _observed(self, route: str, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Await the answer to one API request; count it by route and the status the client got."""
         t0 = time.monotonic()
-        resp = self._denied(request) or self._models()
-        self._metrics.observe("/v1/models", resp.status, time.monotonic() - t0)
-        return resp
+        status = 500  # a bug: the error middleware answers it 500
+        try:
+            resp = await answer
+            status = resp.status
+            return resp
+        except (OpenAIError, web.HTTPError) as err:  # answered with this status by the middleware
+            status = err.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            self._metrics.observe(route, status, time.monotonic() - t0)
 
-    def _models(self) -> web.Response:
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return await self._observed("/v1/models", self._models(request))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._check_key(request)
         view = self._view()
         if not view.routable:
-            return _no_route()
+            raise _not_routable()
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "motor"} for m in view.model_names()]
         return web.Response(body=json.dumps({"object": "list", "data": data}).encode(), content_type=JSON_CT)
 
@@ -145,43 +148,33 @@ class InferenceApp:
         return await self._completion(request, "/v1/completions")
 
     async def _completion(self, request: web.Request, path: str) -> web.StreamResponse:
-        metrics = self._metrics
-        t0 = time.monotonic()
-        metrics.in_flight.inc()
-        status = 500
+        in_flight = self._metrics.in_flight
+        in_flight.inc()
         try:
-            resp = await self._serve(request, path)
-            status = resp.status
-            return resp
-        except BaseException:
-            status = 499  # client went away (cancelled) or a bug: counted, never hidden
-            raise
+            return await self._observed(path, self._serve(request, path))
         finally:
-            metrics.in_flight.dec()
-            metrics.observe(path, status, time.monotonic() - t0)
+            in_flight.dec()
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        self._check_key(request)
         view = self._view()
         if not view.routable:
-            return _no_route()
+            raise _not_routable()
         raw = await request.read()
         try:
             req: Any = json.loads(raw)
         except ValueError as exc:
-            return _bad_request(f"invalid JSON body: {exc}", "invalid_json")
+            raise _bad_request(f"invalid JSON body: {exc}", "invalid_json") from None
         if not isinstance(req, dict):
-            return _bad_request("request body must be a JSON object", "invalid_json")
+            raise _bad_request("request body must be a JSON object", "invalid_json")
         model = req.get("model")
         if model is None and len(view.models) == 1:
             model = next(iter(view.models))  # the engine fills in its default the same way
         if not isinstance(model, str):
-            return _bad_request("model is required and must be a string", "invalid_request", "model")
+            raise _bad_request("model is required and must be a string", "invalid_request", "model")
         routes = view.models.get(model)
         if routes is None:
-            return _model_not_found(model)
+            raise model_not_found(model)
         prompt_tokens, total_tokens = estimate_tokens(req)
         call = Call(request, path, raw, req, model, prompt_tokens, total_tokens)
         return await self._router.route(call, routes)

@@ -1,10 +1,12 @@
-"""Routing one inference request: vLLM hand-off, SGLang bootstrap, union and prefill-only.
+"""Routing one inference request: vLLM hand-off, SGLang bootstrap, union and prefill-only
+(docs/architecture.md, "The flow of a request").
 
-behaviour.md "Routing (PD)". Retries only happen before any byte reached the client: a prefill
-that cannot be reached is retried on another prefill instance, a decode on another decode (the
-vLLM prefill's KV ticket is kept: any decode can pull it) or, for SGLang, on another pair with a
-fresh room. Client disconnect cancels the handler task (aiohttp ``handler_cancellation``), which
-closes every upstream connection still open, so both legs stop.
+Retries only happen before any byte reached the client: a prefill that cannot be reached is
+retried on another prefill instance, a decode on another decode (the vLLM prefill's KV ticket is
+kept: any decode can pull it) or, for SGLang, on another pair with a fresh room. When no instance
+of a role can be reached the client gets 502 ``upstream_unreachable``; a leg that does not answer
+in time, 504 ``upstream_timeout``. Client disconnect cancels the handler task (aiohttp
+``handler_cancellation``), which closes every upstream connection still open, so both legs stop.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import aiohttp
 from aiohttp import web
 
 from services.common import log
+from services.common.enums import PD_SGLANG
+from services.common.http_errors import OpenAIError
 from services.coordinator.bodies import KV, kv_params_of, prefill_body, with_fields
 from services.coordinator.policies import Policy
-from services.coordinator.routes import SGLANG, ModelRoutes, PdGroup, Target, Upstream
+from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
 from services.coordinator.upstream import (
     DECODE_TIMEOUT,
     PREFILL_TIMEOUT,
@@ -30,7 +34,6 @@ from services.coordinator.upstream import (
     PhaseTimeout,
     Unreachable,
     discard,
-    error_response,
 )
 
 
@@ -66,7 +69,7 @@ class Router:
         try:
             if routes.pd:
                 group = routes.pd[0] if len(routes.pd) == 1 else random.choice(routes.pd)
-                if group.protocol == SGLANG:
+                if group.protocol == PD_SGLANG:
                     metrics.routed("sglang_pd")
                     return await self._sglang(call, group)
                 metrics.routed("vllm_pd")
@@ -78,10 +81,10 @@ class Router:
             return await self._whole(call, routes.prefill_only, self.prefill_policy, "prefill")
         except NoUpstream as exc:
             log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
-            return error_response(502, str(exc), "server_error", "upstream_unreachable")
+            raise OpenAIError(502, str(exc), "server_error", "upstream_unreachable") from None
         except PhaseTimeout as exc:
             log.warn("upstream_timeout", role=exc.role, model=call.model)
-            return error_response(504, str(exc), "server_error", "upstream_timeout")
+            raise OpenAIError(504, str(exc), "server_error", "upstream_timeout") from None
 
     # -- vLLM: prefill first, then decode with the prefill's kv_transfer_params ----------------
 

@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 
 from motor.v1 import common_pb2
 
+from services.common.enums import DECODE, PD_SGLANG, PD_VLLM, PREFILL, ROLE_NAMES, UNION, pd_protocol_of
 from services.coordinator.table import TableState, identity
-from services.coordinator.validation import pd_protocol
-
-PREFILL, DECODE, UNION = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_UNION
-VLLM, SGLANG = common_pb2.PD_PROTOCOL_VLLM, common_pb2.PD_PROTOCOL_SGLANG
-ROLE_NAMES = {PREFILL: "prefill", DECODE: "decode", UNION: "union"}
 
 
 def netloc(host: str, port: int) -> str:
@@ -55,7 +51,7 @@ class Target:
         self.id = inst.id
         self.role = inst.role
         self.model = inst.model_name
-        self.protocol = pd_protocol(inst)
+        self.protocol = pd_protocol_of(inst.pd_protocol, inst.engine_type)
         self.endpoints = tuple(
             Upstream(self, ep.host, ep.port, ep.bootstrap_port) for ep in inst.endpoints if not ep.headless
         )
@@ -101,7 +97,7 @@ class Target:
 
 def _runtime_key(inst: common_pb2.Instance) -> tuple[object, ...]:
     eps = tuple(sorted((ep.host, ep.port, ep.bootstrap_port, ep.headless) for ep in inst.endpoints))
-    return (*identity(inst)[:2], inst.model_name, pd_protocol(inst), eps)
+    return (*identity(inst)[:2], inst.model_name, pd_protocol_of(inst.pd_protocol, inst.engine_type), eps)
 
 
 @dataclass(frozen=True)
@@ -156,13 +152,15 @@ def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingVie
     for model, ts in by_model.items():
         union = tuple(t for t in ts if t.role == UNION)
         groups = []
-        for proto in (VLLM, SGLANG):
+        for proto in (PD_VLLM, PD_SGLANG):
             p = tuple(t for t in ts if t.role == PREFILL and t.protocol == proto)
             d = tuple(t for t in ts if t.role == DECODE and t.protocol == proto)
             if p and d:
                 groups.append(PdGroup(proto, p, d))
         paired = {t.id for g in groups for t in g.prefill}
-        prefill_only = tuple(t for t in ts if t.role == PREFILL and t.protocol == VLLM and t.id not in paired)
+        prefill_only = tuple(
+            t for t in ts if t.role == PREFILL and t.protocol == PD_VLLM and t.id not in paired
+        )
         routable = routable or bool(groups or union)
         if groups or union or prefill_only:
             models[model] = ModelRoutes(tuple(groups), union, prefill_only)

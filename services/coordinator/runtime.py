@@ -1,5 +1,5 @@
 """One Coordinator process: the management gRPC server and the inference HTTP server sharing
-one instance table, one routing view and one upstream connection pool."""
+one routing table, one routing view and one upstream connection pool."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from motor.v1 import coordinator_pb2
 
 from services.common import log
 from services.common.config import Config, ConfigError, CoordinatorConfig
+from services.common.enums import ROLE_NAMES
 from services.common.server import MotorServer
 from services.coordinator.health import Breaker
 from services.coordinator.http_app import ApiKeys, InferenceApp
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import Router
 from services.coordinator.policies import make_policy
-from services.coordinator.routes import DECODE, PREFILL, UNION, RoutingView, build_view, netloc
+from services.coordinator.routes import RoutingView, build_view, netloc
 from services.coordinator.service import CoordinatorService
-from services.coordinator.table import InstanceTable
+from services.coordinator.table import RoutingTable
 from services.coordinator.upstream import Engines
 
 HTTP_SHUTDOWN_S = 3.0
@@ -37,7 +38,7 @@ def _api_keys(path: str) -> ApiKeys | None:
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
-        self.table = InstanceTable()
+        self.table = RoutingTable()
         self.view = RoutingView()
         self.metrics = Metrics()
         self._keys = _api_keys(cfg.api_keys_file)
@@ -73,7 +74,7 @@ class Coordinator:
         self.inference = InferenceApp(lambda: self.view, self._router, self.metrics, self._keys)
         app = self.inference.make_app()
         # handler_cancellation: a client that goes away cancels its handler, which closes the
-        # upstream legs (behaviour.md: client disconnect cancels both legs).
+        # upstream legs: both legs stop with the client.
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=HTTP_SHUTDOWN_S
         )
@@ -102,7 +103,7 @@ class Coordinator:
         m = self.metrics
         m.revision.set(state.revision)
         m.routable.set(1 if view.routable else 0)
-        for role, name in ((PREFILL, "prefill"), (DECODE, "decode"), (UNION, "union")):
+        for role, name in ROLE_NAMES.items():
             m.instances.labels(name).set(sum(1 for t in view.targets if t.role == role))
         async with self._ready_lock:
             # Read the newest view under the lock: concurrent changes publish in order.

@@ -1,24 +1,29 @@
-"""motor.v1.Coordinator servicer (management plane): the instance table over gRPC."""
+"""motor.v1.Coordinator servicer (management plane): the routing table over gRPC.
+
+``services.common.rpc`` registers these methods itself (raw-bytes parsing, ``VALIDATORS``, rich
+errors); the generated servicer is the base class for its request and response types.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from motor.v1 import coordinator_pb2 as pb
+from motor.v1 import coordinator_pb2_grpc
 
 from services.common import errors, log
 from services.coordinator import validation
-from services.coordinator.table import InstanceTable
+from services.coordinator.table import RoutingTable
 
 R = TypeVar("R")
 
 
-class CoordinatorService:
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     VALIDATORS = validation.VALIDATORS
 
-    def __init__(self, table: InstanceTable, on_change: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, table: RoutingTable, on_change: Callable[[], Awaitable[None]]) -> None:
         self.table = table
         self._on_change = on_change
 
@@ -32,32 +37,36 @@ class CoordinatorService:
             revision=state.revision, instance_count=len(state.instances), incarnation=self.table.incarnation
         )
 
-    async def SetInstances(self, request: pb.SetInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def SetInstances(
+        self, request: pb.SetInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetInstancesResponse:
         return await self._applied("SetInstances", self.table.set(request.instances), pb.SetInstancesResponse)
 
-    async def AddInstances(self, request: pb.AddInstancesRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def AddInstances(
+        self, request: pb.AddInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AddInstancesResponse:
         return await self._applied("AddInstances", self.table.add(request.instances), pb.AddInstancesResponse)
 
     async def DeleteInstances(
         self, request: pb.DeleteInstancesRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.DeleteInstancesResponse:
         changed = self.table.delete(request.instances)
         return await self._applied("DeleteInstances", changed, pb.DeleteInstancesResponse)
 
     async def PauseInstances(
         self, request: pb.PauseInstancesRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.PauseInstancesResponse:
         return await self._applied("PauseInstances", self.table.pause(request.ids), pb.PauseInstancesResponse)
 
     async def ResumeInstances(
         self, request: pb.ResumeInstancesRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.ResumeInstancesResponse:
         changed = self.table.resume(request.ids)
         return await self._applied("ResumeInstances", changed, pb.ResumeInstancesResponse)
 
     async def ListInstances(
         self, request: pb.CoordinatorListInstancesRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.CoordinatorListInstancesResponse:
         state = self.table.state
         available, unavailable, paused = state.groups()
         return pb.CoordinatorListInstancesResponse(
@@ -70,7 +79,7 @@ class CoordinatorService:
 
     async def ClearPrecisionAlarm(
         self, request: pb.ClearPrecisionAlarmRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+    ) -> pb.ClearPrecisionAlarmResponse:
         raise errors.unimplemented(
             "precision detection (ClearPrecisionAlarm): output-precision checking is not built yet"
         )

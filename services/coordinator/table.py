@@ -1,4 +1,5 @@
-"""The Coordinator's instance table (contracts.md "service motor.v1.Coordinator", Rules).
+"""The Coordinator's routing table: the instances the management RPCs set (docs/api.md,
+"Coordinator").
 
 Pure data: no I/O, no gRPC context. Every mutation first checks the whole request against the
 current table and only then builds a *new* state, so a refused request changes nothing
@@ -17,10 +18,7 @@ from google.rpc import error_details_pb2
 from motor.v1 import common_pb2
 
 from services.common import errors
-
-ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
-PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
-UNSPECIFIED = common_pb2.INSTANCE_STATUS_UNSPECIFIED
+from services.common.enums import ACTIVE, PAUSED, ROLE_UNSPECIFIED, STATUS_UNSPECIFIED
 
 Identity = tuple[int, str, frozenset[tuple[str, int]]]
 
@@ -34,7 +32,7 @@ def _stored(inst: common_pb2.Instance) -> common_pb2.Instance:
     """The copy the table keeps: status UNSPECIFIED is stored ACTIVE."""
     copy = common_pb2.Instance()
     copy.CopyFrom(inst)
-    if copy.status == UNSPECIFIED:
+    if copy.status == STATUS_UNSPECIFIED:
         copy.status = ACTIVE
     return copy
 
@@ -91,7 +89,7 @@ def _not_found(path: str, iid: int) -> errors.MotorError:
 
 def _mismatch(inst: common_pb2.Instance, held: common_pb2.Instance) -> str | None:
     """Which identity field given in a Delete request differs from the stored instance."""
-    if inst.role != common_pb2.ROLE_UNSPECIFIED and inst.role != held.role:
+    if inst.role != ROLE_UNSPECIFIED and inst.role != held.role:
         return f"role {common_pb2.Role.Name(inst.role)} != stored {common_pb2.Role.Name(held.role)}"
     if inst.job_name and inst.job_name != held.job_name:
         return f"job_name {inst.job_name!r} != stored {held.job_name!r}"
@@ -100,7 +98,7 @@ def _mismatch(inst: common_pb2.Instance, held: common_pb2.Instance) -> str | Non
     return None
 
 
-class InstanceTable:
+class RoutingTable:
     """The table behind the management RPCs. Each method returns whether the table changed;
     ``state`` is swapped as one reference only after a request was accepted."""
 

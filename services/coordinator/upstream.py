@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +13,11 @@ import aiohttp
 from aiohttp import web
 
 from services.common import log
+from services.common.http_errors import JSON_CT, OpenAIError
 from services.coordinator.bodies import SseFilter, strip_kv
 from services.coordinator.metrics import Metrics
 from services.coordinator.routes import Upstream
 
-JSON_CT = "application/json"
 JSON_HEADERS = {"Content-Type": JSON_CT}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -27,16 +26,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 CONNECT_S = 5.0
 PREFILL_TIMEOUT = aiohttp.ClientTimeout(total=600.0, sock_connect=CONNECT_S)
 DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=600.0)
-
-
-def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
-
-
-def error_response(status: int, message: str, type_: str, code: str | None, **headers: str) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(message, type_, code), headers={"Content-Type": JSON_CT, **headers}
-    )
 
 
 class Unreachable(Exception):
@@ -134,12 +123,10 @@ class Engines:
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
                 self.metrics.upstream_error(role, "disconnect")
                 log.warn("upstream_broken", role=role, error=type(exc).__name__)
-                return error_response(
-                    502,
-                    f"the {role} engine dropped the connection mid-answer",
-                    "server_error",
-                    "upstream_disconnected",
-                )
+                msg = f"the {role} engine dropped the connection mid-answer"
+                # Returned, not raised: the caller's bookkeeping follows what the engine
+                # answered (an SGLang prefill leg is left to finish, as for any answer).
+                return OpenAIError(502, msg, "server_error", "upstream_disconnected").response()
             if resp.status >= 400:
                 self.metrics.upstream_error(role, "status")
             return Answer(resp.status, data, ctype).response()
@@ -158,8 +145,10 @@ class Engines:
             # Headers are gone: the only way left to tell the client is an error event.
             self.metrics.upstream_error(role, "disconnect")
             log.warn("upstream_broken", role=role, error=type(exc).__name__, streaming=True)
-            msg = f"the {role} engine dropped the stream"
-            await out.write(b"data: " + error_body(msg, "server_error", "upstream_disconnected") + b"\n\n")
+            err = OpenAIError(
+                502, f"the {role} engine dropped the stream", "server_error", "upstream_disconnected"
+            )
+            await out.write(b"data: " + err.body() + b"\n\n")
         await out.write_eof()
         return out
 

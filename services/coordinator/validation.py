@@ -9,27 +9,20 @@ from collections.abc import Sequence
 
 from motor.v1 import common_pb2, coordinator_pb2
 
-_ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
+from services.common.enums import PD_SGLANG, PREFILL, ROLE_UNSPECIFIED, pd_protocol_of
+
+_ROLES = frozenset(common_pb2.Role.values()) - {ROLE_UNSPECIFIED}
 _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
 _PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
 _STATUSES = frozenset(common_pb2.InstanceStatus.values())
 _EP_STATUSES = frozenset(common_pb2.EndpointStatus.values())
 
 
-def pd_protocol(inst: common_pb2.Instance) -> int:
-    """The effective PD protocol: UNSPECIFIED follows engine_type (SGLANG -> SGLANG, else VLLM)."""
-    if inst.pd_protocol != common_pb2.PD_PROTOCOL_UNSPECIFIED:
-        return inst.pd_protocol
-    if inst.engine_type == common_pb2.ENGINE_TYPE_SGLANG:
-        return common_pb2.PD_PROTOCOL_SGLANG
-    return common_pb2.PD_PROTOCOL_VLLM
-
-
 def instance(inst: common_pb2.Instance, path: str) -> list[tuple[str, str]]:
     bad: list[tuple[str, str]] = []
     if not inst.id:
         bad.append((f"{path}.id", "required"))
-    if inst.role == common_pb2.ROLE_UNSPECIFIED:
+    if inst.role == ROLE_UNSPECIFIED:
         bad.append((f"{path}.role", "required"))
     elif inst.role not in _ROLES:
         bad.append((f"{path}.role", f"unknown role {inst.role}"))
@@ -46,9 +39,7 @@ def instance(inst: common_pb2.Instance, path: str) -> list[tuple[str, str]]:
     elif all(ep.headless for ep in inst.endpoints):
         bad.append((f"{path}.endpoints", "at least one endpoint must serve requests (not headless)"))
     # The SGLang decode leg meets its prefill on the prefill endpoint's bootstrap port.
-    needs_bootstrap = (
-        inst.role == common_pb2.ROLE_PREFILL and pd_protocol(inst) == common_pb2.PD_PROTOCOL_SGLANG
-    )
+    needs_bootstrap = inst.role == PREFILL and pd_protocol_of(inst.pd_protocol, inst.engine_type) == PD_SGLANG
     seen: dict[tuple[str, int], int] = {}
     for j, ep in enumerate(inst.endpoints):
         ep_path = f"{path}.endpoints[{j}]"

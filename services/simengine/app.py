@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from services.common import log
+from services.common.http_errors import JSON_CT, OpenAIError, error_middleware, model_not_found
 from services.simengine import pd
 from services.simengine.config import EngineConfig
 from services.simengine.faults import FaultError, FaultState, parse_fault_body
@@ -25,20 +26,15 @@ from services.simengine.openai_api import (
     MAX_MODEL_LEN,
     ParsedRequest,
     RequestError,
-    error_body,
     full_response,
     parse_request,
     stream_chunks,
 )
 
-JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+MAX_BODY_BYTES = 64 * 1024 * 1024
 # Nominal KV capacity in sequences when --max-num-seqs is unlimited (only shapes the gauge).
 NOMINAL_CAPACITY = 256
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None, code: Any = None) -> web.Response:
-    return web.Response(body=error_body(message, type_, param, code), status=status, content_type=JSON)
 
 
 async def _hang() -> None:
@@ -100,7 +96,7 @@ class Engine:
         return running, waiting, min(1.0, running / capacity)
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
@@ -131,7 +127,7 @@ class Engine:
     async def models(self, request: web.Request) -> web.Response:
         if self.faults.hanging():
             await _hang()
-        return web.Response(body=self._models_body, content_type=JSON)
+        return web.Response(body=self._models_body, content_type=JSON_CT)
 
     async def prom(self, request: web.Request) -> web.Response:
         if self.faults.hanging():
@@ -185,23 +181,25 @@ class Engine:
             return ip.ipv4_mapped.is_loopback
         return ip.is_loopback
 
-    async def get_fault(self, request: web.Request) -> web.Response:
+    def _check_loopback(self, request: web.Request) -> None:
         if not self._loopback(request):
-            return _error(403, "/sim routes answer loopback clients only", "permission_error")
+            raise OpenAIError(403, "/sim routes answer loopback clients only", "permission_error")
+
+    async def get_fault(self, request: web.Request) -> web.Response:
+        self._check_loopback(request)
         if self.faults.hanging():
             await _hang()
         return web.json_response(self.faults.snapshot())
 
     async def post_fault(self, request: web.Request) -> web.Response:
-        if not self._loopback(request):
-            return _error(403, "/sim routes answer loopback clients only", "permission_error")
+        self._check_loopback(request)
         if self.faults.hanging():
             await _hang()
         try:
             mode, after_requests, after_s, status = parse_fault_body(json.loads(await request.read()))
         except ValueError as exc:  # FaultError and JSONDecodeError alike
             msg = str(exc) if isinstance(exc, FaultError) else f"invalid JSON: {exc}"
-            return _error(400, msg, "invalid_request_error")
+            raise OpenAIError(400, msg, "invalid_request_error") from None
         self.faults.arm(mode, after_requests, after_s, status)
         log.event("fault_armed", mode=mode, after_requests=after_requests, after_s=after_s)
         return web.json_response(self.faults.snapshot())
@@ -221,21 +219,17 @@ class Engine:
             if fault in ("hang", "crash"):
                 await _hang()
             if fault == "error":
-                return _error(self.faults.status, "injected fault", "server_error", code=self.faults.status)
+                raise OpenAIError(self.faults.status, "injected fault", "server_error", self.faults.status)
         try:
             req = parse_request(json.loads(await request.read()), chat)
         except RequestError as exc:
-            return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_request")
+            raise OpenAIError(400, str(exc), "invalid_request_error", "invalid_request", exc.param) from None
         except ValueError as exc:
-            return _error(400, f"invalid JSON body: {exc}", "invalid_request_error", None, "invalid_json")
+            raise OpenAIError(
+                400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json"
+            ) from None
         if req.model is not None and req.model not in self.accepted:
-            return _error(
-                404,
-                f"The model `{req.model}` does not exist.",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+            raise model_not_found(req.model)
         if fault == "disconnect" and not req.stream:
             _drop(request)
             return web.Response()
@@ -245,7 +239,7 @@ class Engine:
             and proto == "sglang"
             and any(b.host is None or b.port is None for b in req.bootstrap)
         ):
-            return _error(
+            raise OpenAIError(
                 400, "a decode leg needs bootstrap_host and bootstrap_port", "invalid_request_error"
             )
         arrived = asyncio.get_running_loop().time()  # TTFT includes the wait for a slot
@@ -284,7 +278,7 @@ class Engine:
                 except pd.RoomTimeout as exc:
                     self.metrics.bootstrap_timeouts += 1
                     log.warn("bootstrap_timeout", rooms=[b.room for b in req.bootstrap])
-                    return _error(504, str(exc), "server_error", None, "bootstrap_timeout")
+                    raise OpenAIError(504, str(exc), "server_error", "bootstrap_timeout") from None
             else:
                 known = self.tickets.redeem((req.kv_params or {}).get("remote_request_id"))
                 self.metrics.tickets["known" if known else "unknown"] += 1
@@ -317,7 +311,7 @@ class Engine:
         else:
             await pause(self.latency.decode_s(n_tokens))
             body = full_response(req, rid, created, model, gens, finished, extra)
-            resp = web.Response(body=body, content_type=JSON)
+            resp = web.Response(body=body, content_type=JSON_CT)
         if n_tokens > 1:
             m.tpot.observe(self.latency.tpot_s)
         m.success[finished] += 1

@@ -26,10 +26,6 @@ class RequestError(ValueError):
         self.param = param
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> bytes:
-    return _dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
 # One encoder for the process: json.dumps with non-default options builds a new one per call.
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 

@@ -9,7 +9,7 @@ a tiny HTTP rendezvous server on its bootstrap port and registers the room once 
 done; the decode engine long-polls `GET /room/{room}?timeout_s=T` on that server. Either leg may
 arrive first. Protocol (bootstrap port):
   GET  /room/{room}?timeout_s=T  200 {"room", "engine_id", "prompt_tokens", ...} once registered
-                                 (the room is consumed), 408 OpenAI-style error after T seconds
+                                 (the room is consumed), 408 OpenAI error body after T seconds
   POST /room/{room}              register a room by hand (body: optional JSON object)
   GET  /health                   200
 """
@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from services.common.http_errors import OpenAIError, error_middleware
 
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0
@@ -108,40 +110,48 @@ class Rendezvous:
                     del self._waiters[room]
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[error_middleware])
         app.router.add_get("/room/{room}", self._get_room)
         app.router.add_post("/room/{room}", self._post_room)
         app.router.add_get("/health", _ok)
         return app
 
     async def _get_room(self, request: web.Request) -> web.Response:
-        room = parse_room(request.match_info["room"])
-        if room is None:
-            return _error(400, "room must be an integer", "invalid_room")
+        room = _room_of(request)
         try:
             timeout_s = min(MAX_POLL_S, max(0.0, float(request.query.get("timeout_s", "30"))))
         except ValueError:
-            return _error(400, "timeout_s must be a number", "invalid_timeout")
+            raise _room_error(400, "timeout_s must be a number", "invalid_timeout") from None
         try:
             info = await self.wait(room, timeout_s)
         except RoomTimeout as exc:
-            return _error(408, str(exc), "bootstrap_timeout")
+            raise _room_error(408, str(exc), "bootstrap_timeout") from None
         return web.json_response(info)
 
     async def _post_room(self, request: web.Request) -> web.Response:
-        room = parse_room(request.match_info["room"])
-        if room is None:
-            return _error(400, "room must be an integer", "invalid_room")
+        room = _room_of(request)
         info: Any = {}
         if request.can_read_body:
             try:
                 info = await request.json()
             except ValueError:
-                return _error(400, "body must be JSON", "invalid_json")
+                raise _room_error(400, "body must be JSON", "invalid_json") from None
             if not isinstance(info, dict):
-                return _error(400, "body must be a JSON object", "invalid_json")
+                raise _room_error(400, "body must be a JSON object", "invalid_json")
         self.register(room, info)
         return web.json_response({"room": room})
+
+
+def _room_error(status: int, message: str, code: str) -> OpenAIError:
+    """Every error of the bootstrap server is the caller's: a bad room or one never filled."""
+    return OpenAIError(status, message, "invalid_request_error", code)
+
+
+def _room_of(request: web.Request) -> int:
+    room = parse_room(request.match_info["room"])
+    if room is None:
+        raise _room_error(400, "room must be an integer", "invalid_room")
+    return room
 
 
 def parse_room(value: object) -> int | None:
@@ -194,11 +204,6 @@ async def wait_for_room(
         f"bootstrap room {room} was not filled by the prefill engine at {netloc} "
         f"within {timeout_s:g} s{detail}"
     )
-
-
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    return web.json_response(body, status=status)
 
 
 async def _ok(_: web.Request) -> web.Response:

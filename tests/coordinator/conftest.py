@@ -4,6 +4,7 @@ instance builders, and real simulated-engine processes."""
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,6 @@ from services.common.config import load
 from services.coordinator.runtime import Coordinator
 from tests.procs import Proc, motor_argv
 
-PREFILL, DECODE, UNION = c.ROLE_PREFILL, c.ROLE_DECODE, c.ROLE_UNION
 MODEL = "motor-sim"
 
 
@@ -47,11 +47,18 @@ def instance(
     )
 
 
+def dead_port() -> int:
+    """A loopback port with nothing listening on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class Running:
     co: Coordinator
     channel: grpc.aio.Channel
-    stub: coordinator_pb2_grpc.CoordinatorStub
+    stub: coordinator_pb2_grpc.CoordinatorAsyncStub
 
     @property
     def http(self) -> str:

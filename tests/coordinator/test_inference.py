@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -19,16 +18,8 @@ from motor.v1 import common_pb2 as c
 from motor.v1 import coordinator_pb2 as pb
 from openai import AsyncOpenAI
 
-from tests.coordinator.conftest import (
-    DECODE,
-    MODEL,
-    PREFILL,
-    UNION,
-    Engine,
-    Running,
-    StartCoordinator,
-    instance,
-)
+from services.common.enums import DECODE, PREFILL, UNION
+from tests.coordinator.conftest import MODEL, Engine, Running, StartCoordinator, dead_port, instance
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 LEGS = re.compile(r'^motor_sim_pd_legs_total\{protocol="(\w+)",side="(\w+)"\} ([0-9.]+)$', re.M)
@@ -252,20 +243,13 @@ async def test_round_robin_spreads_across_decodes(
     assert moved == {"d1": {"decode/vllm": 2.0}, "d2": {"decode/vllm": 2.0}}
 
 
-def _dead_port() -> int:
-    """A loopback port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_dead_prefill_is_skipped_and_leaves_rotation(
     start_coordinator: StartCoordinator, engines: dict[str, Engine], http: aiohttp.ClientSession
 ) -> None:
     coord = await start_coordinator(prefill_policy="round_robin")
     p, d = engines["vllm_p2"], engines["vllm_d"]
     await _route(
-        coord, instance(1, PREFILL, _dead_port()), instance(2, PREFILL, p.port), instance(3, DECODE, d.port)
+        coord, instance(1, PREFILL, dead_port()), instance(2, PREFILL, p.port), instance(3, DECODE, d.port)
     )
     before = await _legs_of(http, {"p": p})
     async with _client(coord) as client:
@@ -280,7 +264,7 @@ async def test_dead_prefill_is_skipped_and_leaves_rotation(
 
 async def test_unreachable_everywhere_is_502(start_coordinator: StartCoordinator) -> None:
     coord = await start_coordinator()
-    await _route(coord, instance(1, UNION, _dead_port()))
+    await _route(coord, instance(1, UNION, dead_port()))
     async with _client(coord) as client:
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -339,7 +323,7 @@ async def test_refused_endpoint_is_probed_back_into_rotation(
     from tests.procs import Proc, motor_argv
 
     coord = await start_coordinator(prefill_policy="round_robin")
-    port = _dead_port()
+    port = dead_port()
     await _route(
         coord, instance(1, PREFILL, port), instance(2, PREFILL, engines["vllm_p2"].port),
         instance(3, DECODE, engines["vllm_d"].port),
@@ -367,7 +351,7 @@ async def test_sglang_retries_another_pair_when_a_prefill_is_unreachable(
     sg = c.ENGINE_TYPE_SGLANG
     await _route(
         coord,
-        instance(1, PREFILL, _dead_port(), engine_type=sg, bootstrap=_dead_port()),
+        instance(1, PREFILL, dead_port(), engine_type=sg, bootstrap=dead_port()),
         instance(2, PREFILL, p.port, engine_type=sg, bootstrap=p.bootstrap_port),
         instance(3, DECODE, d.port, engine_type=sg),
     )
@@ -390,7 +374,7 @@ async def test_decode_that_cannot_connect_is_retried_on_another(
     coord = await start_coordinator(decode_policy="round_robin")
     p, d = engines["vllm_p"], engines["vllm_d2"]
     await _route(
-        coord, instance(1, PREFILL, p.port), instance(2, DECODE, _dead_port()), instance(3, DECODE, d.port)
+        coord, instance(1, PREFILL, p.port), instance(2, DECODE, dead_port()), instance(3, DECODE, d.port)
     )
     before = await _legs_of(http, {"d": d})
     async with _client(coord) as client:

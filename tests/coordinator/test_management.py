@@ -10,8 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2 as c
 from motor.v1 import coordinator_pb2 as pb
 
+from services.common.enums import DECODE, PREFILL, UNION
 from services.common.errors import details_of
-from tests.coordinator.conftest import DECODE, PREFILL, UNION, Running, endpoint, instance
+from tests.coordinator.conftest import Running, endpoint, instance
 
 T = 5.0
 

@@ -7,12 +7,13 @@ from collections import Counter
 
 from motor.v1 import common_pb2 as c
 
+from services.common.enums import DECODE, PREFILL, UNION
 from services.coordinator import bodies
 from services.coordinator.health import Breaker
 from services.coordinator.policies import RoundRobin, least_load, power_of_two
 from services.coordinator.routes import RoutingView, Target, build_view
-from services.coordinator.table import InstanceTable
-from tests.coordinator.conftest import DECODE, PREFILL, UNION, instance
+from services.coordinator.table import RoutingTable
+from tests.coordinator.conftest import instance
 
 
 def test_with_fields_splices_or_merges() -> None:
@@ -101,7 +102,7 @@ def test_policies() -> None:
 
 
 def test_view_pairs_by_model_and_protocol_and_keeps_runtime_state() -> None:
-    table = InstanceTable()
+    table = RoutingTable()
     sglang = dict(engine_type=c.ENGINE_TYPE_SGLANG)
     table.add([
         instance(1, PREFILL, 10000),
@@ -122,7 +123,7 @@ def test_view_pairs_by_model_and_protocol_and_keeps_runtime_state() -> None:
 
 def test_breaker_never_takes_out_the_last_instance_of_a_role() -> None:
     down_before = Target.down_total
-    table = InstanceTable()
+    table = RoutingTable()
     table.add([instance(1, PREFILL, 10000), instance(2, PREFILL, 10002), instance(3, DECODE, 10004)])
     view = build_view(table.state)
     breaker = Breaker(lambda: view)

@@ -1,0 +1,88 @@
+"""Every error of the inference port has the OpenAI shape: a handler's bug, aiohttp's own errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from motor.v1 import coordinator_pb2 as pb
+
+from services.common.enums import UNION
+from services.coordinator import http_app
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+async def _routable(coord: Running) -> None:
+    """A union instance nobody listens on: enough to get past routing checks, never reached."""
+    await coord.stub.SetInstances(
+        pb.SetInstancesRequest(instances=[instance(5, UNION, dead_port())]), timeout=5
+    )
+
+
+async def _request(method: str, url: str, **kw: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as resp:
+        assert resp.content_type == "application/json"
+        return resp.status, dict(resp.headers), json.loads(await resp.read())
+
+
+async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback(
+    start_coordinator: StartCoordinator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    coord = await start_coordinator()
+    await _routable(coord)
+
+    def broken_estimate(req: dict[str, Any]) -> tuple[int, int]:
+        raise RuntimeError("estimator broke reading /etc/motor/secret")
+
+    monkeypatch.setattr(http_app, "estimate_tokens", broken_estimate)
+    base = f"http://{coord.http}"
+    status, _, body = await _request("POST", base + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert status == 500
+    assert body == {
+        "error": {
+            "message": "internal server error; see the server log",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+    assert "http_handler_failed" in caplog.text
+    assert "Traceback" in caplog.text and "RuntimeError: estimator broke" in caplog.text
+    # Counted as the 500 the client got, and the server goes on serving.
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
+        assert (
+            'motor_coordinator_requests_total{route="/v1/completions",status="500"} 1.0' in await resp.text()
+        )
+    async with aiohttp.ClientSession() as s, s.get(base + "/health") as resp:
+        assert resp.status == 200
+
+
+async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_shape(
+    start_coordinator: StartCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_app, "MAX_BODY_BYTES", 1024)
+    coord = await start_coordinator()
+    await _routable(coord)
+    base = f"http://{coord.http}"
+
+    status, _, body = await _request("GET", base + "/v1/embeddings")
+    assert status == 404 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unknown_route"
+    assert "/v1/embeddings" in body["error"]["message"]
+
+    status, headers, body = await _request("GET", base + "/v1/chat/completions")
+    assert status == 405 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"]
+
+    big = json.dumps({"model": MODEL, "prompt": "x" * 4096})
+    status, _, body = await _request("POST", base + "/v1/completions", data=big)
+    assert status == 413 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "request_too_large"
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
+        assert (
+            'motor_coordinator_requests_total{route="/v1/completions",status="413"} 1.0' in await resp.text()
+        )

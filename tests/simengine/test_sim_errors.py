@@ -1,0 +1,98 @@
+"""Every error of the simulated engine has the OpenAI shape: a handler's bug, aiohttp's own errors.
+
+The engine runs in this process so that a failure can be injected into what a handler calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from services.simengine import app as sim_app
+from services.simengine.config import EngineConfig
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[sim_app.Engine]:
+    eng = sim_app.Engine(EngineConfig(tpot_ms=1.0))  # streams pace their tokens
+    yield eng
+    await eng.close()
+
+
+@pytest.fixture
+async def base(engine: sim_app.Engine, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    monkeypatch.setattr(sim_app, "MAX_BODY_BYTES", 1024)
+    async with TestServer(engine.make_app()) as server:
+        yield str(server.make_url("")).rstrip("/")
+
+
+async def _request(method: str, url: str, **kw: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as resp:
+        assert resp.content_type == "application/json"
+        return resp.status, dict(resp.headers), json.loads(await resp.read())
+
+
+async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback(
+    base: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_response(*args: Any, **kwargs: Any) -> bytes:
+        raise RuntimeError("response builder broke reading /etc/motor/secret")
+
+    monkeypatch.setattr(sim_app, "full_response", broken_response)
+    request = {"model": "motor-sim", "prompt": "x", "max_tokens": 1}
+    status, _, body = await _request("POST", base + "/v1/completions", json=request)
+    assert status == 500
+    assert body == {
+        "error": {
+            "message": "internal server error; see the server log",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+    assert "http_handler_failed" in caplog.text
+    assert "Traceback" in caplog.text and "RuntimeError: response builder broke" in caplog.text
+    async with aiohttp.ClientSession() as s, s.get(base + "/health") as resp:
+        assert resp.status == 200  # still serving
+
+
+async def test_a_bug_mid_stream_drops_the_connection_instead_of_a_second_response(
+    engine: sim_app.Engine, base: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_check() -> bool:
+        raise RuntimeError("fault check broke mid-stream")
+
+    # Consulted between two tokens, after the stream's first event went out.
+    monkeypatch.setattr(engine.faults, "hanging", broken_check)
+    request = {"model": "motor-sim", "prompt": "x", "max_tokens": 4, "stream": True}
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(base + "/v1/completions", json=request) as resp,
+    ):
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    assert "RuntimeError: fault check broke mid-stream" in caplog.text
+
+
+async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_shape(base: str) -> None:
+    status, _, body = await _request("POST", base + "/v1/embeddings", json={})
+    assert status == 404 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unknown_route"
+
+    status, headers, body = await _request("DELETE", base + "/sim/fault")
+    assert status == 405 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"]
+
+    big = json.dumps({"model": "motor-sim", "prompt": "x" * 4096})
+    status, _, body = await _request("POST", base + "/v1/completions", data=big)
+    assert status == 413 and body["error"].keys() == ERROR_FIELDS
+    assert body["error"]["code"] == "request_too_large"
