@@ -18,7 +18,6 @@ import itertools
 import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from types import MappingProxyType
 from typing import Any
 
@@ -331,7 +330,6 @@ def typed(cls: type[ServerConfig], values: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-@cache
 def docs(cls: type) -> dict[str, str]:
     """Each field's documentation: the string literal written under it, in ``cls`` or a base."""
     found: dict[str, str] = {}
