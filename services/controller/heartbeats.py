@@ -163,8 +163,10 @@ class HeartbeatHub:
         """Enqueue every instance one of whose NodeManagers was silent for the timeout."""
         limit = now - self.timeout_s
         for inst in self.table.live.values():
-            if any(m.last_heard < limit for m in inst.members):
-                self.enqueue(inst.id)
+            for m in inst.members:
+                if m.last_heard < limit:
+                    self.enqueue(inst.id)
+                    break
 
     def report(self, now: float, gc: GcGuard | None = None) -> None:
         """Every STATS_WINDOW_S with traffic: one ``heartbeat_stats`` line (the scale benchmark

@@ -125,6 +125,9 @@ class Reconciler(Generic[K]):
             except ShutDown:
                 return
             await self._process(key)
+            # A reconcile that never waits on I/O would otherwise let one worker run a whole
+            # resync's worth of keys in one go while heartbeats wait behind it.
+            await asyncio.sleep(0)
 
     async def _process(self, key: K) -> None:
         queue, stats = self.queue, self.stats
