@@ -12,8 +12,7 @@ from motor.v1 import coordinator_pb2 as pb
 from services.common.enums import UNION
 from services.coordinator import http_app
 from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance
-
-ERROR_FIELDS = {"message", "type", "param", "code"}
+from tests.http import ERROR_FIELDS, json_request
 
 
 async def _routable(coord: Running) -> None:
@@ -21,12 +20,6 @@ async def _routable(coord: Running) -> None:
     await coord.stub.SetInstances(
         pb.SetInstancesRequest(instances=[instance(5, UNION, dead_port())]), timeout=5
     )
-
-
-async def _request(method: str, url: str, **kw: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as resp:
-        assert resp.content_type == "application/json"
-        return resp.status, dict(resp.headers), json.loads(await resp.read())
 
 
 async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback(
@@ -40,7 +33,9 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
 
     monkeypatch.setattr(http_app, "estimate_tokens", broken_estimate)
     base = f"http://{coord.http}"
-    status, _, body = await _request("POST", base + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    status, _, body = await json_request(
+        "POST", base + "/v1/completions", json={"model": MODEL, "prompt": "x"}
+    )
     assert status == 500
     assert body == {
         "error": {
@@ -69,17 +64,17 @@ async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_sha
     await _routable(coord)
     base = f"http://{coord.http}"
 
-    status, _, body = await _request("GET", base + "/v1/embeddings")
+    status, _, body = await json_request("GET", base + "/v1/embeddings")
     assert status == 404 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unknown_route"
     assert "/v1/embeddings" in body["error"]["message"]
 
-    status, headers, body = await _request("GET", base + "/v1/chat/completions")
+    status, headers, body = await json_request("GET", base + "/v1/chat/completions")
     assert status == 405 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"]
 
     big = json.dumps({"model": MODEL, "prompt": "x" * 4096})
-    status, _, body = await _request("POST", base + "/v1/completions", data=big)
+    status, _, body = await json_request("POST", base + "/v1/completions", data=big)
     assert status == 413 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "request_too_large"
     async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:

@@ -15,8 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from services.simengine import app as sim_app
 from services.simengine.config import EngineConfig
-
-ERROR_FIELDS = {"message", "type", "param", "code"}
+from tests.http import ERROR_FIELDS, json_request
 
 
 @pytest.fixture
@@ -33,12 +32,6 @@ async def base(engine: sim_app.Engine, monkeypatch: pytest.MonkeyPatch) -> Async
         yield str(server.make_url("")).rstrip("/")
 
 
-async def _request(method: str, url: str, **kw: Any) -> tuple[int, dict[str, str], dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as resp:
-        assert resp.content_type == "application/json"
-        return resp.status, dict(resp.headers), json.loads(await resp.read())
-
-
 async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback(
     base: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -47,7 +40,7 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
 
     monkeypatch.setattr(sim_app, "full_response", broken_response)
     request = {"model": "motor-sim", "prompt": "x", "max_tokens": 1}
-    status, _, body = await _request("POST", base + "/v1/completions", json=request)
+    status, _, body = await json_request("POST", base + "/v1/completions", json=request)
     assert status == 500
     assert body == {
         "error": {
@@ -84,15 +77,15 @@ async def test_a_bug_mid_stream_drops_the_connection_instead_of_a_second_respons
 
 
 async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_shape(base: str) -> None:
-    status, _, body = await _request("POST", base + "/v1/embeddings", json={})
+    status, _, body = await json_request("POST", base + "/v1/embeddings", json={})
     assert status == 404 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unknown_route"
 
-    status, headers, body = await _request("DELETE", base + "/sim/fault")
+    status, headers, body = await json_request("DELETE", base + "/sim/fault")
     assert status == 405 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"]
 
     big = json.dumps({"model": "motor-sim", "prompt": "x" * 4096})
-    status, _, body = await _request("POST", base + "/v1/completions", data=big)
+    status, _, body = await json_request("POST", base + "/v1/completions", data=big)
     assert status == 413 and body["error"].keys() == ERROR_FIELDS
     assert body["error"]["code"] == "request_too_large"
