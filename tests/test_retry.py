@@ -10,7 +10,9 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from services.common import errors, retry, rpc
-from services.common.retry import DEFAULT_POLICY, Backoff
+from services.common.retry import Backoff, RetryPolicy
+
+DEFAULT_POLICY = RetryPolicy()  # the classifier every call site starts from
 
 Code = grpc.StatusCode
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
@@ -109,17 +111,6 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def test_retryable_error_judges_an_rpc_error_by_its_code() -> None:
-    assert DEFAULT_POLICY.retryable_error(rpc_error(Code.UNAVAILABLE))
-    assert not DEFAULT_POLICY.retryable_error(rpc_error(Code.PERMISSION_DENIED))
-
-
-def test_retryable_error_retries_connection_failures_but_not_bugs() -> None:
-    assert DEFAULT_POLICY.retryable_error(ConnectionError("connection refused"))
-    assert DEFAULT_POLICY.retryable_error(TimeoutError())
-    assert not DEFAULT_POLICY.retryable_error(ValueError("a bug"))
-
-
 # --- errors a real server sends ------------------------------------------------------------------
 
 
@@ -176,14 +167,14 @@ async def test_rpc_failure_reads_a_precondition_failure_type(
         "STALE_SESSION",
         "session 3 is stale",
     )
-    assert not DEFAULT_POLICY.retryable_error(err)
+    assert not DEFAULT_POLICY.retryable(failure.code)
 
 
 async def test_rpc_failure_reads_retry_info(controller: controller_pb2_grpc.ControllerAsyncStub) -> None:
     err = await register_error(controller, "busy")
     failure = errors.RpcFailure.of(err)
     assert (failure.code, failure.reason, failure.retry_after) == (Code.UNAVAILABLE, "", 2.5)
-    assert DEFAULT_POLICY.retryable_error(err)
+    assert DEFAULT_POLICY.retryable(failure.code)
 
 
 def test_rpc_failure_of_an_error_without_details() -> None:

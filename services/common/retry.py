@@ -43,17 +43,6 @@ class RetryPolicy:
     def retryable(self, code: grpc.StatusCode | None) -> bool:
         return code is not None and code != grpc.StatusCode.OK and code not in self.terminal
 
-    def retryable_error(self, err: BaseException) -> bool:
-        """For an exception raised by a call: gRPC errors by their code; connection-level
-        failures (the peer could not be reached) are retryable; anything else is a bug."""
-        if isinstance(err, grpc.RpcError):
-            code = err.code() if callable(getattr(err, "code", None)) else None
-            return self.retryable(code)
-        return isinstance(err, (ConnectionError, TimeoutError))
-
-
-DEFAULT_POLICY = RetryPolicy()
-
 
 def policy(terminal: Iterable[grpc.StatusCode]) -> RetryPolicy:
     return RetryPolicy(frozenset(terminal))
