@@ -49,9 +49,6 @@ class InstanceTable:
             else:
                 self.deleted[inst.id] = inst
 
-    def get(self, instance_id: int) -> Instance | None:
-        return self.live.get(instance_id) or self.deleted.get(instance_id)
-
     def add(self, inst: Instance) -> None:
         """A newly assembled instance (status INITIAL); the caller has persisted it."""
         self.live[inst.id] = inst

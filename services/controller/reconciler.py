@@ -90,9 +90,6 @@ class Reconciler(Generic[K]):
     def enqueue(self, key: K) -> None:
         self.queue.add(key)
 
-    def enqueue_after(self, key: K, delay: float) -> None:
-        self.queue.add_after(key, delay)
-
     def start(self) -> None:
         self._tasks = [spawn(f"{self.name}-worker-{i}", self._work) for i in range(self._workers)]
         if self._resync_s and self._keys is not None:

@@ -182,7 +182,7 @@ async def test_terminal_errors_are_counted_and_not_retried(loops, caplog) -> Non
     loop.enqueue("a")
     await until(lambda: loop.stats.terminal == 1)
     # A barrier well past every backoff delay (at most 0.04 s): a retry would have come first.
-    loop.enqueue_after("barrier", 0.2)
+    loop.queue.add_after("barrier", 0.2)
     await until(lambda: rec.count("barrier") == 1)
     assert rec.count("a") == 1
     assert any(getattr(r, "event", "") == "reconcile_terminal" for r in caplog.records)
