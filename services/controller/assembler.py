@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from services.common import log
 from services.common.config import ControllerConfig
 
 from . import assembly
@@ -23,6 +24,10 @@ from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .reconciler import DONE, Result
 from .store import Store
+
+# An assembly that has not changed for this long says what it still waits for (NodeManagers of
+# one instance register within seconds of each other).
+INCOMPLETE_WARN_S = 10.0
 
 
 class Assembler:
@@ -42,10 +47,12 @@ class Assembler:
         self.enqueue_instance = enqueue_instance
         self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
         self.assemble_timeout_s = cfg.instance_assemble_timeout_s
+        self._warned: dict[str, tuple[int, int, float]] = {}  # job → the state last warned about
 
     async def reconcile(self, job: str) -> Result:
         p = self.pending.get(job)
         if p is None:
+            self._warned.pop(job, None)
             return DONE
         now, wall = time.monotonic(), time.time()
         expires_in = p.last_registration + self.assemble_timeout_s - wall
@@ -56,8 +63,14 @@ class Assembler:
         if silent:
             p = self.pending.drop(p, silent, "heartbeat_timeout")
         if not assembly.is_complete(p.spec, p.members):
-            # Look again when the assembly expires or its quietest member would time out.
+            # Look again when the assembly expires, its quietest member would time out, or it is
+            # time to say what it waits for.
             deadlines = [expires_in] + [m.last_heard + self.heartbeat_timeout_s - now for m in p.members]
+            waited = wall - p.last_registration
+            if waited >= INCOMPLETE_WARN_S:
+                self._warn_incomplete(p, waited, expires_in)
+            else:
+                deadlines.append(INCOMPLETE_WARN_S - waited)
             return Result(requeue_after=max(min(deadlines), 0.0) + 0.01)
         answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in p.members))
         if self.pending.get(job) is not p:
@@ -68,6 +81,22 @@ class Assembler:
             return Result(requeue_after=0)
         self._assemble(p)
         return DONE
+
+    def _warn_incomplete(self, p: Pending, waited: float, expires_in: float) -> None:
+        """One warning per state of the assembly: an instance that cannot complete (a
+        NodeManager with too few ports, one that never came) must not wait silently."""
+        key = (p.id, len(p.members), p.last_registration)
+        if self._warned.get(p.job_name) == key:
+            return
+        self._warned[p.job_name] = key
+        log.warn(
+            "assembly_incomplete",
+            job=p.job_name,
+            pending_id=p.id,
+            waited_s=round(waited, 1),
+            expires_in_s=round(expires_in, 1),
+            reason=f"instance {assembly.missing(p.spec, p.members)}; waiting for more NodeManagers",
+        )
 
     def _assemble(self, p: Pending) -> None:
         plan = assembly.plan(p.id, p.job_name, p.spec, p.members)

@@ -1,9 +1,11 @@
 """Assembly rules as pure functions: when a pending instance is complete, whether one more
 registration fits, and what the assembled instance and its StartEngines commands look like.
 
-Layout: members are ordered by (node_rank, host, nm_port); each contributes one endpoint per
-registered port, numbered 0, 1, … in that order (the DP rank). Endpoints of node_rank ≠ 0 are
-headless. The DP master is the first node_rank-0 member's host.
+Layout: an instance has ``dp`` endpoints (one per DP rank) on each node_rank 0 .. nnodes-1:
+a rank spans ``nnodes`` nodes, its node_rank-0 endpoint serves requests and the others run
+headless. Members are ordered by (node_rank, host, nm_port); each contributes one endpoint per
+registered port, numbered in that order, so endpoint ids are node_rank * dp + DP rank. The DP
+master is rank 0's endpoint.
 """
 
 from __future__ import annotations
@@ -18,24 +20,36 @@ from services.common.enums import EP_INITIAL, PD_SGLANG
 from .model import Instance, JobSpec, Member
 
 
+def _endpoints_by_rank(spec: JobSpec, members: Sequence[Member]) -> list[int]:
+    counts = [0] * spec.nnodes
+    for m in members:
+        if m.node_rank < spec.nnodes:
+            counts[m.node_rank] += len(m.ports)
+    return counts
+
+
 def is_complete(spec: JobSpec, members: Sequence[Member]) -> bool:
-    """``dp`` routable endpoints (one node), or ``dp * nnodes`` NodeManagers (several nodes)."""
-    if spec.nnodes > 1:
-        return len(members) == spec.dp * spec.nnodes
-    return sum(len(m.ports) for m in members) == spec.dp
+    """``dp`` endpoints on every node_rank."""
+    return all(n == spec.dp for n in _endpoints_by_rank(spec, members))
 
 
 def misfit(spec: JobSpec, members: Sequence[Member], new: Member) -> str:
     """Why ``new`` cannot join ``members`` without overfilling the instance ("" = it fits)."""
-    if spec.nnodes > 1:
-        same_rank = sum(1 for m in members if m.node_rank == new.node_rank)
-        if same_rank >= spec.dp:
-            return f"node_rank {new.node_rank} already has {spec.dp} NodeManager(s) (parallel.dp)"
-        return ""
-    have = sum(len(m.ports) for m in members)
+    have = _endpoints_by_rank(spec, members)[new.node_rank]
     if have + len(new.ports) > spec.dp:
-        return f"instance needs {spec.dp} endpoint(s) (parallel.dp) and already has {have}"
+        where = f" on node_rank {new.node_rank}" if spec.nnodes > 1 else ""
+        return f"instance needs {spec.dp} endpoint(s){where} (parallel.dp) and already has {have}"
     return ""
+
+
+def missing(spec: JobSpec, members: Sequence[Member]) -> str:
+    """What an incomplete instance still waits for, in words ("" = nothing)."""
+    short = [(rank, n) for rank, n in enumerate(_endpoints_by_rank(spec, members)) if n < spec.dp]
+    if not short:
+        return ""
+    if spec.nnodes == 1:
+        return f"has {short[0][1]} of {spec.dp} endpoint(s) (parallel.dp)"
+    return "; ".join(f"node_rank {r} has {n} of {spec.dp} endpoint(s)" for r, n in short)
 
 
 def conflict(members: Sequence[Member], new: Member) -> Member | None:
@@ -89,9 +103,18 @@ def start_command(inst: Instance, member: Member) -> nodemanager_pb2.StartEngine
 def _command(
     instance_id: int, job_name: str, role: int, ordered: Sequence[Member], member: Member
 ) -> nodemanager_pb2.StartEnginesRequest:
-    """The member's endpoints as assigned (without observed status or pid), the DP master (the
-    first node_rank-0 member's host) and its peers."""
-    master = next((m.host for m in ordered if m.node_rank == 0), ordered[0].host)
+    """The member's endpoints as assigned (without observed status or pid), every DP rank's
+    routable endpoint (the DP master first) and the member's peers."""
+    heads = sorted(
+        (
+            common_pb2.Endpoint(id=ep.id, host=ep.host, port=ep.port, bootstrap_port=ep.bootstrap_port)
+            for m in ordered
+            if m.node_rank == 0
+            for ep in m.by_id.values()
+        ),
+        key=lambda e: e.id,
+    )
+    master = heads[0].host if heads else ordered[0].host
     endpoints = [
         common_pb2.Endpoint(
             id=ep.id,
@@ -112,4 +135,5 @@ def _command(
         master_host=master,
         node_rank=member.node_rank,
         peers=[o.address for o in ordered if o is not member],
+        heads=heads,
     )

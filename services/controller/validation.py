@@ -42,7 +42,7 @@ def register(req: controller_pb2.RegisterRequest) -> list[tuple[str, str]]:
     if req.node_rank >= nnodes:
         bad.append(("node_rank", f"must be below parallel.nnodes ({nnodes})"))
     dp = req.parallel.dp or 1
-    if nnodes == 1 and len(req.ports) > dp:
+    if len(req.ports) > dp:
         bad.append(
             ("ports", f"{len(req.ports)} engine ports but parallel.dp is {dp} (one endpoint per DP rank)")
         )

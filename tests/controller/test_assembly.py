@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -9,7 +12,7 @@ from motor.v1 import common_pb2, controller_pb2
 
 from services.common import errors
 from services.common.errors import details_of
-from services.controller import assembly
+from services.controller import assembler, assembly
 from services.controller.model import JobSpec, Member
 from tests.controller.fakes import ACTIVE, DELETED, INITIAL, NORMAL, running_controller, until
 
@@ -67,6 +70,33 @@ def test_completeness_and_fit() -> None:
     assert assembly.misfit(multi, [a], b)  # a second rank-0 NodeManager for dp=1
     assert not assembly.misfit(multi, [a], Member(node_rank=1, host="h", nm_port=3, ports=[10004]))
     assert assembly.conflict([a], Member(node_rank=0, host="h", nm_port=9, ports=[10000])) is a
+    assert assembly.missing(one_node, [a]) == "has 1 of 2 endpoint(s) (parallel.dp)"
+    assert assembly.missing(one_node, [a, b]) == ""
+
+
+def test_multi_node_counts_endpoints_per_node_rank() -> None:
+    # DP 2, each rank spanning 2 nodes, one NodeManager with two engine ports per node.
+    spec = JobSpec(role=2, model_name="m", engine_type=SIM, pd_protocol=1, dp=2, nnodes=2)
+    head = Member(node_rank=0, host="10.0.0.1", nm_port=7300, ports=[10000, 10002])
+    tail = Member(node_rank=1, host="10.0.0.2", nm_port=7300, ports=[10000, 10002])
+    assert assembly.missing(spec, [tail]) == "node_rank 0 has 0 of 2 endpoint(s)"
+    assert "on node_rank 1" in assembly.misfit(
+        spec, [tail], Member(node_rank=1, host="x", nm_port=1, ports=[1])
+    )
+    assert assembly.is_complete(spec, [tail, head])
+    plan = assembly.plan(3, "job", spec, [tail, head])
+    # ids are node_rank * dp + DP rank
+    assert [(e.id, e.host, e.port, e.headless) for e in plan.endpoints] == [
+        (0, "10.0.0.1", 10000, False),
+        (1, "10.0.0.1", 10002, False),
+        (2, "10.0.0.2", 10000, True),
+        (3, "10.0.0.2", 10002, True),
+    ]
+    cmd = plan.commands["10.0.0.2:7300"]
+    assert [e.id for e in cmd.endpoints] == [2, 3] and cmd.node_rank == 1
+    # Both nodes learn every rank's routable endpoint, the DP master first.
+    for c in plan.commands.values():
+        assert [(h.id, h.host, h.port) for h in c.heads] == [(0, "10.0.0.1", 10000), (1, "10.0.0.1", 10002)]
 
 
 # ---- through the Controller --------------------------------------------------------------------
@@ -133,8 +163,32 @@ async def test_multi_node_instance_has_headless_rank(tmp_path, node_managers) ->
         assert c0.master_host == c1.master_host == "127.0.0.1"
         assert [(e.id, e.host, e.headless) for e in c0.endpoints] == [(0, "127.0.0.1", False)]
         assert [(e.id, e.host, e.headless) for e in c1.endpoints] == [(1, "127.0.0.2", True)]
+        assert [(e.id, e.host) for e in c1.heads] == [(0, "127.0.0.1")]
         [inst] = await h.instances()
         assert [e.headless for e in inst.endpoints] == [False, True]
+
+
+async def test_an_instance_that_cannot_complete_says_why(
+    tmp_path, node_managers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(assembler, "INCOMPLETE_WARN_S", 0.2)
+    nm = await node_managers()
+    async with running_controller(tmp_path) as h:
+        await h.agent(job="p", nm=nm, ports=(10000,), dp=2).register()  # one port, dp 2
+
+        def warnings() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if getattr(r, "event", "") == "assembly_incomplete"]
+
+        await until(warnings)
+        await asyncio.sleep(0.5)  # several reconciles later: still one line
+        (rec,) = warnings()
+        assert rec.levelno == logging.WARNING
+        fields = rec.fields  # type: ignore[attr-defined]
+        assert fields["job"] == "p"
+        assert (
+            fields["reason"] == "instance has 1 of 2 endpoint(s) (parallel.dp); waiting for more NodeManagers"
+        )
+        assert not nm.starts
 
 
 async def test_pending_instance_expires_and_its_id_is_not_reused(tmp_path, node_managers) -> None:

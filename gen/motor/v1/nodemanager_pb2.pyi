@@ -58,6 +58,7 @@ class StartEnginesRequest(_message.Message):
     MASTER_HOST_FIELD_NUMBER: _builtins.int
     NODE_RANK_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    HEADS_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
     """Must be this node's job name (when it has one). Required."""
     instance_id: _builtins.int
@@ -65,16 +66,25 @@ class StartEnginesRequest(_message.Message):
     role: _common_pb2.Role.ValueType
     """Must be this node's role. Required."""
     master_host: _builtins.str
-    """DP master."""
+    """DP master: the host of heads[0]."""
     node_rank: _builtins.int
     """This node's rank inside the instance, 0 .. parallel.nnodes-1."""
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
-        """One per engine port of this node, each with this node's host; id is the DP rank."""
+        """One per engine port of this node, each with this node's host. The id is
+        node_rank * parallel.dp + the endpoint's DP rank.
+        """
 
     @_builtins.property
     def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"host:port" of the instance's other NodeManagers."""
+
+    @_builtins.property
+    def heads(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
+        """The instance's routable endpoints (node_rank 0), one per DP rank in rank order, wherever
+        they run. Every rank meets the DP master (heads[0]) at its port + 1; the parts of rank r on
+        other nodes meet heads[r]. Empty (an older Controller): this node's own routable endpoints.
+        """
 
     def __init__(
         self,
@@ -86,10 +96,11 @@ class StartEnginesRequest(_message.Message):
         master_host: _builtins.str = ...,
         node_rank: _builtins.int = ...,
         peers: _abc.Iterable[_builtins.str] | None = ...,
+        heads: _abc.Iterable[_common_pb2.Endpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "instance_id", b"instance_id", "job_name", b"job_name", "master_host", b"master_host", "node_rank", b"node_rank", "peers", b"peers", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "heads", b"heads", "instance_id", b"instance_id", "job_name", b"job_name", "master_host", b"master_host", "node_rank", b"node_rank", "peers", b"peers", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
