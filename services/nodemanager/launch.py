@@ -15,9 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from motor.v1 import nodemanager_pb2
+
 from services.common import enums
+from services.common.config import EngineConfig, NodeManagerConfig
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Ports an engine uses besides its business port P (see docs/operations.md, "Ports"): P + 1 is
+# the SGLang bootstrap / vLLM DP RPC port; these two are fixed offsets too, so every engine on a
+# host gets its own without coordination, because business ports are unique per host.
+SIDE_CHANNEL_OFFSET = 4000  # vLLM NIXL side channel of the engine
+RENDEZVOUS_OFFSET = 6000  # torch.distributed rendezvous of a multi-node instance (on its head)
 
 
 class LaunchError(Exception):
@@ -36,6 +44,14 @@ class EndpointSpec:
 
 
 @dataclass(frozen=True)
+class Head:
+    """Where one DP rank's routable engine (node_rank 0) serves: its host and business port."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class LaunchParams:
     """Everything about a launch that is the same for every endpoint of the node."""
 
@@ -45,14 +61,18 @@ class LaunchParams:
     role: str  # prefill | decode | union
     instance_id: int
     tp: int = 1
+    pp: int = 1
     dp: int = 1
     nnodes: int = 1
-    master_host: str = ""
+    node_rank: int = 0
+    # The instance's routable endpoints by DP rank; heads[0] is the DP master. Empty: each
+    # endpoint is its own head (a single-node instance whose ranks are all on this node).
+    heads: tuple[Head, ...] = ()
     sim_protocol: str = "vllm"
     kv_connector: str = "NixlConnector"
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
-    device_env: str = "ASCEND_RT_VISIBLE_DEVICES"
+    device_env: str = "CUDA_VISIBLE_DEVICES"
 
     @property
     def sglang_style(self) -> bool:
@@ -70,6 +90,61 @@ def pd_protocol(engine_type: str, sim_protocol: str) -> enums.PdProtocol:
     engine = enums.ENGINE_TYPES_BY_NAME[engine_type]
     sim_sglang = engine == enums.ENGINE_SIM and sim_protocol == "sglang"
     return enums.pd_protocol_of(enums.PD_SGLANG if sim_sglang else enums.PD_UNSPECIFIED, engine)
+
+
+def params_for(
+    req: nodemanager_pb2.StartEnginesRequest, nm: NodeManagerConfig, engine: EngineConfig, device_env: str
+) -> LaunchParams:
+    """What a start command means on this node (``device_env`` already resolved from auto)."""
+    par = nm.parallel
+    heads = req.heads or sorted((e for e in req.endpoints if not e.headless), key=lambda e: e.id)
+    return LaunchParams(
+        engine_type=nm.engine_type,
+        model=nm.model,
+        served_model_name=nm.served_model_name or nm.model,
+        role=enums.ROLE_NAMES[req.role],
+        instance_id=req.instance_id,
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        nnodes=par.nnodes,
+        node_rank=req.node_rank,
+        heads=tuple(Head(h.host, h.port) for h in heads),
+        sim_protocol=nm.sim_protocol,
+        kv_connector=engine.kv_connector,
+        args=dict(engine.args),
+        env=dict(engine.env),
+        device_env=device_env,
+    )
+
+
+def endpoint_specs(req: nodemanager_pb2.StartEnginesRequest) -> list[EndpointSpec]:
+    return [
+        EndpointSpec(e.id, e.host, e.port, e.headless, tuple(e.device_ids))
+        for e in sorted(req.endpoints, key=lambda e: e.id)
+    ]
+
+
+def dp_rank(params: LaunchParams, ep: EndpointSpec) -> int:
+    """The endpoint's DP rank: the Controller numbers endpoints node_rank * dp + rank."""
+    return ep.id - params.node_rank * params.dp
+
+
+def head(params: LaunchParams, rank: int) -> Head:
+    """The routable endpoint of DP rank ``rank`` (rank 0: the DP master)."""
+    if not 0 <= rank < len(params.heads):
+        raise LaunchError(f"the start command names no routable endpoint for DP rank {rank}")
+    return params.heads[rank]
+
+
+def offset_port(port: int, offset: int) -> int:
+    """``port + offset``, or ``port - offset`` when that would pass 65535 (as SGLang does)."""
+    return port + offset if port + offset <= 65535 else port - offset
+
+
+def side_channel_port(ep: EndpointSpec) -> int:
+    """The port this engine's NIXL side channel listens on."""
+    return offset_port(ep.port, SIDE_CHANNEL_OFFSET)
 
 
 def bootstrap_port(params: LaunchParams, ep: EndpointSpec) -> int:
@@ -118,7 +193,12 @@ def kv_transfer_config(params: LaunchParams) -> str:
 
 
 def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
-    """The flags after ``vllm serve MODEL`` (the simulated engine takes the same)."""
+    """The flags after ``vllm serve MODEL`` (the simulated engine takes the same).
+
+    One API server per DP rank (vLLM's external load balancing): every rank gets the DP
+    master's address and RPC port. A rank spanning nodes is vLLM's multi-node mode counted over
+    the whole instance: ``--nnodes`` is dp * nnodes, rank r's part on node_rank k is node
+    r * nnodes + k, and every part meets at the master's rendezvous port."""
     flags = [
         "--served-model-name",
         params.served_model_name,
@@ -128,19 +208,32 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
         str(ep.port),
         "--tensor-parallel-size",
         str(params.tp),
-        "--data-parallel-size",
-        str(params.dp),
     ]
-    # One engine per DP rank (external load balancing); a multi-node instance needs the master
-    # address on every node, headless ones included.
+    if params.pp > 1:
+        flags += ["--pipeline-parallel-size", str(params.pp)]
+    flags += ["--data-parallel-size", str(params.dp)]
+    rank = dp_rank(params, ep)
     if params.dp > 1 or params.nnodes > 1:
+        master = head(params, 0)
+    if params.dp > 1:
         flags += [
             "--data-parallel-address",
-            params.master_host or ep.host,
+            master.host,
             "--data-parallel-rpc-port",
-            str(ep.port + 1),
+            str(master.port + 1),
             "--data-parallel-rank",
-            str(ep.id),
+            str(rank),
+        ]
+    if params.nnodes > 1:
+        flags += [
+            "--nnodes",
+            str(params.dp * params.nnodes),
+            "--node-rank",
+            str(rank * params.nnodes + params.node_rank),
+            "--master-addr",
+            master.host,
+            "--master-port",
+            str(offset_port(master.port, RENDEZVOUS_OFFSET)),
         ]
     if ep.headless:
         flags.append("--headless")
@@ -149,35 +242,57 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     return flags
 
 
+def _sglang_args(params: LaunchParams, ep: EndpointSpec) -> list[str]:
+    """One ``launch_server`` per DP rank with ``--dp-size 1``, so each rank has its own HTTP
+    endpoint the router sees. A rank spanning nodes is SGLang's multi-node mode: the rank's
+    parts meet at its head's rendezvous port, and all of them name the head's bootstrap port
+    (only the head serves it)."""
+    args = [
+        "--model-path",
+        params.model,
+        "--served-model-name",
+        params.served_model_name,
+        "--host",
+        ep.host,
+        "--port",
+        str(ep.port),
+        "--tp-size",
+        str(params.tp),
+    ]
+    if params.pp > 1:
+        args += ["--pp-size", str(params.pp)]
+    args += ["--dp-size", "1"]
+    own_head = Head(ep.host, ep.port)
+    if params.nnodes > 1:
+        own_head = head(params, dp_rank(params, ep))
+        args += [
+            "--nnodes",
+            str(params.nnodes),
+            "--node-rank",
+            str(params.node_rank),
+            "--dist-init-addr",
+            _host_port(own_head.host, offset_port(own_head.port, RENDEZVOUS_OFFSET)),
+        ]
+    if params.disaggregated:
+        args += [
+            "--disaggregation-mode",
+            params.role,
+            "--disaggregation-bootstrap-port",
+            str(own_head.port + 1),
+        ]
+    return args
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     """The engine's argv; ``vllm`` stays a bare name (see :func:`resolve`)."""
     if params.engine_type == "vllm":
         argv = ["vllm", "serve", params.model, *_vllm_flags(params, ep)]
     elif params.engine_type == "sglang":
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            params.model,
-            "--served-model-name",
-            params.served_model_name,
-            "--host",
-            ep.host,
-            "--port",
-            str(ep.port),
-            "--tp-size",
-            str(params.tp),
-            "--dp-size",
-            str(params.dp),
-        ]
-        if params.disaggregated:
-            argv += [
-                "--disaggregation-mode",
-                params.role,
-                "--disaggregation-bootstrap-port",
-                str(ep.port + 1),
-            ]
+        argv = [sys.executable, "-m", "sglang.launch_server", *_sglang_args(params, ep)]
     elif params.engine_type == "sim":
         argv = [sys.executable, "-m", "services.cli", "engine-sim", "serve", params.model]
         argv += _vllm_flags(params, ep)
@@ -192,7 +307,13 @@ def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
 def build_env(
     params: LaunchParams, ep: EndpointSpec, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The engine's environment: ours, then ``engine.env``, the device slice, VLLM_HOST_IP."""
+    """The engine's environment: ours, then ``engine.env``, the device slice, VLLM_HOST_IP and
+    (vLLM) the NIXL side channel.
+
+    vLLM's NIXL connector listens on VLLM_NIXL_SIDE_CHANNEL_PORT + its DP rank and tells the
+    other side to pull KV from VLLM_NIXL_SIDE_CHANNEL_HOST; the default (localhost:5600) would
+    send a remote decode to its own host and make two engines on one host collide. Subtracting
+    the rank makes the port vLLM listens on exactly :func:`side_channel_port`."""
     env = dict(os.environ if base is None else base)
     env.update(params.env)
     if ep.device_ids:
@@ -200,6 +321,9 @@ def build_env(
     else:
         env.pop(params.device_env, None)
     env["VLLM_HOST_IP"] = ep.host
+    if not params.sglang_style:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ep.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(ep) - dp_rank(params, ep))
     if params.engine_type == "sglang":
         # Readiness relies on /health generating a token, not only answering.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "true"

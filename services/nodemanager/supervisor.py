@@ -22,7 +22,7 @@ from services.common.config import EngineConfig, NodeManagerConfig
 from services.nodemanager import launch
 from services.nodemanager.arbiter import Freeze
 from services.nodemanager.engine import Engine, Timing
-from services.nodemanager.launch import EndpointSpec, LaunchError, LaunchParams
+from services.nodemanager.launch import LaunchError, LaunchParams
 from services.nodemanager.statefile import EngineRecord, StateFile
 
 ENGINE_INDEX_ENV = "MOTOR_UP_ENGINE_INDEX"
@@ -59,7 +59,8 @@ class NullSink:
 def _command_key(req: pb.StartEnginesRequest) -> tuple[Any, ...]:
     """What makes two start commands the same (status and pid are not identity)."""
     eps = sorted((e.id, e.host.lower(), e.port, e.headless, tuple(e.device_ids)) for e in req.endpoints)
-    return (req.job_name, req.instance_id, req.role, req.master_host, tuple(eps))
+    heads = tuple((h.host.lower(), h.port) for h in req.heads)
+    return (req.job_name, req.instance_id, req.role, req.master_host, req.node_rank, tuple(eps), heads)
 
 
 class EngineSupervisor:
@@ -71,6 +72,7 @@ class EngineSupervisor:
         self.state = state
         self.reaper = reaper
         self.timing = Timing.from_config(nm_cfg)
+        self.device_env = nm_cfg.device_env  # "auto" is resolved by main before any launch
         self.sink: EventSink = NullSink()
         self.address = f"{nm_cfg.host}:{nm_cfg.port}"  # set to the bound address by main
         self.engines: dict[int, Engine] = {}
@@ -161,30 +163,20 @@ class EngineSupervisor:
         if len(got) != len(ports) or set(got) != set(ports):
             problems.append(f"endpoint ports {sorted(got)} are not this node's ports {sorted(ports)}")
         host = cfg.host.lower()
+        dp, first = cfg.parallel.dp, req.node_rank * cfg.parallel.dp
         for i, e in enumerate(req.endpoints):
             if e.host.lower() != host:
                 problems.append(f"endpoints[{i}].host {e.host!r} is not this node ({host})")
+            if not first <= e.id < first + dp:
+                problems.append(
+                    f"endpoints[{i}].id {e.id} is not a DP rank of node_rank {req.node_rank} "
+                    f"(ids {first}..{first + dp - 1} with parallel.dp {dp})"
+                )
         if problems:
             raise errors.precondition("NODE_MISMATCH", f"node/{self.address}", "; ".join(problems))
 
     def launch_params(self, req: pb.StartEnginesRequest) -> LaunchParams:
-        cfg, par, engine = self.nm_cfg, self.nm_cfg.parallel, self.engine_cfg
-        return LaunchParams(
-            engine_type=cfg.engine_type,
-            model=cfg.model,
-            served_model_name=cfg.served_model_name or cfg.model,
-            role=enums.ROLE_NAMES[req.role],
-            instance_id=req.instance_id,
-            tp=par.tp,
-            dp=par.dp,
-            nnodes=par.nnodes,
-            master_host=req.master_host,
-            sim_protocol=cfg.sim_protocol,
-            kv_connector=engine.kv_connector,
-            args=dict(engine.args),
-            env=dict(engine.env),
-            device_env=cfg.device_env,
-        )
+        return launch.params_for(req, self.nm_cfg, self.engine_cfg, self.device_env)
 
     async def start(self, req: pb.StartEnginesRequest) -> list[common_pb2.Endpoint]:
         self.check_command(req)
@@ -218,10 +210,7 @@ class EngineSupervisor:
         if self._http is None:
             self._http = aiohttp.ClientSession()
         params = self.launch_params(req)
-        specs = [
-            EndpointSpec(e.id, e.host, e.port, e.headless, tuple(e.device_ids))
-            for e in sorted(req.endpoints, key=lambda e: e.id)
-        ]
+        specs = launch.endpoint_specs(req)
         self.generation += 1
         engines: dict[int, Engine] = {}
         try:

@@ -218,6 +218,7 @@ def nm_config(tmp_path: Path, ports: list[int], **overrides: Any) -> dict[str, A
         "served_model_name": "served-1",
         "engine_type": "sim",
         "ports": ports,
+        "parallel": {"dp": len(ports)},  # one DP rank per engine port
         "state_dir": str(tmp_path / "state"),
         "status_poll_interval_s": 0.1,
         "status_probe_timeout_s": 1,

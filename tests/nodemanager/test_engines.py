@@ -73,6 +73,9 @@ async def test_bad_start_commands(tmp_path: Path, start_nm) -> None:
                 common_pb2.Endpoint(id=1, host="127.0.0.1", port=port + 2),
             ]
         },
+        # dp 1: node_rank 0 holds id 0 only, node_rank 1 id 1 only
+        {"endpoints": [common_pb2.Endpoint(id=1, host="127.0.0.1", port=port)]},
+        {"node_rank": 1},
     ]
     for overrides in wrong:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -141,13 +144,18 @@ async def test_headless_endpoint_is_normal_while_alive(tmp_path: Path, start_nm)
     cfg = nm_config(tmp_path, [port], node_rank=1, parallel={"nnodes": 2, "tp": 2})
     # Under `motor up` the NodeManager prefixes its engines' output with [engine-<k>].
     nm = await start_nm(cfg, env={"MOTOR_UP_ENGINE_INDEX": "3"})
-    endpoint = common_pb2.Endpoint(id=0, host="127.0.0.1", port=port, headless=True)
-    (ep,) = (await nm.start_engines(endpoints=[endpoint], master_host="127.0.0.1")).endpoints
+    # Rank 0's part on node_rank 1: id node_rank * dp + rank = 1; its head serves elsewhere.
+    endpoint = common_pb2.Endpoint(id=1, host="127.0.0.1", port=port, headless=True)
+    head = common_pb2.Endpoint(id=0, host="127.0.0.1", port=free_port_pair())
+    req = {"endpoints": [endpoint], "master_host": "127.0.0.1", "node_rank": 1, "heads": [head]}
+    (ep,) = (await nm.start_engines(**req)).endpoints
     assert ep.headless and ep.status == NORMAL  # no HTTP server to probe
     strict, relaxed = await nm.status(), await nm.status(relaxed=True)
     assert strict.ready and relaxed.ready
     line = await nm.wait_line("service=engine-sim event=headless")  # the engine was told --headless
     assert line.startswith("[engine-3] ts=")
+    # No accelerator here: device_env "auto" chose CUDA's variable, and said so once.
+    await nm.wait_line("event=device_env variable=CUDA_VISIBLE_DEVICES configured=auto")
 
 
 async def test_leader_death_seen_while_a_group_member_holds_the_log_pipe(tmp_path: Path, start_nm) -> None:

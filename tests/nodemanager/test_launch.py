@@ -11,9 +11,11 @@ import pytest
 from motor.v1 import common_pb2
 
 from services.nodemanager import launch
-from services.nodemanager.launch import EndpointSpec, LaunchError, LaunchParams
+from services.nodemanager.launch import EndpointSpec, Head, LaunchError, LaunchParams
 
+EP0 = EndpointSpec(id=0, host="10.0.0.5", port=10000)
 EP = EndpointSpec(id=1, host="10.0.0.5", port=10002, device_ids=(2, 3))
+HEADS = (Head("10.0.0.5", 10000), Head("10.0.0.5", 10002))
 
 
 def params(**kw: Any) -> LaunchParams:
@@ -52,30 +54,70 @@ def test_sim_sglang_style_decode_gets_bootstrap_port() -> None:
     assert launch.bootstrap_port(params(), EP) == 0
 
 
-def test_vllm_union_has_no_kv_config_and_headless_multinode_has_dp_flags() -> None:
-    assert launch.build_argv(params(engine_type="vllm", role="union"), EP) == [
+def test_vllm_union_has_no_kv_config() -> None:
+    assert launch.build_argv(params(engine_type="vllm", role="union"), EP0) == [
         "vllm", "serve", "/data/llama",
-        "--served-model-name", "llama", "--host", "10.0.0.5", "--port", "10002",
+        "--served-model-name", "llama", "--host", "10.0.0.5", "--port", "10000",
         "--tensor-parallel-size", "1", "--data-parallel-size", "1",
     ]  # fmt: skip
-    headless = EndpointSpec(id=3, host="10.0.0.6", port=10000, headless=True)
-    argv = launch.build_argv(params(engine_type="vllm", nnodes=2, dp=1, master_host="10.0.0.5"), headless)
-    i = argv.index("--data-parallel-address")
-    assert argv[i : i + 7] == [
+
+
+def test_vllm_ranks_meet_the_master_wherever_it_runs() -> None:
+    # DP 2, each rank spanning 2 nodes: rank 1's part on node_rank 1 (id 1 * 2 + 1 = 3).
+    heads = (Head("10.0.0.5", 10000), Head("10.0.0.7", 10004))
+    p = params(engine_type="vllm", dp=2, nnodes=2, node_rank=1, heads=heads, pp=2)
+    headless = EndpointSpec(id=3, host="10.0.0.6", port=10002, headless=True)
+    argv = launch.build_argv(p, headless)
+    i = argv.index("--tensor-parallel-size")
+    assert argv[i:] == [
+        "--tensor-parallel-size", "1",
+        "--pipeline-parallel-size", "2",
+        "--data-parallel-size", "2",
         "--data-parallel-address", "10.0.0.5",
         "--data-parallel-rpc-port", "10001",
-        "--data-parallel-rank", "3",
+        "--data-parallel-rank", "1",
+        "--nnodes", "4",
+        "--node-rank", "3",
+        "--master-addr", "10.0.0.5",
+        "--master-port", "16000",
         "--headless",
+        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"9"}',
     ]  # fmt: skip
+    env = launch.build_env(p, headless, {})
+    # vLLM listens on the variable + its DP rank: exactly port + 4000
+    assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("10.0.0.6", "14001")
 
 
-def test_sglang_union_has_no_disaggregation_flags() -> None:
-    argv = launch.build_argv(params(engine_type="sglang", role="union", tp=4, dp=2), EP)
+def test_a_missing_head_is_a_launch_error() -> None:
+    with pytest.raises(LaunchError, match="no routable endpoint for DP rank 0"):
+        launch.build_argv(params(engine_type="vllm", dp=2), EP)
+
+
+def test_ports_near_the_top_are_offset_downwards() -> None:
+    assert launch.offset_port(60000, launch.SIDE_CHANNEL_OFFSET) == 64000
+    assert launch.offset_port(62000, launch.SIDE_CHANNEL_OFFSET) == 58000
+    assert launch.side_channel_port(EndpointSpec(id=0, host="h", port=65000)) == 61000
+
+
+def test_sglang_one_process_per_rank_and_multinode_flags() -> None:
+    argv = launch.build_argv(params(engine_type="sglang", role="union", tp=4, dp=2, heads=HEADS), EP)
     assert argv == [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "/data/llama", "--served-model-name", "llama",
-        "--host", "10.0.0.5", "--port", "10002", "--tp-size", "4", "--dp-size", "2",
+        "--host", "10.0.0.5", "--port", "10002", "--tp-size", "4", "--dp-size", "1",
     ]  # fmt: skip
+    heads = (Head("10.0.0.5", 10000), Head("10.0.0.7", 10004))
+    p = params(engine_type="sglang", role="decode", dp=2, nnodes=2, node_rank=1, heads=heads)
+    headless = EndpointSpec(id=3, host="10.0.0.6", port=10002, headless=True)
+    argv = launch.build_argv(p, headless)
+    assert argv[argv.index("--dp-size") :] == [
+        "--dp-size", "1",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.7:16004",
+        # every part of rank 1 names its head's bootstrap port
+        "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "10005",
+    ]  # fmt: skip
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in launch.build_env(p, headless, {})
+    assert launch.bootstrap_port(p, headless) == 0  # only the head serves it
 
 
 def test_engine_args_rules() -> None:
@@ -99,7 +141,7 @@ def test_engine_args_rules() -> None:
 
 def test_environment() -> None:
     base = {"PATH": "/bin", "ASCEND_RT_VISIBLE_DEVICES": "7", "KEEP": "1"}
-    p = params(env={"HF_TOKEN": "t", "VLLM_HOST_IP": "x"})
+    p = params(env={"HF_TOKEN": "t", "VLLM_HOST_IP": "x"}, device_env="ASCEND_RT_VISIBLE_DEVICES", dp=2)
     env = launch.build_env(p, EP, base)
     assert env == {
         "PATH": "/bin",
@@ -107,6 +149,8 @@ def test_environment() -> None:
         "HF_TOKEN": "t",
         "ASCEND_RT_VISIBLE_DEVICES": "2,3",
         "VLLM_HOST_IP": "10.0.0.5",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "14001",  # rank 1: vLLM listens on 14001 + 1 = port + 4000
     }
     no_devices = EndpointSpec(id=0, host="h", port=1)
     assert "ASCEND_RT_VISIBLE_DEVICES" not in launch.build_env(p, no_devices, base)

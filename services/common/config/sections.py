@@ -202,19 +202,26 @@ class NodeManagerConfig(ServerConfig):
     simulated engine."""
     sim_protocol: str = setting("vllm", c.choice("vllm", "sglang"))
     """The KV hand-off protocol the simulated engine speaks."""
-    # Engine k also uses port + 1 (bootstrap / DP RPC), hence 65534; 0 cannot be probed.
+    # Engine k also uses port + 1, hence 65534; 0 cannot be probed.
     ports: tuple[int, ...] = setting((10000,), c.array(c.integer(1, 65534), nonempty=True))
-    """One business (HTTP) port per engine this node runs (one engine per DP rank); each engine
-    also uses port + 1."""
+    """One business (HTTP) port per engine this node runs (one engine per DP rank). An engine
+    with business port P also uses P + 1 (SGLang bootstrap, vLLM DP RPC on the DP master),
+    P + 4000 (vLLM NIXL side channel) and P + 6000 (multi-node rendezvous on a rank's head);
+    an offset that would pass 65535 is subtracted instead."""
     device_count: int = setting(0, c.integer(0, 4096))
     """Accelerators on this node, split evenly between its engines."""
-    device_env: str = setting("ASCEND_RT_VISIBLE_DEVICES", c.VARIABLE)
-    """Environment variable that gives each engine its slice of devices."""
+    device_env: str = setting("auto", c.VARIABLE)
+    """Environment variable that gives each engine its slice of devices. `auto`: chosen at
+    start-up, `CUDA_VISIBLE_DEVICES` when `nvidia-smi` is on PATH or `/dev/nvidia0` exists,
+    `ASCEND_RT_VISIBLE_DEVICES` when `/dev/davinci<N>` exists, else `CUDA_VISIBLE_DEVICES`
+    (logged as `event=device_env`)."""
     node_rank: int = setting(0, c.integer(0, 1_000_000))
     """This node's rank in a multi-node instance (0 .. nnodes-1); rank 0 serves requests, the
     others run headless."""
     parallel: Parallel = setting(ONE_OF_EACH, c.PARALLEL, typed=Parallel.from_json)
-    """Parallel sizes of the instance: `dp` (engines per instance), `tp`, `pp`, `ep`, `nnodes`."""
+    """Parallel sizes of the instance: `dp` (DP ranks, one engine and one routable endpoint
+    each), `tp`, `pp` (per rank), `ep`, and `nnodes` (nodes each rank spans: node_rank 0 serves,
+    the others run headless)."""
     state_dir: str = setting(".motor/nm", c.DIRECTORY)
     """Directory of `engines.json`, the record of engine process groups (so a restarted
     NodeManager can stop the engines an earlier one left behind)."""
