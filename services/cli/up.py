@@ -1,9 +1,15 @@
 """``motor up``: a whole local cluster under one supervisor, as Kubernetes would run it.
 
-Controller and Coordinator first; once both report SERVING, one NodeManager per instance, each
-launching its engines. Children that exit unasked are restarted with backoff (1 s doubling to
-10 s), like pods. ``READY http://host:port`` goes to stdout exactly once, when the Coordinator is
-routable; every child's log goes to stderr with a ``[name] `` prefix.
+Controller and Coordinator first; once both report SERVING, one NodeManager per instance (in the
+order prefill, decode, union), each launching its engines. Children that exit unasked are
+restarted with backoff (1 s doubling to 10 s), like pods. ``READY http://host:port`` goes to
+stdout exactly once, when the Coordinator is routable; every child's log goes to stderr with a
+``[name] `` prefix (engines: ``[engine-<k>] ``).
+
+Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
+one engine each. Engines are numbered k = 0, 1, ... across the NodeManagers: NodeManager i owns
+engines i * dp ... i * dp + dp - 1, and engine k's business port is ``nodemanager.ports[0]`` +
+2k (+ ``--port-offset``), leaving port + 1 for its SGLang bootstrap / vLLM DP RPC.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -45,16 +51,45 @@ class Child:
     started: float = 0.0
 
 
+EPILOG = """\
+ports (defaults, each + --port-offset): Controller 7100, Coordinator gRPC 7200 and HTTP 8000,
+NodeManager i 7300 + i. Engines are numbered k = 0, 1, ... across the NodeManagers (prefill,
+decode, union): NodeManager i runs engines i*dp .. i*dp+dp-1, one per DP rank, and engine k
+serves on nodemanager.ports[0] + 2k (10000 + 2k) and uses that port + 1 too (SGLang bootstrap,
+vLLM DP RPC). Real engines also use port + 4000 (vLLM NIXL side channel)."""
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="motor up", description="Run a whole local Motor cluster.")
+    p = argparse.ArgumentParser(
+        prog="motor up",
+        description="Run a whole local Motor cluster.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--prefill", type=int, help="prefill instances (default 1 when no count is given)")
     p.add_argument("--decode", type=int, help="decode instances (default 1 when no count is given)")
     p.add_argument("--union", type=int, help="union instances (default 0)")
     p.add_argument(
-        "--engine-type", "--engine", dest="engine_type", choices=["sim", "vllm", "sglang"], default="sim"
+        "--dp",
+        type=int,
+        metavar="N",
+        help="DP ranks per instance, one engine each (default: nodemanager.parallel.dp, else 1)",
     )
-    p.add_argument("--sim-protocol", choices=["vllm", "sglang"], default="vllm")
-    p.add_argument("--model", default="motor-sim")
+    p.add_argument(
+        "--engine-type",
+        "--engine",
+        dest="engine_type",
+        choices=["sim", "vllm", "sglang"],
+        default="sim",
+        help="engine software (default sim); vllm must be on PATH, sglang importable",
+    )
+    p.add_argument(
+        "--sim-protocol",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="KV hand-off the simulated engine speaks (default vllm)",
+    )
+    p.add_argument("--model", default="motor-sim", help="model every engine serves (default motor-sim)")
     p.add_argument("--config", metavar="FILE", help="sectioned JSON config applied to every component")
     p.add_argument("--port-offset", type=int, default=0, help="added to every default port")
     p.add_argument("--state-dir", help="state directory (default: a fresh temporary directory)")
@@ -64,6 +99,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.prefill, args.decode, args.union = args.prefill or 0, args.decode or 0, args.union or 0
     if min(args.prefill, args.decode, args.union) < 0 or args.prefill + args.decode + args.union == 0:
         p.error("instance counts must be >= 0 and at least one instance is needed")
+    if args.dp is not None and args.dp < 1:
+        p.error("--dp must be >= 1")
     return args
 
 
@@ -113,28 +150,35 @@ class Cluster:
             )
         )
         nm_cfg = self.cfg.nodemanager
+        dp = a.dp or nm_cfg.parallel.dp
+        nm_env = dict(env)
+        if a.dp:  # replaces the configured DP size; tp, pp, ... stay as configured
+            nm_env["MOTOR_NODEMANAGER_PARALLEL"] = json.dumps(asdict(replace(nm_cfg.parallel, dp=dp)))
         engine_base = nm_cfg.ports[0] + off
         roles = ["prefill"] * a.prefill + ["decode"] * a.decode + ["union"] * a.union
         seen: dict[str, int] = {}
         for i, role in enumerate(roles):
             n = seen[role] = seen.get(role, -1) + 1
+            first = i * dp  # this NodeManager's engines are first .. first + dp - 1
             state_dir = self.state / f"nm-{i}"
             self.children.append(
                 Child(
                     f"nm-{i}",
                     [*base, "nodemanager", *config, "--port", str(nm_cfg.port + i + off)],
                     dict(
-                        env,
+                        nm_env,
                         MOTOR_NODEMANAGER_CONTROLLER=self.controller_addr,
                         MOTOR_NODEMANAGER_JOB_NAME=f"{a.model}-{role}-{n}",
                         MOTOR_NODEMANAGER_ROLE=role,
                         MOTOR_NODEMANAGER_MODEL=a.model,
                         MOTOR_NODEMANAGER_ENGINE_TYPE=a.engine_type,
                         MOTOR_NODEMANAGER_SIM_PROTOCOL=a.sim_protocol,
-                        MOTOR_NODEMANAGER_PORTS=json.dumps([engine_base + 2 * i]),
+                        MOTOR_NODEMANAGER_PORTS=json.dumps(
+                            [engine_base + 2 * k for k in range(first, first + dp)]
+                        ),
                         MOTOR_NODEMANAGER_STATE_DIR=str(state_dir),
                         # Engine output is prefixed [engine-<k>] by the NodeManager itself.
-                        MOTOR_UP_ENGINE_INDEX=str(i),
+                        MOTOR_UP_ENGINE_INDEX=str(first),
                     ),
                     state_dir=state_dir,
                 )
@@ -274,6 +318,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         for line in err.errors:
             print(line, file=sys.stderr)
+        return 1
+    if cfg.nodemanager.parallel.nnodes > 1:
+        # Every NodeManager here would be node_rank 0: the instance could never assemble.
+        print(
+            "motor up runs each instance on one node: nodemanager.parallel.nnodes must be 1", file=sys.stderr
+        )
         return 1
     log.setup("up", cfg.controller.log_format)
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="motor-up-"))

@@ -30,12 +30,13 @@ def port_free(port: int) -> bool:
     return True
 
 
-def free_offset(nodes: int) -> int:
-    """A --port-offset whose every port (services, NodeManagers, engines) is free now."""
+def free_offset(nodes: int, dp: int = 1) -> int:
+    """A --port-offset whose every port (services, NodeManagers, their ``dp`` engines each) is
+    free now."""
     for _ in range(200):
         off = random.randrange(20000, 50000, 10)
         ports = [CONTROLLER, COORDINATOR, HTTP, *(NM + i for i in range(nodes))]
-        ports += [ENGINE + 2 * k + j for k in range(nodes) for j in (0, 1)]
+        ports += [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
         if all(port_free(p + off) for p in ports):
             return off
     raise RuntimeError("no free port offset")
@@ -56,12 +57,20 @@ def poll(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> An
 
 
 class Cluster:
-    def __init__(self, tmp: Path, *args: str, nodes: int = 2) -> None:
-        self.nodes = nodes
-        self.off = free_offset(nodes)
+    """``motor up *args`` on free ports. ``nodes`` (NodeManagers) and ``dp`` (engines of each)
+    must match what ``args`` ask for: they are not parsed here. ``env`` is added to the
+    environment of ``motor up``, which every component and engine inherits (PATH, PYTHONPATH)."""
+
+    def __init__(
+        self, tmp: Path, *args: str, nodes: int = 2, dp: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        self.nodes, self.dp = nodes, dp
+        self.off = free_offset(nodes, dp)
         self.state = tmp / "state"
         self.proc = Proc(
-            motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *args), cwd=tmp
+            motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *args),
+            cwd=tmp,
+            env=env,
         )
 
     # addresses
@@ -72,8 +81,16 @@ class Cluster:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{HTTP + self.off}"
 
+    def engine_port(self, k: int) -> int:
+        """Engine ``k``'s business port (engines are numbered across NodeManagers)."""
+        return ENGINE + 2 * k + self.off
+
     def engine_url(self, k: int) -> str:
-        return f"http://127.0.0.1:{ENGINE + 2 * k + self.off}"
+        return f"http://127.0.0.1:{self.engine_port(k)}"
+
+    def node_of_port(self, port: int) -> int:
+        """Which NodeManager runs the engine serving on ``port``: engine k is on node k // dp."""
+        return (port - ENGINE - self.off) // 2 // self.dp
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         line = self.proc.wait_line(lambda s: s.startswith("READY "), timeout)

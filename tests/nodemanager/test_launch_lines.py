@@ -1,9 +1,9 @@
-"""The vLLM and SGLang launch lines, proved with stand-ins: a ``vllm`` executable first on PATH and an ``sglang/launch_server.py`` first on PYTHONPATH record
-their argv and environment, then become the simulated engine. The NodeManager cannot tell."""
+"""The vLLM and SGLang launch lines, proved with stand-ins (tests/standins.py): a ``vllm``
+executable first on PATH and an ``sglang/launch_server.py`` first on PYTHONPATH record their
+argv and environment, then become the simulated engine. The NodeManager cannot tell."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,38 +12,12 @@ from typing import Any
 from motor.v1 import common_pb2
 
 from tests.nodemanager.conftest import free_port_pair, nm_config, until
-
-RECORD = """
-import json, os, sys
-with open(os.path.join(os.environ["STANDIN_RECORDS"], f"{os.getpid()}.json"), "w") as f:
-    json.dump({"argv": sys.argv, "orig_argv": sys.orig_argv, "env": dict(os.environ)}, f)
-"""
+from tests.standins import prepend_path, read_records, write_sglang, write_vllm
 
 
-def write_vllm(bin_dir: Path) -> None:
-    bin_dir.mkdir()
-    script = bin_dir / "vllm"
-    script.write_text(
-        f"#!{sys.executable}\n{RECORD}\n"
-        # `vllm serve MODEL ...` -> `motor engine-sim serve MODEL ...`
-        'os.execv(sys.executable, [sys.executable, "-m", "services.cli", "engine-sim", *sys.argv[1:]])\n'
-    )
-    script.chmod(0o755)
-
-
-def write_sglang(lib_dir: Path) -> None:
-    pkg = lib_dir / "sglang"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "launch_server.py").write_text(
-        f"{RECORD}\n"
-        'os.execv(sys.executable, [sys.executable, "-m", "services.cli", "engine-sim", *sys.argv[1:]])\n'
-    )
-
-
-def read_records(path: Path) -> dict[int, dict[str, Any]]:
-    """The stand-ins' records by engine pid (the stand-in execs, so the pid is the engine's)."""
-    return {int(p.stem): json.loads(p.read_text()) for p in path.glob("*.json")}
+def plus(port: int, offset: int) -> int:
+    """Where an engine's side port lands: above the business port, below it near 65535."""
+    return port + offset if port + offset <= 65535 else port - offset
 
 
 async def launch(tmp_path: Path, start_nm, cfg: dict[str, Any], env: dict[str, str], **start: Any):
@@ -82,17 +56,19 @@ async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
         model="/models/m1",
         served_model_name="served-1",
         parallel={"dp": 2, "tp": 2},
+        device_env="ASCEND_RT_VISIBLE_DEVICES",
         engine=engine,
     )
     endpoints = [
         common_pb2.Endpoint(id=0, host="127.0.0.1", port=ports[0], device_ids=[0, 1]),
         common_pb2.Endpoint(id=1, host="127.0.0.1", port=ports[1]),
     ]
-    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env = {"PATH": prepend_path(tmp_path / "bin", os.environ.get("PATH"))}
     status, recs = await launch(
         tmp_path, start_nm, cfg, env, instance_id=77, endpoints=endpoints, master_host="127.0.0.1"
     )
     kv = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","engine_id":"77"}'
+    # Every rank meets rank 0 (the DP master) at its business port + 1.
     for i, (rec, port) in enumerate(zip(recs, ports, strict=True)):
         assert rec["argv"][0] == str(tmp_path / "bin" / "vllm")
         assert rec["argv"][1:] == [
@@ -103,7 +79,7 @@ async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
             "--tensor-parallel-size", "2",
             "--data-parallel-size", "2",
             "--data-parallel-address", "127.0.0.1",
-            "--data-parallel-rpc-port", str(port + 1),
+            "--data-parallel-rpc-port", str(ports[0] + 1),
             "--data-parallel-rank", str(i),
             "--kv-transfer-config", kv,
             "--compilation-config", '{"level":3,"cudagraph":[1,2]}',
@@ -116,6 +92,9 @@ async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
         assert env_["HF_HUB_OFFLINE"] == "1"
         assert env_["VLLM_HOST_IP"] == "127.0.0.1"
         assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in env_
+        # vLLM listens on the env port + its DP rank: each engine's own business port + 4000.
+        assert env_["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert int(env_["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + i == plus(port, 4000)
     assert recs[0]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
     assert "ASCEND_RT_VISIBLE_DEVICES" not in recs[1]["env"]  # no devices: unset, not inherited
     assert [(e.port, e.bootstrap_port, list(e.device_ids)) for e in status.endpoints] == [
@@ -138,7 +117,7 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
         engine={"args": {"mem_fraction_static": 0.8}, "env": {"SGLANG_LOG": "x"}},
     )
     endpoints = [common_pb2.Endpoint(id=0, host="127.0.0.1", port=port, device_ids=[3])]
-    env = {"PYTHONPATH": f"{tmp_path / 'pylib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {"PYTHONPATH": prepend_path(tmp_path / "pylib", os.environ.get("PYTHONPATH"))}
     status, (rec,) = await launch(tmp_path, start_nm, cfg, env, endpoints=endpoints)
     assert rec["orig_argv"] == [
         sys.executable, "-m", "sglang.launch_server",
@@ -159,5 +138,6 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
     assert env_["ASCEND_RT_VISIBLE_DEVICES"] == "9"  # not the device variable of this node: untouched
     assert env_["VLLM_HOST_IP"] == "127.0.0.1"
     assert env_["SGLANG_LOG"] == "x"
+    assert not {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"} & env_.keys()
     (ep,) = status.endpoints
     assert (ep.port, ep.bootstrap_port) == (port, port + 1)
