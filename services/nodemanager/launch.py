@@ -192,6 +192,10 @@ def kv_transfer_config(params: LaunchParams) -> str:
     )
 
 
+def _serving(params: LaunchParams, ep: EndpointSpec) -> list[str]:
+    return ["--served-model-name", params.served_model_name, "--host", ep.host, "--port", str(ep.port)]
+
+
 def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     """The flags after ``vllm serve MODEL`` (the simulated engine takes the same).
 
@@ -199,22 +203,12 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     master's address and RPC port. A rank spanning nodes is vLLM's multi-node mode counted over
     the whole instance: ``--nnodes`` is dp * nnodes, rank r's part on node_rank k is node
     r * nnodes + k, and every part meets at the master's rendezvous port."""
-    flags = [
-        "--served-model-name",
-        params.served_model_name,
-        "--host",
-        ep.host,
-        "--port",
-        str(ep.port),
-        "--tensor-parallel-size",
-        str(params.tp),
-    ]
+    flags = [*_serving(params, ep), "--tensor-parallel-size", str(params.tp)]
     if params.pp > 1:
         flags += ["--pipeline-parallel-size", str(params.pp)]
     flags += ["--data-parallel-size", str(params.dp)]
     rank = dp_rank(params, ep)
-    if params.dp > 1 or params.nnodes > 1:
-        master = head(params, 0)
+    master = head(params, 0) if params.dp > 1 or params.nnodes > 1 else Head(ep.host, ep.port)
     if params.dp > 1:
         flags += [
             "--data-parallel-address",
@@ -247,18 +241,7 @@ def _sglang_args(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     endpoint the router sees. A rank spanning nodes is SGLang's multi-node mode: the rank's
     parts meet at its head's rendezvous port, and all of them name the head's bootstrap port
     (only the head serves it)."""
-    args = [
-        "--model-path",
-        params.model,
-        "--served-model-name",
-        params.served_model_name,
-        "--host",
-        ep.host,
-        "--port",
-        str(ep.port),
-        "--tp-size",
-        str(params.tp),
-    ]
+    args = ["--model-path", params.model, *_serving(params, ep), "--tp-size", str(params.tp)]
     if params.pp > 1:
         args += ["--pp-size", str(params.pp)]
     args += ["--dp-size", "1"]
