@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test gen docs lint bench proto-baseline venv clean
+.PHONY: up test gen docs lint bench proto-baseline venv clean engines-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -46,6 +46,28 @@ proto-baseline: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
+
+# Motor's launch lines fed through the real engines' argument parsing and config resolution, on
+# CPU (python -m tools.engines_check). Not part of `make test`: the engine venvs are several GB.
+# Each venv is made once; its stamp says the install finished.
+ENGINES := .engines
+VLLM_VERSION ?= 0.33.0
+SGLANG_VERSION ?= 0.5.23
+
+$(ENGINES)/vllm/.installed:
+	@echo "installing vllm==$(VLLM_VERSION) into $(ENGINES)/vllm (several GB, once)"
+	$(PY) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/python -m pip install -q vllm==$(VLLM_VERSION)
+	@touch $@
+
+$(ENGINES)/sglang/.installed:
+	@echo "installing sglang==$(SGLANG_VERSION) into $(ENGINES)/sglang (several GB, once)"
+	$(PY) -m venv $(ENGINES)/sglang
+	$(ENGINES)/sglang/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
+	@touch $@
+
+engines-check: $(STAMP) $(ENGINES)/vllm/.installed $(ENGINES)/sglang/.installed
+	$(BIN)/python -m tools.engines_check --engines-dir $(ENGINES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

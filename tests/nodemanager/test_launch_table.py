@@ -1,0 +1,229 @@
+"""The launch case table of ``make engines-check`` (tools/engines_check), without the engines.
+
+Every case goes through the real config loader, assembly plan and launch functions; here its
+cross-process invariants must hold and a few launch lines are pinned word for word. The same
+table is fed to real vLLM and SGLang by ``make engines-check``."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+
+from tools.engines_check import cases
+from tools.engines_check.cases import Launch
+
+TABLE = cases.build()
+KV_PRODUCER = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"1"}'
+KV_CONSUMER = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"1"}'
+
+
+def launch_of(case: str, instance: str, endpoint_id: int) -> Launch:
+    [found] = [x for x in TABLE[case] if x["instance"] == instance and x["endpoint_id"] == endpoint_id]
+    return found
+
+
+def nixl(x: Launch) -> tuple[str, str]:
+    return x["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"], x["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+
+
+def test_table_has_every_shape() -> None:
+    assert len(TABLE) == 24
+    shapes = {(c.engine, c.role, c.dp, c.nodes) for c in cases.CASES}
+    assert shapes == {
+        (e, r, dp, n)
+        for e in ("vllm", "sglang")
+        for r in ("prefill", "decode", "union")
+        for dp in (1, 2)
+        for n in (1, 2)
+    }
+    for case in cases.CASES:
+        launches = TABLE[case.name]
+        # The instance under check and a partner of the other role, on the same hosts.
+        assert {x["instance"] for x in launches} == {f"{case.role}-1", f"{cases.PARTNER[case.role]}-2"}
+        assert len(launches) == 2 * case.dp * case.nodes
+        assert {x["host"] for x in launches} == set(cases.HOSTS[: case.nodes])
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_invariants_hold(name: str) -> None:
+    assert cases.invariants(TABLE[name]) == []
+
+
+def test_vllm_prefill_dp2_one_node() -> None:
+    case = "vllm-prefill-dp2-nodes1"
+    # vLLM listens on the env port + its DP rank: 14000 and 14002, the business ports + 4000.
+    for rank, port, side_channel in ((0, 10000, "14000"), (1, 10002, "14001")):
+        x = launch_of(case, "prefill-1", rank)
+        assert x["argv"] == [
+            "vllm", "serve", "/models/tiny-moe",
+            "--served-model-name", "tiny-moe",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--tensor-parallel-size", "1",
+            "--data-parallel-size", "2",
+            "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", "10001",
+            "--data-parallel-rank", str(rank),
+            "--kv-transfer-config", KV_PRODUCER,
+        ]  # fmt: skip
+        assert nixl(x) == ("127.0.0.1", side_channel)
+        assert x["env"]["CUDA_VISIBLE_DEVICES"] == str(rank)
+    # The decode partner on the same host listens on 14004 and 14006.
+    assert [nixl(launch_of(case, "decode-2", r)) for r in (0, 1)] == [
+        ("127.0.0.1", "14004"),
+        ("127.0.0.1", "14005"),
+    ]
+
+
+def test_vllm_decode_dp2_two_nodes() -> None:
+    case = "vllm-decode-dp2-nodes2"
+    head = launch_of(case, "decode-1", 1)  # DP rank 1's routable part, on node_rank 0
+    assert head["argv"] == [
+        "vllm", "serve", "/models/tiny-moe",
+        "--served-model-name", "tiny-moe",
+        "--host", "127.0.0.1",
+        "--port", "10002",
+        "--tensor-parallel-size", "2",
+        "--data-parallel-size", "2",
+        "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", "10001",
+        "--data-parallel-rank", "1",
+        "--nnodes", "4",
+        "--node-rank", "2",
+        "--master-addr", "127.0.0.1",
+        "--master-port", "16000",
+        "--kv-transfer-config", KV_CONSUMER,
+    ]  # fmt: skip
+    headless = launch_of(case, "decode-1", 3)  # DP rank 1's part on node_rank 1
+    assert (headless["host"], headless["node_rank"], headless["headless"]) == ("127.0.0.2", 1, True)
+    assert headless["argv"] == [
+        "vllm", "serve", "/models/tiny-moe",
+        "--served-model-name", "tiny-moe",
+        "--host", "127.0.0.2",
+        "--port", "10002",
+        "--tensor-parallel-size", "2",
+        "--data-parallel-size", "2",
+        "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", "10001",
+        "--data-parallel-rank", "1",
+        "--nnodes", "4",
+        "--node-rank", "3",
+        "--master-addr", "127.0.0.1",
+        "--master-port", "16000",
+        "--headless",
+        "--kv-transfer-config", KV_CONSUMER,
+    ]  # fmt: skip
+    assert nixl(head) == ("127.0.0.1", "14001")
+    assert nixl(headless) == ("127.0.0.2", "14001")  # its own host, not the master's
+
+
+def test_sglang_prefill_dp2_one_node() -> None:
+    for rank, port in ((0, 10000), (1, 10002)):
+        x = launch_of("sglang-prefill-dp2-nodes1", "prefill-1", rank)
+        assert x["argv"] == [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", "/models/tiny-moe",
+            "--served-model-name", "tiny-moe",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--tp-size", "1",
+            "--dp-size", "1",
+            "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", str(port + 1),
+        ]  # fmt: skip
+        assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in x["env"]
+        assert x["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"
+
+
+def test_sglang_decode_dp1_two_nodes_headless() -> None:
+    x = launch_of("sglang-decode-dp1-nodes2", "decode-1", 1)
+    assert (x["host"], x["node_rank"], x["headless"]) == ("127.0.0.2", 1, True)
+    assert x["argv"] == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "/models/tiny-moe",
+        "--served-model-name", "tiny-moe",
+        "--host", "127.0.0.2",
+        "--port", "10000",
+        "--tp-size", "2",
+        "--dp-size", "1",
+        "--nnodes", "2",
+        "--node-rank", "1",
+        "--dist-init-addr", "127.0.0.1:16000",
+        "--disaggregation-mode", "decode",
+        "--disaggregation-bootstrap-port", "10001",
+    ]  # fmt: skip
+
+
+# ---- the invariants can fail -------------------------------------------------------------------
+
+
+def broken(case: str, instance: str, endpoint_id: int) -> tuple[list[Launch], Launch]:
+    launches = copy.deepcopy(TABLE[case])
+    [x] = [y for y in launches if y["instance"] == instance and y["endpoint_id"] == endpoint_id]
+    return launches, x
+
+
+def set_flag(x: Launch, flag: str, value: str) -> None:
+    x["argv"][x["argv"].index(flag) + 1] = value
+
+
+def test_a_rank_with_its_own_rpc_port_is_caught() -> None:
+    launches, x = broken("vllm-prefill-dp2-nodes1", "prefill-1", 1)
+    set_flag(x, "--data-parallel-rpc-port", "10003")
+    problems = cases.invariants(launches)
+    assert any("disagree on the DP master" in p for p in problems), problems
+
+
+def test_a_side_channel_shared_across_instances_is_caught() -> None:
+    # The decode partner's rank 1 pointed at the port the prefill instance's rank 1 listens on.
+    launches, x = broken("vllm-prefill-dp2-nodes1", "decode-2", 1)
+    x["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "14001"  # + rank 1 = prefill-1 rank 1's 14002
+    problems = cases.invariants(launches)
+    assert any("NIXL side channel" in p and "127.0.0.1:14002" in p for p in problems), problems
+
+
+def test_a_side_channel_on_another_host_is_caught() -> None:
+    launches, x = broken("vllm-decode-dp2-nodes2", "decode-1", 3)
+    x["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"  # the master's host, not its own
+    assert any("is not the engine's host" in p for p in cases.invariants(launches))
+
+
+def test_a_repeated_vllm_node_rank_is_caught() -> None:
+    launches, x = broken("vllm-union-dp2-nodes2", "union-1", 3)
+    set_flag(x, "--node-rank", "1")
+    problems = cases.invariants(launches)
+    assert any("--node-rank values repeat" in p for p in problems), problems
+
+
+def test_sglang_schedulers_beyond_the_ranks_of_a_host_are_caught() -> None:
+    launches, x = broken("sglang-union-dp2-nodes1", "union-1", 0)
+    set_flag(x, "--dp-size", "2")
+    problems = cases.invariants(launches)
+    assert any("3 DP schedulers on 127.0.0.1" in p for p in problems), problems
+
+
+def test_sglang_parts_of_a_rank_that_do_not_meet_are_caught() -> None:
+    launches, x = broken("sglang-decode-dp2-nodes2", "decode-1", 3)
+    set_flag(x, "--dist-init-addr", "127.0.0.1:16000")  # rank 0's rendezvous, not rank 1's
+    problems = cases.invariants(launches)
+    assert any("rank 1's parts do not meet" in p for p in problems), problems
+
+
+def test_sglang_bootstrap_port_off_the_head_is_caught() -> None:
+    launches, x = broken("sglang-prefill-dp1-nodes2", "prefill-1", 1)
+    set_flag(x, "--disaggregation-bootstrap-port", "10003")
+    assert any("--disaggregation-bootstrap-port" in p for p in cases.invariants(launches))
+
+
+def test_a_rank_whose_shards_do_not_split_over_its_nodes_is_caught() -> None:
+    # Both engines refuse it (vLLM: "--nnodes 4 must evenly divide the total world size (2)";
+    # SGLang: "tp_size must be divisible by number of nodes").
+    for case, flag in (
+        ("vllm-prefill-dp2-nodes2", "--tensor-parallel-size"),
+        ("sglang-prefill-dp1-nodes2", "--tp-size"),
+    ):
+        launches, x = broken(case, "prefill-1", 0)
+        set_flag(x, flag, "1")
+        assert any("does not split over 2 nodes" in p for p in cases.invariants(launches)), case

@@ -1,0 +1,228 @@
+"""Feed Motor's vLLM launch lines through vLLM itself (run with the vLLM venv's python).
+
+For every launch: ``vllm serve``'s own parser and argument validation, its own dispatch (which
+server a process becomes: one API server, headless engines or headless workers), then the
+engine config that path builds, all on vLLM's CPU platform. The resulting VllmConfig is compared
+with where Motor's plan put the engine, and facts that must agree between processes (DP master,
+rendezvous, NIXL side channels) are compared across each case.
+
+Deliberately free of Motor imports: it runs in a venv that has vLLM and not Motor.
+Usage: python vllm_side.py LAUNCHES.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import types
+from collections import defaultdict
+from typing import Any
+from unittest import mock
+
+# The platform is resolved lazily from this on first use; without it a machine with no GPU gets
+# vLLM's "unspecified" platform, which cannot build a device config.
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+# vLLM logs to stdout by default; keep stdout for the result lines.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+Facts = dict[str, Any]
+
+
+def serve_command() -> tuple[Any, Any]:
+    """``vllm serve``'s parser and subcommand, assembled as vllm's own CLI main does."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    cmd = ServeSubcommand()
+    cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+    return parser, cmd
+
+
+def dispatch(cmd: Any, args: Any) -> str:
+    """Run ``vllm serve``'s dispatch with every server start replaced by a recorder: which path
+    would this process take? (It also applies serve's own checks and defaults to ``args``.)"""
+    from vllm.entrypoints.cli import serve
+
+    taken: list[str] = []
+
+    def record(name: str) -> Any:
+        return lambda *_a, **_k: taken.append(name)
+
+    with (
+        mock.patch.object(serve, "run_server", record("api-server")),
+        mock.patch.object(serve, "run_headless", record("headless")),
+        mock.patch.object(serve, "run_multi_api_server", record("multi-api-server")),
+        mock.patch.object(serve, "run_dp_supervisor", record("dp-supervisor")),
+        mock.patch.object(serve, "uvloop", types.SimpleNamespace(run=lambda _coro: None)),
+    ):
+        cmd.cmd(args)
+    if len(taken) != 1:
+        raise RuntimeError(f"vllm serve took {taken or 'no'} start-up path(s)")
+    return taken[0]
+
+
+def engine_config(args: Any, mode: str) -> Any:
+    """The VllmConfig the chosen path builds (run_server and run_headless alike)."""
+    import vllm
+    from vllm.entrypoints.common.cli_args import propagate_flash_late_interaction
+    from vllm.usage.usage_lib import UsageContext
+
+    engine_args = vllm.AsyncEngineArgs.from_cli_args(args)
+    propagate_flash_late_interaction(args, engine_args)
+    return engine_args.create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER, headless=mode == "headless"
+    )
+
+
+def check_launch(launch: dict[str, Any], placeholder: str, fixture: str, parser: Any, cmd: Any) -> Facts:
+    """What vLLM makes of one launch line; raises on anything vLLM or the plan disagrees with."""
+    import vllm.envs as envs
+
+    argv = list(launch["argv"])
+    if argv[:3] != ["vllm", "serve", placeholder]:
+        raise ValueError(f"argv does not start with 'vllm serve {placeholder}': {argv[:3]}")
+    argv[2] = fixture
+    args = parsed(parser.parse_args, argv[1:])
+    cmd.validate(args)
+    mode = dispatch(cmd, args)
+    cfg = engine_config(args, mode)
+    pc = cfg.parallel_config
+    if mode == "headless":
+        # run_headless starts only workers on a rank's later nodes, engines on its first.
+        mode = "headless-workers" if pc.node_rank_within_dp > 0 else "headless-engines"
+    kv = cfg.kv_transfer_config
+    facts: Facts = {
+        "mode": mode,
+        "dp_rank": pc.data_parallel_rank,
+        "dp_size": pc.data_parallel_size,
+        "external_lb": pc.data_parallel_external_lb,
+        "dp_master": (pc.data_parallel_master_ip, pc.data_parallel_rpc_port),
+        "node_rank": pc.node_rank,
+        "nnodes": pc.nnodes,
+        "part": pc.node_rank_within_dp,
+        "parts": pc.nnodes_within_dp,
+        "rendezvous": (pc.master_addr, pc.master_port),
+        "kv_role": kv.kv_role if kv is not None else None,
+        # What the NIXL scheduler listens on and advertises (nixl/base_scheduler.py).
+        "side_channel": (
+            envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+            envs.VLLM_NIXL_SIDE_CHANNEL_PORT + pc.data_parallel_index,
+        ),
+    }
+    rank = launch["endpoint_id"] % launch["dp"]
+    expected = {
+        "mode": "headless-workers" if launch["headless"] else "api-server",
+        "dp_rank": rank,
+        "dp_size": launch["dp"],
+        "external_lb": launch["dp"] > 1,
+        "part": launch["node_rank"],
+        "parts": launch["nnodes"],
+        "kv_role": KV_ROLE.get(launch["role"]),
+    }
+    wrong = {k: f"{facts[k]!r} (expected {v!r})" for k, v in expected.items() if facts[k] != v}
+    if facts["side_channel"][0] != launch["host"]:
+        wrong["side_channel"] = f"{facts['side_channel']} is not on the engine's host {launch['host']}"
+    if wrong:
+        raise AssertionError("vLLM resolved " + ", ".join(f"{k}={v}" for k, v in wrong.items()))
+    return facts
+
+
+def cross_check(launches: list[dict[str, Any]], facts: list[Facts]) -> list[str]:
+    """Facts that must agree between one case's processes, as vLLM resolved them."""
+    problems: list[str] = []
+    shared: dict[tuple[str, str], set[Any]] = defaultdict(set)
+    side: dict[tuple[str, int], str] = {}
+    # DP rank 0's first process hosts the DP coordinator and the rendezvous store.
+    first = {x["instance"]: x["host"] for x in launches if x["endpoint_id"] == 0}
+    for launch, f in zip(launches, facts, strict=True):
+        name = f"{launch['instance']}/ep{launch['endpoint_id']}"
+        if launch["dp"] > 1:
+            shared[launch["instance"], "DP master"].add(f["dp_master"])
+            if f["dp_master"][0] != first[launch["instance"]]:
+                problems.append(f"{name}: DP master {f['dp_master'][0]} is not rank 0's host")
+        if launch["nnodes"] > 1:
+            shared[launch["instance"], "rendezvous"].add(f["rendezvous"])
+            shared[launch["instance"], "nnodes"].add(f["nnodes"])
+            if f["rendezvous"][0] != first[launch["instance"]]:
+                problems.append(f"{name}: rendezvous {f['rendezvous'][0]} is not rank 0's host")
+        if f["side_channel"] in side:
+            problems.append(
+                f"{name} and {side[f['side_channel']]} share NIXL side channel {f['side_channel']}"
+            )
+        side.setdefault(f["side_channel"], name)
+    for (instance, what), values in shared.items():
+        if len(values) != 1:
+            problems.append(f"{instance}: processes disagree on {what}: {sorted(values, key=str)}")
+    return problems
+
+
+def describe(launch: dict[str, Any], f: Facts) -> str:
+    host, port = f["side_channel"]
+    text = f"{launch['instance']}/ep{launch['endpoint_id']}@{launch['host']} {f['mode']}"
+    text += f" dp_rank={f['dp_rank']}/{f['dp_size']} dp_master={f['dp_master'][0]}:{f['dp_master'][1]}"
+    if launch["nnodes"] > 1:
+        text += (
+            f" node_rank={f['node_rank']}/{f['nnodes']} rendezvous={f['rendezvous'][0]}:{f['rendezvous'][1]}"
+        )
+    return text + f" kv_role={f['kv_role']} nixl={host}:{port}"
+
+
+def parsed(parse: Any, *args: Any) -> Any:
+    """``parse(*args)``, with an argparse rejection (usage on stderr, then exit 2) turned into an
+    exception that carries argparse's message."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(*args)
+    except SystemExit as exc:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        raise ValueError(lines[-1] if lines else f"exit {exc.code}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    lines = (line.strip() for line in str(exc).splitlines())
+    return f"{type(exc).__name__}: " + " | ".join(line for line in lines if line)
+
+
+def main(path: str) -> int:
+    started = time.monotonic()
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    parser, cmd = serve_command()
+    base_env = dict(os.environ)
+    failures = total = 0
+    print("vllm: CPU platform forced with VLLM_TARGET_DEVICE=cpu", flush=True)
+    cases = {name: ls for name, ls in doc["cases"].items() if ls and ls[0]["engine"] == "vllm"}
+    for case, launches in cases.items():
+        facts: list[Facts] = []
+        for launch in launches:
+            total += 1
+            # Each launch sees exactly its own environment on top of ours (vLLM reads env lazily).
+            os.environ.clear()
+            os.environ.update(base_env)
+            os.environ.update(launch["env"])
+            try:
+                facts.append(check_launch(launch, doc["model"], doc["fixture"], parser, cmd))
+                print(f"ok {case} {describe(launch, facts[-1])}", flush=True)
+            except Exception as exc:
+                failures += 1
+                name = f"{launch['instance']}/ep{launch['endpoint_id']}"
+                print(f"FAIL {case} {name} {one_line(exc)} :: {' '.join(launch['argv'])}", flush=True)
+        if len(facts) == len(launches):
+            for problem in cross_check(launches, facts):
+                failures += 1
+                print(f"FAIL {case} {problem}", flush=True)
+    elapsed = time.monotonic() - started
+    print(f"vllm: {total} launches in {len(cases)} cases, {failures} failure(s), {elapsed:.0f}s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
