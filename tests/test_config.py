@@ -372,9 +372,17 @@ def test_good_values(tmp_path: Path, section: str, key: str, value: Any) -> None
 
 
 def test_parallel_fills_missing_sizes(tmp_path: Path) -> None:
-    path = write(tmp_path, {"nodemanager": {"parallel": {"dp": 2, "nnodes": 2}}})
+    path = write(tmp_path, {"nodemanager": {"parallel": {"dp": 2, "nnodes": 2, "pp": 2}}})
     parallel = load_config(path, env={})["nodemanager"]["parallel"]
-    assert parallel == {"dp": 2, "tp": 1, "pp": 1, "ep": 1, "nnodes": 2}
+    assert parallel == {"dp": 2, "tp": 1, "pp": 2, "ep": 1, "nnodes": 2}
+
+
+def test_a_rank_spanning_nodes_must_split_evenly(tmp_path: Path) -> None:
+    path = write(tmp_path, {"nodemanager": {"parallel": {"nnodes": 2, "tp": 3}}})
+    assert errors_of(path) == [
+        f"{path}: nodemanager.parallel.nnodes: must divide tp * pp (3 * 1): "
+        "each node runs an equal share of a rank's workers"
+    ]
 
 
 # --- environment and flags ---------------------------------------------------------------------

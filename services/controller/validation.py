@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from motor.v1 import common_pb2, controller_pb2
 
+from services.common.config.checks import split_problem
+
 _ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
 _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
 _PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
@@ -41,6 +43,9 @@ def register(req: controller_pb2.RegisterRequest) -> list[tuple[str, str]]:
     nnodes = req.parallel.nnodes or 1
     if req.node_rank >= nnodes:
         bad.append(("node_rank", f"must be below parallel.nnodes ({nnodes})"))
+    tp, pp = req.parallel.tp or 1, req.parallel.pp or 1
+    if tp * pp % nnodes:
+        bad.append(("parallel.nnodes", split_problem(tp, pp, nnodes)))
     dp = req.parallel.dp or 1
     if len(req.ports) > dp:
         bad.append(

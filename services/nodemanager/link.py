@@ -87,22 +87,7 @@ class ControllerLink:
     # --- registration ------------------------------------------------------------------------
 
     def register_request(self) -> controller_pb2.RegisterRequest:
-        cfg = self.nm_cfg
-        par = cfg.parallel
-        return controller_pb2.RegisterRequest(
-            job_name=cfg.job_name,
-            role=enums.ROLES_BY_NAME[cfg.role],
-            model_name=cfg.served_model_name or cfg.model,
-            engine_type=enums.ENGINE_TYPES_BY_NAME[cfg.engine_type],
-            host=cfg.host,
-            nm_port=self.nm_port,
-            ports=list(cfg.ports),
-            device_count=cfg.device_count,
-            parallel=common_pb2.ParallelConfig(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, nnodes=par.nnodes),
-            node_rank=cfg.node_rank,
-            instance_id=self.sup.instance_id,
-            pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),
-        )
+        return register_request(self.nm_cfg, self.nm_port, self.sup.instance_id)
 
     async def register(self) -> None:
         backoff = retry.Backoff(initial=1.0, maximum=30.0)
@@ -271,3 +256,24 @@ class ControllerLink:
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
+
+
+def register_request(
+    cfg: NodeManagerConfig, nm_port: int, instance_id: int = 0
+) -> controller_pb2.RegisterRequest:
+    """What a NodeManager with ``cfg``, serving on ``nm_port``, registers with."""
+    par = cfg.parallel
+    return controller_pb2.RegisterRequest(
+        job_name=cfg.job_name,
+        role=enums.ROLES_BY_NAME[cfg.role],
+        model_name=cfg.served_model_name or cfg.model,
+        engine_type=enums.ENGINE_TYPES_BY_NAME[cfg.engine_type],
+        host=cfg.host,
+        nm_port=nm_port,
+        ports=list(cfg.ports),
+        device_count=cfg.device_count,
+        parallel=common_pb2.ParallelConfig(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, nnodes=par.nnodes),
+        node_rank=cfg.node_rank,
+        instance_id=instance_id,
+        pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),
+    )

@@ -287,7 +287,9 @@ class NodeAgent:
             nm_port=nm.port if nm else nm_port,
             ports=list(ports),
             device_count=device_count,
-            parallel=common_pb2.ParallelConfig(dp=dp, tp=1, pp=1, ep=1, nnodes=nnodes),
+            parallel=common_pb2.ParallelConfig(
+                dp=dp, tp=nnodes, pp=1, ep=1, nnodes=nnodes
+            ),  # tp splits over the nodes
             node_rank=node_rank,
         )
         self.node_id = 0

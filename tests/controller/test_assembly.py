@@ -12,7 +12,7 @@ from motor.v1 import common_pb2, controller_pb2
 
 from services.common import errors
 from services.common.errors import details_of
-from services.controller import assembler, assembly
+from services.controller import assembler, assembly, validation
 from services.controller.model import JobSpec, Member
 from tests.controller.fakes import ACTIVE, DELETED, INITIAL, NORMAL, running_controller, until
 
@@ -97,6 +97,23 @@ def test_multi_node_counts_endpoints_per_node_rank() -> None:
     # Both nodes learn every rank's routable endpoint, the DP master first.
     for c in plan.commands.values():
         assert [(h.id, h.host, h.port) for h in c.heads] == [(0, "10.0.0.1", 10000), (1, "10.0.0.1", 10002)]
+
+
+def test_registrations_the_engines_could_not_run_are_refused() -> None:
+    def problems(**kw: object) -> list[tuple[str, str]]:
+        req = controller_pb2.RegisterRequest(
+            job_name="j", role=1, model_name="m", host="h", nm_port=7300, ports=[10000, 10002], **kw
+        )
+        return validation.register(req)
+
+    assert problems(parallel=common_pb2.ParallelConfig(dp=2)) == []
+    assert problems(parallel=common_pb2.ParallelConfig(dp=1)) == [
+        ("ports", "2 engine ports but parallel.dp is 1 (one endpoint per DP rank)")
+    ]
+    multi = common_pb2.ParallelConfig(dp=2, tp=4, pp=1, nnodes=3)
+    assert problems(parallel=multi, node_rank=1) == [
+        ("parallel.nnodes", "must divide tp * pp (4 * 1): each node runs an equal share of a rank's workers")
+    ]
 
 
 # ---- through the Controller --------------------------------------------------------------------

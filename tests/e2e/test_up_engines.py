@@ -151,7 +151,7 @@ def test_what_motor_up_cannot_run_is_refused(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout) == (2, "")
     assert "--dp must be >= 1" in out.stderr
     cfg = tmp_path / "multi.json"
-    cfg.write_text(json.dumps({"nodemanager": {"parallel": {"nnodes": 2}}}))
+    cfg.write_text(json.dumps({"nodemanager": {"parallel": {"nnodes": 2, "tp": 2}}}))
     out = up("--config", str(cfg))
     assert (out.returncode, out.stdout) == (1, "")
     assert (

@@ -186,10 +186,22 @@ def _parallel(value: Any) -> Result:
             problems.append((f".{display_name(key)}", unknown_key(key, PARALLEL_KEYS)))
         else:
             problems += [(f".{key}", message) for _, message in COUNT(size)[1]]
-    return {k: value.get(k, 1) for k in PARALLEL_KEYS}, problems
+    sizes = {k: value.get(k, 1) for k in PARALLEL_KEYS}
+    if not problems and sizes["nnodes"] > 1 and sizes["tp"] * sizes["pp"] % sizes["nnodes"]:
+        problems.append((".nnodes", split_problem(sizes["tp"], sizes["pp"], sizes["nnodes"])))
+    return sizes, problems
 
 
-PARALLEL = Check("object with dp, tp, pp, ep, nnodes (each an integer >= 1; missing ones are 1)", _parallel)
+def split_problem(tp: int, pp: int, nnodes: int) -> str:
+    # A rank spanning nodes puts an equal share of its tp * pp workers on each; vLLM and SGLang
+    # both refuse to start otherwise.
+    return f"must divide tp * pp ({tp} * {pp}): each node runs an equal share of a rank's workers"
+
+
+PARALLEL = Check(
+    "object with dp, tp, pp, ep, nnodes (each an integer >= 1; missing ones are 1; nnodes divides tp * pp)",
+    _parallel,
+)
 
 
 def _json_object(value: Any) -> Result:
