@@ -46,7 +46,7 @@ CONTRACT_KEYS = {
         status_poll_interval_s status_probe_timeout_s max_probe_failures engine_startup_timeout_s
         engine_hang_timeout_s engine_stop_grace_s suicide_check_interval_s suicide_threshold
         engine_restart_wait_timeout_s engine_restart_freeze_s""",
-    "engine": "args kv_connector env",
+    "engine": "args kv_connector env data_parallel_group",
 }
 
 

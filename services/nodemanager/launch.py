@@ -70,6 +70,7 @@ class LaunchParams:
     heads: tuple[Head, ...] = ()
     sim_protocol: str = "vllm"
     kv_connector: str = "NixlConnector"
+    dp_group: bool = True  # vLLM: the ranks form one data-parallel group
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     device_env: str = "CUDA_VISIBLE_DEVICES"
@@ -112,6 +113,7 @@ def params_for(
         heads=tuple(Head(h.host, h.port) for h in heads),
         sim_protocol=nm.sim_protocol,
         kv_connector=engine.kv_connector,
+        dp_group=engine.data_parallel_group,
         args=dict(engine.args),
         env=dict(engine.env),
         device_env=device_env,
@@ -202,14 +204,16 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     One API server per DP rank (vLLM's external load balancing): every rank gets the DP
     master's address and RPC port. A rank spanning nodes is vLLM's multi-node mode counted over
     the whole instance: ``--nnodes`` is dp * nnodes, rank r's part on node_rank k is node
-    r * nnodes + k, and every part meets at the master's rendezvous port."""
+    r * nnodes + k, and every part meets at the master's rendezvous port. Without a DP group
+    (``engine.data_parallel_group`` false, for dense models) every rank is its own vLLM with
+    ``--data-parallel-size 1``."""
     flags = [*_serving(params, ep), "--tensor-parallel-size", str(params.tp)]
     if params.pp > 1:
         flags += ["--pipeline-parallel-size", str(params.pp)]
-    flags += ["--data-parallel-size", str(params.dp)]
-    rank = dp_rank(params, ep)
-    master = head(params, 0) if params.dp > 1 or params.nnodes > 1 else Head(ep.host, ep.port)
-    if params.dp > 1:
+    size, rank = (params.dp, dp_rank(params, ep)) if params.dp_group else (1, 0)
+    flags += ["--data-parallel-size", str(size)]
+    if size > 1:
+        master = head(params, 0)
         flags += [
             "--data-parallel-address",
             master.host,
@@ -219,15 +223,17 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
             str(rank),
         ]
     if params.nnodes > 1:
+        # One torch world per vLLM deployment: the whole group's, or this rank's alone.
+        leader = head(params, 0 if params.dp_group else dp_rank(params, ep))
         flags += [
             "--nnodes",
-            str(params.dp * params.nnodes),
+            str(size * params.nnodes),
             "--node-rank",
             str(rank * params.nnodes + params.node_rank),
             "--master-addr",
-            master.host,
+            leader.host,
             "--master-port",
-            str(offset_port(master.port, RENDEZVOUS_OFFSET)),
+            str(offset_port(leader.port, RENDEZVOUS_OFFSET)),
         ]
     if ep.headless:
         flags.append("--headless")
@@ -306,7 +312,8 @@ def build_env(
     env["VLLM_HOST_IP"] = ep.host
     if not params.sglang_style:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ep.host
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(ep) - dp_rank(params, ep))
+        vllm_rank = dp_rank(params, ep) if params.dp_group else 0
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(ep) - vllm_rank)
     if params.engine_type == "sglang":
         # Readiness relies on /health generating a token, not only answering.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "true"

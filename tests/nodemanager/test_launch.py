@@ -88,6 +88,21 @@ def test_vllm_ranks_meet_the_master_wherever_it_runs() -> None:
     assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("10.0.0.6", "14001")
 
 
+def test_vllm_ranks_of_a_dense_model_are_independent() -> None:
+    # engine.data_parallel_group false: no DP group; a rank spanning nodes is its own world.
+    heads = (Head("10.0.0.5", 10000), Head("10.0.0.7", 10004))
+    p = params(engine_type="vllm", role="decode", dp=2, nnodes=2, node_rank=1, heads=heads, dp_group=False)
+    headless = EndpointSpec(id=3, host="10.0.0.6", port=10002, headless=True)
+    argv = launch.build_argv(p, headless)
+    assert argv[argv.index("--data-parallel-size") : argv.index("--kv-transfer-config")] == [
+        "--data-parallel-size", "1",
+        "--nnodes", "2", "--node-rank", "1",
+        "--master-addr", "10.0.0.7", "--master-port", "16004",  # rank 1's head
+        "--headless",
+    ]  # fmt: skip
+    assert launch.build_env(p, headless, {})["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "14002"  # vLLM adds 0
+
+
 def test_a_missing_head_is_a_launch_error() -> None:
     with pytest.raises(LaunchError, match="no routable endpoint for DP rank 0"):
         launch.build_argv(params(engine_type="vllm", dp=2), EP)

@@ -262,6 +262,11 @@ class EngineConfig(ServerConfig):
     """vLLM KV connector named in `--kv-transfer-config` of prefill and decode engines."""
     env: Mapping[str, str] = setting({}, c.ENVIRONMENT)
     """Extra environment variables of every engine (values are never logged)."""
+    data_parallel_group: bool = setting(True, c.BOOLEAN)
+    """vLLM: the DP ranks of an instance form one vLLM data-parallel group (a shared DP master,
+    `--data-parallel-rank`), which mixture-of-experts models need. false: every rank is an
+    independent vLLM with `--data-parallel-size 1`, for dense models, which vLLM 0.33 refuses to
+    group. SGLang ranks are always independent."""
 
 
 @dataclass(frozen=True)
