@@ -58,6 +58,7 @@ class Assembler:
         expires_in = p.last_registration + self.assemble_timeout_s - wall
         if expires_in < 0:
             self.pending.expire(p)
+            self._warned.pop(job, None)
             return DONE
         silent = [m for m in p.members if now - m.last_heard > self.heartbeat_timeout_s]
         if silent:
@@ -80,6 +81,7 @@ class Assembler:
             self.pending.drop(p, unreachable, "unreachable")
             return Result(requeue_after=0)
         self._assemble(p)
+        self._warned.pop(job, None)
         return DONE
 
     def _warn_incomplete(self, p: Pending, waited: float, expires_in: float) -> None:

@@ -65,8 +65,8 @@ class LaunchParams:
     dp: int = 1
     nnodes: int = 1
     node_rank: int = 0
-    # The instance's routable endpoints by DP rank; heads[0] is the DP master. Empty: each
-    # endpoint is its own head (a single-node instance whose ranks are all on this node).
+    # The instance's routable endpoints by DP rank; heads[0] is the DP master. Needed only
+    # when a rank must reach another endpoint (DP > 1 or a rank spanning nodes).
     heads: tuple[Head, ...] = ()
     sim_protocol: str = "vllm"
     kv_connector: str = "NixlConnector"
