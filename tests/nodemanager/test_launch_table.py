@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tools.engines_check import cases
+from tools.engines_check import cases, invariants
 from tools.engines_check.cases import Launch
 
 TABLE = cases.build()
@@ -29,26 +29,28 @@ def nixl(x: Launch) -> tuple[str, str]:
 
 
 def test_table_has_every_shape() -> None:
-    assert len(TABLE) == 24
-    shapes = {(c.engine, c.role, c.dp, c.nodes) for c in cases.CASES}
+    assert len(TABLE) == 36
+    shapes = {(c.engine, c.role, c.dp, c.nodes, c.dense) for c in cases.CASES}
     assert shapes == {
-        (e, r, dp, n)
+        (e, r, dp, n, False)
         for e in ("vllm", "sglang")
         for r in ("prefill", "decode", "union")
         for dp in (1, 2)
         for n in (1, 2)
-    }
+    } | {("vllm", r, dp, n, True) for r in ("prefill", "decode", "union") for dp in (1, 2) for n in (1, 2)}
     for case in cases.CASES:
         launches = TABLE[case.name]
         # The instance under check and a partner of the other role, on the same hosts.
         assert {x["instance"] for x in launches} == {f"{case.role}-1", f"{cases.PARTNER[case.role]}-2"}
         assert len(launches) == 2 * case.dp * case.nodes
         assert {x["host"] for x in launches} == set(cases.HOSTS[: case.nodes])
+        # Motor's loader turned the case's engine section into the launch's DP grouping.
+        assert {(x["model_kind"], x["dp_group"]) for x in launches} == {(case.model_kind, not case.dense)}
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_invariants_hold(name: str) -> None:
-    assert cases.invariants(TABLE[name]) == []
+    assert invariants.check(TABLE[name]) == []
 
 
 def test_vllm_prefill_dp2_one_node() -> None:
@@ -119,6 +121,31 @@ def test_vllm_decode_dp2_two_nodes() -> None:
     assert nixl(headless) == ("127.0.0.2", "14001")  # its own host, not the master's
 
 
+def test_vllm_dense_decode_dp2_two_nodes_headless() -> None:
+    # No DP group: rank 1 is a vLLM of its own, a two-node world meeting at its own head.
+    case = "vllm-dense-decode-dp2-nodes2"
+    x = launch_of(case, "decode-1", 3)  # DP rank 1's part on node_rank 1
+    assert (x["host"], x["node_rank"], x["headless"], x["dp_group"]) == ("127.0.0.2", 1, True, False)
+    assert x["argv"] == [
+        "vllm", "serve", "/models/tiny-llama",
+        "--served-model-name", "tiny-llama",
+        "--host", "127.0.0.2",
+        "--port", "10002",
+        "--tensor-parallel-size", "2",
+        "--data-parallel-size", "1",
+        "--nnodes", "2",
+        "--node-rank", "1",
+        "--master-addr", "127.0.0.1",
+        "--master-port", "16002",
+        "--headless",
+        "--kv-transfer-config", KV_CONSUMER,
+    ]  # fmt: skip
+    # vLLM's DP index is 0, so the env port is the listening port itself: business port + 4000.
+    assert nixl(x) == ("127.0.0.2", "14002")
+    assert nixl(launch_of(case, "decode-1", 1)) == ("127.0.0.1", "14002")  # rank 1's head
+    assert x["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 def test_sglang_prefill_dp2_one_node() -> None:
     for rank, port in ((0, 10000), (1, 10002)):
         x = launch_of("sglang-prefill-dp2-nodes1", "prefill-1", rank)
@@ -172,7 +199,7 @@ def set_flag(x: Launch, flag: str, value: str) -> None:
 def test_a_rank_with_its_own_rpc_port_is_caught() -> None:
     launches, x = broken("vllm-prefill-dp2-nodes1", "prefill-1", 1)
     set_flag(x, "--data-parallel-rpc-port", "10003")
-    problems = cases.invariants(launches)
+    problems = invariants.check(launches)
     assert any("disagree on the DP master" in p for p in problems), problems
 
 
@@ -180,41 +207,41 @@ def test_a_side_channel_shared_across_instances_is_caught() -> None:
     # The decode partner's rank 1 pointed at the port the prefill instance's rank 1 listens on.
     launches, x = broken("vllm-prefill-dp2-nodes1", "decode-2", 1)
     x["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "14001"  # + rank 1 = prefill-1 rank 1's 14002
-    problems = cases.invariants(launches)
+    problems = invariants.check(launches)
     assert any("NIXL side channel" in p and "127.0.0.1:14002" in p for p in problems), problems
 
 
 def test_a_side_channel_on_another_host_is_caught() -> None:
     launches, x = broken("vllm-decode-dp2-nodes2", "decode-1", 3)
     x["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"  # the master's host, not its own
-    assert any("is not the engine's host" in p for p in cases.invariants(launches))
+    assert any("is not the engine's host" in p for p in invariants.check(launches))
 
 
 def test_a_repeated_vllm_node_rank_is_caught() -> None:
     launches, x = broken("vllm-union-dp2-nodes2", "union-1", 3)
     set_flag(x, "--node-rank", "1")
-    problems = cases.invariants(launches)
+    problems = invariants.check(launches)
     assert any("--node-rank values repeat" in p for p in problems), problems
 
 
 def test_sglang_schedulers_beyond_the_ranks_of_a_host_are_caught() -> None:
     launches, x = broken("sglang-union-dp2-nodes1", "union-1", 0)
     set_flag(x, "--dp-size", "2")
-    problems = cases.invariants(launches)
+    problems = invariants.check(launches)
     assert any("3 DP schedulers on 127.0.0.1" in p for p in problems), problems
 
 
 def test_sglang_parts_of_a_rank_that_do_not_meet_are_caught() -> None:
     launches, x = broken("sglang-decode-dp2-nodes2", "decode-1", 3)
     set_flag(x, "--dist-init-addr", "127.0.0.1:16000")  # rank 0's rendezvous, not rank 1's
-    problems = cases.invariants(launches)
+    problems = invariants.check(launches)
     assert any("rank 1's parts do not meet" in p for p in problems), problems
 
 
 def test_sglang_bootstrap_port_off_the_head_is_caught() -> None:
     launches, x = broken("sglang-prefill-dp1-nodes2", "prefill-1", 1)
     set_flag(x, "--disaggregation-bootstrap-port", "10003")
-    assert any("--disaggregation-bootstrap-port" in p for p in cases.invariants(launches))
+    assert any("--disaggregation-bootstrap-port" in p for p in invariants.check(launches))
 
 
 def test_a_rank_whose_shards_do_not_split_over_its_nodes_is_caught() -> None:
@@ -226,4 +253,19 @@ def test_a_rank_whose_shards_do_not_split_over_its_nodes_is_caught() -> None:
     ):
         launches, x = broken(case, "prefill-1", 0)
         set_flag(x, flag, "1")
-        assert any("does not split over 2 nodes" in p for p in cases.invariants(launches)), case
+        assert any("does not split over 2 nodes" in p for p in invariants.check(launches)), case
+
+
+def test_a_dense_rank_with_a_dp_rank_is_caught() -> None:
+    launches, x = broken("vllm-dense-prefill-dp2-nodes1", "prefill-1", 1)
+    at = x["argv"].index("--data-parallel-size") + 2
+    x["argv"][at:at] = ["--data-parallel-rank", "1"]
+    problems = invariants.check(launches)
+    assert any("--data-parallel-rank is '1', expected None" in p for p in problems), problems
+
+
+def test_a_dense_part_meeting_at_another_ranks_head_is_caught() -> None:
+    launches, x = broken("vllm-dense-union-dp2-nodes2", "union-1", 3)
+    set_flag(x, "--master-port", "16000")  # rank 0's rendezvous, not rank 1's
+    problems = invariants.check(launches)
+    assert any("rank 1's parts do not meet" in p for p in problems), problems

@@ -3,8 +3,8 @@
 Builds every case of the table (cases.py), checks the cross-process invariants, then hands the
 launches to ``vllm_side.py`` and ``sglang_side.py`` running in ``DIR/vllm`` and ``DIR/sglang``
 (venvs with the engines installed; ``make engines-check`` creates them). Both sides run at once:
-most of their time is importing the engine. No GPU, no network: the engines get a generated
-tiny MoE checkpoint config and offline Hugging Face settings.
+most of their time is importing the engine. No GPU, no network: the engines get generated tiny
+checkpoint configs (a MoE model and a dense one) and offline Hugging Face settings.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cases
+from . import cases, invariants
 
 HERE = Path(__file__).resolve().parent
 SIDES = ("vllm", "sglang")
@@ -50,20 +50,41 @@ TINY_MOE = {
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
 }
+# A Llama-shaped dense model, for the cases without a vLLM DP group.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+FIXTURES = {"moe": TINY_MOE, "dense": TINY_LLAMA}
 
 
-def write_fixture(root: Path) -> Path:
-    model = root / "tiny-moe"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
-    return model
+def write_fixtures(root: Path) -> dict[str, str]:
+    """Each model kind's checkpoint directory (config.json only), by kind."""
+    out: dict[str, str] = {}
+    for kind, config in FIXTURES.items():
+        model = root / f"tiny-{kind}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config, indent=1))
+        out[kind] = str(model)
+    return out
 
 
 def check_table(table: dict[str, list[cases.Launch]]) -> int:
     """Print every case with its invariant problems; the number of problems."""
     failures = 0
     for name, launches in table.items():
-        problems = cases.invariants(launches)
+        problems = invariants.check(launches)
         failures += len(problems)
         if not problems:
             instances = sorted({x["instance"] for x in launches})
@@ -122,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = check_table(table)
     with tempfile.TemporaryDirectory(prefix="engines-check-") as tmp:
         work = Path(tmp)
-        doc = {"model": cases.MODEL, "fixture": str(write_fixture(work)), "cases": table}
+        # Each launch names its model kind; a side swaps that kind's placeholder for its fixture.
+        doc = {"models": cases.MODELS, "fixtures": write_fixtures(work), "cases": table}
         launches_file = work / "launches.json"
         launches_file.write_text(json.dumps(doc, indent=1))
         failures += run_sides(args.engines_dir.resolve(), sides, launches_file, work)

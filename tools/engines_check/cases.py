@@ -7,15 +7,15 @@ instance under check runs a partner instance of the other role on the same hosts
 must be unique per host (NIXL side channels, bootstrap and rendezvous ports) are checked across
 instances, not only within one.
 
-:func:`invariants` checks what no single engine can see: facts that must agree between the
-processes of an instance, and ports that must not collide on a host.
+Two model kinds: the grouped cases serve a mixture-of-experts model (vLLM accepts external data
+parallelism, ``--data-parallel-rank``, only for those); the dense cases serve a dense model with
+``engine.data_parallel_group`` false, so every vLLM rank is an independent vLLM.
+
+The cross-process checks of the table are in invariants.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections import Counter, defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -24,8 +24,9 @@ from services.controller import assembly, convert
 from services.nodemanager import launch
 from services.nodemanager.link import register_request
 
-MODEL = "/models/tiny-moe"  # a placeholder: each engine side swaps in its generated fixture
-SERVED = "tiny-moe"
+# Placeholders by model kind: each engine side swaps in the generated fixture of that kind.
+MODELS = {"moe": "/models/tiny-moe", "dense": "/models/tiny-llama"}
+SERVED = {"moe": "tiny-moe", "dense": "tiny-llama"}
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 HOSTS = ("127.0.0.1", "127.0.0.2")  # by node_rank
 BASE_PORT = 10000
@@ -34,11 +35,6 @@ ENGINES = ("vllm", "sglang")
 ROLES = ("prefill", "decode", "union")
 # A union instance has no KV partner; a prefill one still shares its hosts to test port reuse.
 PARTNER = {"prefill": "decode", "decode": "prefill", "union": "prefill"}
-PROGRAM = {"vllm": ("vllm", "serve"), "sglang": ("-m", "sglang.launch_server")}
-SHARD_FLAGS = {
-    "vllm": ("--tensor-parallel-size", "--pipeline-parallel-size"),
-    "sglang": ("--tp-size", "--pp-size"),
-}
 
 
 @dataclass(frozen=True)
@@ -47,10 +43,16 @@ class Case:
     role: str
     dp: int
     nodes: int
+    dense: bool = False  # a dense model, launched with engine.data_parallel_group false
 
     @property
     def name(self) -> str:
-        return f"{self.engine}-{self.role}-dp{self.dp}-nodes{self.nodes}"
+        kind = "-dense" if self.dense else ""
+        return f"{self.engine}{kind}-{self.role}-dp{self.dp}-nodes{self.nodes}"
+
+    @property
+    def model_kind(self) -> str:
+        return "dense" if self.dense else "moe"
 
     @property
     def tp(self) -> int:
@@ -59,7 +61,10 @@ class Case:
         return self.nodes
 
 
-CASES = tuple(Case(e, r, dp, n) for e in ENGINES for r in ROLES for dp in (1, 2) for n in (1, 2))
+GROUPED = tuple(Case(e, r, dp, n) for e in ENGINES for r in ROLES for dp in (1, 2) for n in (1, 2))
+# SGLang ranks are always independent (engine.data_parallel_group is vLLM's only).
+DENSE = tuple(Case("vllm", r, dp, n, dense=True) for r in ROLES for dp in (1, 2) for n in (1, 2))
+CASES = GROUPED + DENSE
 
 
 class Launch(TypedDict):
@@ -69,6 +74,8 @@ class Launch(TypedDict):
     instance: str
     instance_id: int
     engine: str
+    model_kind: str  # moe | dense: which fixture the engine sides substitute
+    dp_group: bool  # vLLM: the instance's ranks form one DP group (engine.data_parallel_group)
     role: str
     dp: int
     nnodes: int
@@ -79,9 +86,6 @@ class Launch(TypedDict):
     headless: bool
     argv: list[str]
     env: dict[str, str]
-
-
-# ---- building --------------------------------------------------------------------------------
 
 
 def node_config(
@@ -96,8 +100,8 @@ def node_config(
                 "port": nm_port,
                 "job_name": f"{case.name}-{role}",
                 "role": role,
-                "model": MODEL,
-                "served_model_name": SERVED,
+                "model": MODELS[case.model_kind],
+                "served_model_name": SERVED[case.model_kind],
                 "engine_type": case.engine,
                 "ports": ports,
                 "device_count": len(ports) * case.tp // case.nodes,
@@ -105,7 +109,7 @@ def node_config(
                 "node_rank": node_rank,
                 "device_env": DEVICE_ENV,
             },
-            "engine": {},
+            "engine": {"data_parallel_group": False} if case.dense else {},
         },
     )
     return cfg.nodemanager, cfg.engine
@@ -132,6 +136,8 @@ def instance_launches(case: Case, instance_id: int, role: str, first_port: int) 
                     instance=f"{role}-{instance_id}",
                     instance_id=instance_id,
                     engine=case.engine,
+                    model_kind=case.model_kind,
+                    dp_group=params.dp_group,
                     role=role,
                     dp=case.dp,
                     nnodes=case.nodes,
@@ -155,228 +161,3 @@ def case_launches(case: Case) -> list[Launch]:
 
 def build() -> dict[str, list[Launch]]:
     return {case.name: case_launches(case) for case in CASES}
-
-
-# ---- invariants ------------------------------------------------------------------------------
-
-
-def options(launch_: Launch) -> dict[str, str]:
-    """The ``--flag value`` pairs after the program words; a bare flag maps to ""."""
-    words = launch_["argv"][3:]
-    out: dict[str, str] = {}
-    for i, word in enumerate(words):
-        if word.startswith("--"):
-            has_value = i + 1 < len(words) and not words[i + 1].startswith("--")
-            out[word] = words[i + 1] if has_value else ""
-    return out
-
-
-def _where(launch_: Launch) -> str:
-    return f"{launch_['instance']}/ep{launch_['endpoint_id']}@{launch_['host']}"
-
-
-def _heads(launches: list[Launch]) -> dict[int, Launch]:
-    """Each DP rank's routable engine (node_rank 0), by rank."""
-    return {x["endpoint_id"]: x for x in launches if x["node_rank"] == 0}
-
-
-def _rank(launch_: Launch) -> int:
-    """The endpoint's DP rank by Motor's numbering (ids are node_rank * dp + rank)."""
-    return launch_["endpoint_id"] % launch_["dp"]
-
-
-def invariants(launches: list[Launch]) -> list[str]:
-    """Problems in one case's launches ([] = none)."""
-    problems: list[str] = []
-    by_instance: dict[str, list[Launch]] = defaultdict(list)
-    for x in launches:
-        by_instance[x["instance"]].append(x)
-        problems += _common(x)
-    for group in by_instance.values():
-        check = _vllm_instance if group[0]["engine"] == "vllm" else _sglang_instance
-        problems += check(group)
-    problems += _listeners(launches)
-    return problems
-
-
-def _common(x: Launch) -> list[str]:
-    problems: list[str] = []
-    argv, opts, program = x["argv"], options(x), PROGRAM[x["engine"]]
-    if tuple(argv[:2] if x["engine"] == "vllm" else argv[1:3]) != program:
-        problems.append(f"{_where(x)}: argv does not start with {' '.join(program)}: {argv[:3]}")
-    words = [w for w in argv[3:] if w.startswith("--")]
-    for flag, n in Counter(words).items():
-        if n > 1:
-            problems.append(f"{_where(x)}: {flag} given {n} times")
-    # Each node of a rank runs whole TP/PP shards: both engines refuse (tp * pp) % nnodes != 0.
-    tp_flag, pp_flag = SHARD_FLAGS[x["engine"]]
-    if int(opts.get(tp_flag, "1")) * int(opts.get(pp_flag, "1")) % x["nnodes"]:
-        problems.append(f"{_where(x)}: {tp_flag} * {pp_flag} does not split over {x['nnodes']} nodes")
-    if (opts.get("--host"), opts.get("--port")) != (x["host"], str(x["port"])):
-        got = f"{opts.get('--host')}:{opts.get('--port')}"
-        problems.append(f"{_where(x)}: --host/--port {got} is not its own")
-    return problems
-
-
-def _expect(problems: list[str], x: Launch, opts: dict[str, str], flag: str, want: str | None) -> None:
-    """``flag`` has value ``want`` (None: the flag is absent)."""
-    got = opts.get(flag)
-    if got != want:
-        problems.append(f"{_where(x)}: {flag} is {got!r}, expected {want!r}")
-
-
-def _kv_transfer(problems: list[str], x: Launch, opts: dict[str, str]) -> None:
-    if x["role"] not in launch.KV_ROLES:
-        _expect(problems, x, opts, "--kv-transfer-config", None)
-        return
-    try:
-        kv = json.loads(opts.get("--kv-transfer-config", ""))
-    except json.JSONDecodeError:
-        problems.append(f"{_where(x)}: --kv-transfer-config is not JSON")
-        return
-    want = {"kv_role": launch.KV_ROLES[x["role"]], "engine_id": str(x["instance_id"])}
-    if {k: kv.get(k) for k in want} != want:
-        problems.append(f"{_where(x)}: --kv-transfer-config {kv} does not name {want}")
-
-
-def _vllm_instance(group: list[Launch]) -> list[str]:
-    """External-LB DP across one instance, and multi-node ranks counted over the instance."""
-    problems: list[str] = []
-    dp, nnodes = group[0]["dp"], group[0]["nnodes"]
-    master = _heads(group).get(0)
-    if master is None:
-        return [f"{group[0]['instance']}: no routable endpoint for DP rank 0"]
-    rpc_pairs: set[tuple[str | None, str | None]] = set()
-    rendezvous: set[tuple[str | None, str | None]] = set()
-    node_ranks: list[int] = []
-    routable: list[int] = []
-    for x in group:
-        opts = options(x)
-        _expect(problems, x, opts, "--data-parallel-size", str(dp))
-        rank = int(opts.get("--data-parallel-rank", "0"))
-        if rank != _rank(x):
-            problems.append(f"{_where(x)}: --data-parallel-rank {rank}, but its endpoint is rank {_rank(x)}")
-        if not x["headless"]:
-            routable.append(rank)
-        if dp > 1:
-            rpc_pairs.add((opts.get("--data-parallel-address"), opts.get("--data-parallel-rpc-port")))
-            _expect(problems, x, opts, "--data-parallel-address", master["host"])
-            _expect(problems, x, opts, "--data-parallel-rpc-port", str(master["port"] + 1))
-        else:
-            for flag in ("--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-rank"):
-                _expect(problems, x, opts, flag, None)
-        if nnodes > 1:
-            node_rank = int(opts.get("--node-rank", "-1"))
-            node_ranks.append(node_rank)
-            total = int(opts.get("--nnodes", "0"))
-            if total != dp * nnodes or not 0 <= node_rank < total:
-                problems.append(
-                    f"{_where(x)}: --node-rank {node_rank} of --nnodes {total} (dp {dp} * {nnodes})"
-                )
-            # vLLM derives the rank's part from the node rank: it must be this node's part.
-            if divmod(node_rank, nnodes) != (rank, x["node_rank"]):
-                problems.append(
-                    f"{_where(x)}: --node-rank {node_rank} is not rank {rank}'s part {x['node_rank']}"
-                )
-            rendezvous.add((opts.get("--master-addr"), opts.get("--master-port")))
-            _expect(problems, x, opts, "--master-addr", master["host"])
-            port = launch.offset_port(master["port"], launch.RENDEZVOUS_OFFSET)
-            _expect(problems, x, opts, "--master-port", str(port))
-        else:
-            for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port"):
-                _expect(problems, x, opts, flag, None)
-        _expect(problems, x, opts, "--headless", "" if x["headless"] else None)
-        _kv_transfer(problems, x, opts)
-    where = group[0]["instance"]
-    if len(rpc_pairs) > 1:
-        problems.append(f"{where}: ranks disagree on the DP master address/RPC port: {sorted(rpc_pairs)}")
-    if len(rendezvous) > 1:
-        problems.append(f"{where}: parts disagree on --master-addr/--master-port: {sorted(rendezvous)}")
-    if sorted(routable) != list(range(dp)):
-        problems.append(f"{where}: routable engines have DP ranks {sorted(routable)}, expected 0..{dp - 1}")
-    if len(set(node_ranks)) != len(node_ranks):
-        problems.append(f"{where}: --node-rank values repeat: {sorted(node_ranks)}")
-    return problems
-
-
-def _sglang_instance(group: list[Launch]) -> list[str]:
-    """One launch_server per DP rank; a rank spanning nodes meets at its own head."""
-    problems: list[str] = []
-    nnodes = group[0]["nnodes"]
-    heads = _heads(group)
-    schedulers: Counter[str] = Counter()
-    ranks_on: dict[str, set[int]] = defaultdict(set)
-    parts: dict[int, list[tuple[str | None, str | None]]] = defaultdict(list)
-    for x in group:
-        opts = options(x)
-        head = heads.get(_rank(x))
-        if head is None:
-            problems.append(f"{_where(x)}: no routable endpoint for DP rank {_rank(x)}")
-            continue
-        schedulers[x["host"]] += int(opts.get("--dp-size", "1"))
-        ranks_on[x["host"]].add(_rank(x))
-        if nnodes > 1:
-            _expect(problems, x, opts, "--nnodes", str(nnodes))
-            _expect(problems, x, opts, "--node-rank", str(x["node_rank"]))
-            rendezvous = launch.offset_port(head["port"], launch.RENDEZVOUS_OFFSET)
-            _expect(problems, x, opts, "--dist-init-addr", f"{head['host']}:{rendezvous}")
-            parts[_rank(x)].append((opts.get("--dist-init-addr"), opts.get("--node-rank")))
-        else:
-            for flag in ("--nnodes", "--node-rank", "--dist-init-addr"):
-                _expect(problems, x, opts, flag, None)
-        disaggregated = x["role"] in launch.KV_ROLES
-        _expect(problems, x, opts, "--disaggregation-mode", x["role"] if disaggregated else None)
-        bootstrap = str(head["port"] + 1) if disaggregated else None
-        _expect(problems, x, opts, "--disaggregation-bootstrap-port", bootstrap)
-    where = group[0]["instance"]
-    for host, n in schedulers.items():
-        if n > len(ranks_on[host]):
-            problems.append(
-                f"{where}: {n} DP schedulers on {host}, which has {len(ranks_on[host])} DP rank(s)"
-            )
-    for rank, rank_parts in parts.items():
-        addrs = {a for a, _ in rank_parts}
-        node_ranks = sorted(str(r) for _, r in rank_parts)
-        if len(addrs) != 1 or node_ranks != [str(k) for k in range(nnodes)]:
-            problems.append(f"{where}: rank {rank}'s parts do not meet: {sorted(rank_parts, key=str)}")
-    firsts = [rank_parts[0][0] for rank_parts in parts.values()]
-    if len(set(firsts)) != len(firsts):
-        problems.append(f"{where}: DP ranks share a --dist-init-addr: {firsts}")
-    return problems
-
-
-def listeners(x: Launch) -> Iterable[tuple[str, int, str]]:
-    """(host, port, what) each engine process listens on besides ephemeral ports."""
-    opts, where = options(x), _where(x)
-    if not x["headless"]:
-        yield x["host"], x["port"], f"{where} HTTP"
-    if x["engine"] == "vllm":
-        rank = int(opts.get("--data-parallel-rank", "0"))
-        # The connector listens on the env port plus its DP rank, on whichever host the env
-        # names; peers are told that host, so it must be the engine's own.
-        side_host = x["env"].get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
-        side_port = int(x["env"].get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")) + rank
-        yield side_host, side_port, f"{where} NIXL side channel"
-        if x["endpoint_id"] == 0 and "--data-parallel-rpc-port" in opts:
-            yield x["host"], int(opts["--data-parallel-rpc-port"]), f"{where} DP RPC"
-        if x["endpoint_id"] == 0 and "--master-port" in opts:
-            yield x["host"], int(opts["--master-port"]), f"{where} rendezvous"
-    else:
-        if not x["headless"] and "--disaggregation-bootstrap-port" in opts:
-            yield x["host"], int(opts["--disaggregation-bootstrap-port"]), f"{where} bootstrap"
-        if not x["headless"] and "--dist-init-addr" in opts:
-            yield x["host"], int(opts["--dist-init-addr"].rsplit(":", 1)[1]), f"{where} rendezvous"
-
-
-def _listeners(launches: list[Launch]) -> list[str]:
-    """No two listeners on one host share a port, across every instance of the case."""
-    problems: list[str] = []
-    seen: dict[tuple[str, int], str] = {}
-    for x in launches:
-        for host, port, what in listeners(x):
-            if what.endswith("side channel") and host != x["host"]:
-                problems.append(f"{what}: host {host} is not the engine's host {x['host']}")
-            if (host, port) in seen:
-                problems.append(f"{what} and {seen[host, port]} both listen on {host}:{port}")
-            seen.setdefault((host, port), what)
-    return problems

@@ -185,7 +185,8 @@ def main(path: str) -> int:
             os.environ.update(base_env)
             os.environ.update(launch["env"])
             try:
-                facts.append(check_launch(launch, doc["model"], doc["fixture"]))
+                kind = launch["model_kind"]
+                facts.append(check_launch(launch, doc["models"][kind], doc["fixtures"][kind]))
                 print(f"ok {case} {describe(launch, facts[-1])}", flush=True)
             except Exception as exc:
                 failures += 1

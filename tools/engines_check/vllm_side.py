@@ -4,7 +4,9 @@ For every launch: ``vllm serve``'s own parser and argument validation, its own d
 server a process becomes: one API server, headless engines or headless workers), then the
 engine config that path builds, all on vLLM's CPU platform. The resulting VllmConfig is compared
 with where Motor's plan put the engine, and facts that must agree between processes (DP master,
-rendezvous, NIXL side channels) are compared across each case.
+rendezvous, NIXL side channels) are compared across each case. A launch without a DP group
+(``dp_group`` false, a dense model) must resolve to a vLLM of its own: DP size 1, rank 0, and a
+rank spanning nodes meeting at its own head.
 
 Deliberately free of Motor imports: it runs in a venv that has vLLM and not Motor.
 Usage: python vllm_side.py LAUNCHES.json
@@ -117,11 +119,12 @@ def check_launch(launch: dict[str, Any], placeholder: str, fixture: str, parser:
         ),
     }
     rank = launch["endpoint_id"] % launch["dp"]
+    grouped = launch["dp_group"]
     expected = {
         "mode": "headless-workers" if launch["headless"] else "api-server",
-        "dp_rank": rank,
-        "dp_size": launch["dp"],
-        "external_lb": launch["dp"] > 1,
+        "dp_rank": rank if grouped else 0,
+        "dp_size": launch["dp"] if grouped else 1,
+        "external_lb": grouped and launch["dp"] > 1,
         "part": launch["node_rank"],
         "parts": launch["nnodes"],
         "kv_role": KV_ROLE.get(launch["role"]),
@@ -139,24 +142,33 @@ def cross_check(launches: list[dict[str, Any]], facts: list[Facts]) -> list[str]
     problems: list[str] = []
     shared: dict[tuple[str, str], set[Any]] = defaultdict(set)
     side: dict[tuple[str, int], str] = {}
-    # DP rank 0's first process hosts the DP coordinator and the rendezvous store.
-    first = {x["instance"]: x["host"] for x in launches if x["endpoint_id"] == 0}
+    # DP rank 0's first process hosts the DP coordinator and the rendezvous store; without a DP
+    # group, each rank's first process hosts that rank's own rendezvous store.
+    first = {(x["instance"], x["endpoint_id"]): x["host"] for x in launches if x["node_rank"] == 0}
+    worlds: dict[str, dict[int, Any]] = defaultdict(dict)
     for launch, f in zip(launches, facts, strict=True):
         name = f"{launch['instance']}/ep{launch['endpoint_id']}"
-        if launch["dp"] > 1:
+        rank = launch["endpoint_id"] % launch["dp"]
+        if launch["dp"] > 1 and launch["dp_group"]:
             shared[launch["instance"], "DP master"].add(f["dp_master"])
-            if f["dp_master"][0] != first[launch["instance"]]:
+            if f["dp_master"][0] != first[launch["instance"], 0]:
                 problems.append(f"{name}: DP master {f['dp_master'][0]} is not rank 0's host")
         if launch["nnodes"] > 1:
-            shared[launch["instance"], "rendezvous"].add(f["rendezvous"])
-            shared[launch["instance"], "nnodes"].add(f["nnodes"])
-            if f["rendezvous"][0] != first[launch["instance"]]:
-                problems.append(f"{name}: rendezvous {f['rendezvous'][0]} is not rank 0's host")
+            world = 0 if launch["dp_group"] else rank  # the DP rank whose head hosts the store
+            of = "" if launch["dp_group"] else f"rank {rank}'s "
+            shared[launch["instance"], f"{of}rendezvous"].add(f["rendezvous"])
+            shared[launch["instance"], f"{of}nnodes"].add(f["nnodes"])
+            worlds[launch["instance"]][world] = f["rendezvous"]
+            if f["rendezvous"][0] != first[launch["instance"], world]:
+                problems.append(f"{name}: rendezvous {f['rendezvous'][0]} is not rank {world}'s host")
         if f["side_channel"] in side:
             problems.append(
                 f"{name} and {side[f['side_channel']]} share NIXL side channel {f['side_channel']}"
             )
         side.setdefault(f["side_channel"], name)
+    for instance, by_world in worlds.items():
+        if len(set(by_world.values())) != len(by_world):
+            problems.append(f"{instance}: separate worlds share a rendezvous: {sorted(by_world.items())}")
     for (instance, what), values in shared.items():
         if len(values) != 1:
             problems.append(f"{instance}: processes disagree on {what}: {sorted(values, key=str)}")
@@ -166,7 +178,9 @@ def cross_check(launches: list[dict[str, Any]], facts: list[Facts]) -> list[str]
 def describe(launch: dict[str, Any], f: Facts) -> str:
     host, port = f["side_channel"]
     text = f"{launch['instance']}/ep{launch['endpoint_id']}@{launch['host']} {f['mode']}"
-    text += f" dp_rank={f['dp_rank']}/{f['dp_size']} dp_master={f['dp_master'][0]}:{f['dp_master'][1]}"
+    text += f" dp_rank={f['dp_rank']}/{f['dp_size']}"
+    if f["dp_size"] > 1:
+        text += f" dp_master={f['dp_master'][0]}:{f['dp_master'][1]}"
     if launch["nnodes"] > 1:
         text += (
             f" node_rank={f['node_rank']}/{f['nnodes']} rendezvous={f['rendezvous'][0]}:{f['rendezvous'][1]}"
@@ -209,7 +223,9 @@ def main(path: str) -> int:
             os.environ.update(base_env)
             os.environ.update(launch["env"])
             try:
-                facts.append(check_launch(launch, doc["model"], doc["fixture"], parser, cmd))
+                kind = launch["model_kind"]
+                placeholder, fixture = doc["models"][kind], doc["fixtures"][kind]
+                facts.append(check_launch(launch, placeholder, fixture, parser, cmd))
                 print(f"ok {case} {describe(launch, facts[-1])}", flush=True)
             except Exception as exc:
                 failures += 1
