@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -196,9 +195,7 @@ async def test_an_instance_that_cannot_complete_says_why(
         def warnings() -> list[logging.LogRecord]:
             return [r for r in caplog.records if getattr(r, "event", "") == "assembly_incomplete"]
 
-        await until(warnings)
-        await asyncio.sleep(0.5)  # several reconciles later: still one line
-        (rec,) = warnings()
+        (rec,) = await until(warnings)
         assert rec.levelno == logging.WARNING
         fields = rec.fields  # type: ignore[attr-defined]
         assert fields["job"] == "p"
