@@ -16,18 +16,15 @@ Usage: python sglang_side.py LAUNCHES.json
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import os
 import sys
-import time
 import warnings
 from collections import defaultdict
 from typing import Any
 
+import side_runner  # beside this file: the sides run as scripts in the engines' venvs
+from side_runner import Facts, parsed
+
 CPU_ARGS = ["--device", "cpu"]
-Facts = dict[str, Any]
 
 
 def resolve(args: list[str]) -> Any:
@@ -150,55 +147,10 @@ def describe(launch: dict[str, Any], f: Facts) -> str:
     return text
 
 
-def parsed(parse: Any, *args: Any) -> Any:
-    """``parse(*args)``, with an argparse rejection (usage on stderr, then exit 2) turned into an
-    exception that carries argparse's message."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse(*args)
-    except SystemExit as exc:
-        lines = [line for line in err.getvalue().splitlines() if line.strip()]
-        raise ValueError(lines[-1] if lines else f"exit {exc.code}") from None
-
-
-def one_line(exc: BaseException) -> str:
-    lines = (line.strip() for line in str(exc).splitlines())
-    return f"{type(exc).__name__}: " + " | ".join(line for line in lines if line)
-
-
 def main(path: str) -> int:
-    started = time.monotonic()
     warnings.simplefilter("ignore")  # import-time notices about CUDA-only kernels
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    base_env = dict(os.environ)
-    failures = total = 0
     print(f"sglang: CPU forced by appending {' '.join(CPU_ARGS)} to every launch line", flush=True)
-    cases = {name: ls for name, ls in doc["cases"].items() if ls and ls[0]["engine"] == "sglang"}
-    for case, launches in cases.items():
-        facts: list[Facts] = []
-        for launch in launches:
-            total += 1
-            # Each launch sees exactly its own environment on top of ours.
-            os.environ.clear()
-            os.environ.update(base_env)
-            os.environ.update(launch["env"])
-            try:
-                kind = launch["model_kind"]
-                facts.append(check_launch(launch, doc["models"][kind], doc["fixtures"][kind]))
-                print(f"ok {case} {describe(launch, facts[-1])}", flush=True)
-            except Exception as exc:
-                failures += 1
-                name = f"{launch['instance']}/ep{launch['endpoint_id']}"
-                print(f"FAIL {case} {name} {one_line(exc)} :: {' '.join(launch['argv'][1:])}", flush=True)
-        if len(facts) == len(launches):
-            for problem in cross_check(launches, facts):
-                failures += 1
-                print(f"FAIL {case} {problem}", flush=True)
-    elapsed = time.monotonic() - started
-    print(f"sglang: {total} launches in {len(cases)} cases, {failures} failure(s), {elapsed:.0f}s")
-    return 1 if failures else 0
+    return side_runner.run("sglang", path, check_launch, describe, cross_check)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,15 @@ Usage: python vllm_side.py LAUNCHES.json
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import sys
-import time
 import types
 from collections import defaultdict
 from typing import Any
 from unittest import mock
+
+import side_runner  # beside this file: the sides run as scripts in the engines' venvs
+from side_runner import Facts, Launch, parsed
 
 # The platform is resolved lazily from this on first use; without it a machine with no GPU gets
 # vLLM's "unspecified" platform, which cannot build a device config.
@@ -32,7 +31,6 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-Facts = dict[str, Any]
 
 
 def serve_command() -> tuple[Any, Any]:
@@ -188,56 +186,14 @@ def describe(launch: dict[str, Any], f: Facts) -> str:
     return text + f" kv_role={f['kv_role']} nixl={host}:{port}"
 
 
-def parsed(parse: Any, *args: Any) -> Any:
-    """``parse(*args)``, with an argparse rejection (usage on stderr, then exit 2) turned into an
-    exception that carries argparse's message."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse(*args)
-    except SystemExit as exc:
-        lines = [line for line in err.getvalue().splitlines() if line.strip()]
-        raise ValueError(lines[-1] if lines else f"exit {exc.code}") from None
-
-
-def one_line(exc: BaseException) -> str:
-    lines = (line.strip() for line in str(exc).splitlines())
-    return f"{type(exc).__name__}: " + " | ".join(line for line in lines if line)
-
-
 def main(path: str) -> int:
-    started = time.monotonic()
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
     parser, cmd = serve_command()
-    base_env = dict(os.environ)
-    failures = total = 0
     print("vllm: CPU platform forced with VLLM_TARGET_DEVICE=cpu", flush=True)
-    cases = {name: ls for name, ls in doc["cases"].items() if ls and ls[0]["engine"] == "vllm"}
-    for case, launches in cases.items():
-        facts: list[Facts] = []
-        for launch in launches:
-            total += 1
-            # Each launch sees exactly its own environment on top of ours (vLLM reads env lazily).
-            os.environ.clear()
-            os.environ.update(base_env)
-            os.environ.update(launch["env"])
-            try:
-                kind = launch["model_kind"]
-                placeholder, fixture = doc["models"][kind], doc["fixtures"][kind]
-                facts.append(check_launch(launch, placeholder, fixture, parser, cmd))
-                print(f"ok {case} {describe(launch, facts[-1])}", flush=True)
-            except Exception as exc:
-                failures += 1
-                name = f"{launch['instance']}/ep{launch['endpoint_id']}"
-                print(f"FAIL {case} {name} {one_line(exc)} :: {' '.join(launch['argv'])}", flush=True)
-        if len(facts) == len(launches):
-            for problem in cross_check(launches, facts):
-                failures += 1
-                print(f"FAIL {case} {problem}", flush=True)
-    elapsed = time.monotonic() - started
-    print(f"vllm: {total} launches in {len(cases)} cases, {failures} failure(s), {elapsed:.0f}s")
-    return 1 if failures else 0
+
+    def check(launch: Launch, placeholder: str, fixture: str) -> Facts:
+        return check_launch(launch, placeholder, fixture, parser, cmd)
+
+    return side_runner.run("vllm", path, check, describe, cross_check)
 
 
 if __name__ == "__main__":
