@@ -233,9 +233,10 @@ class Endpoint(_message.Message):
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     id: _builtins.int
-    """DP rank inside the instance (0, 1, …). The Controller numbers an instance's endpoints by
-    NodeManager (ordered by node_rank, host, port), each NodeManager's engine ports in the
-    order it registered them.
+    """Position inside the instance: node_rank * parallel.dp + the endpoint's DP rank, so the
+    serving endpoints (node_rank 0) are 0 .. dp-1. The Controller numbers an instance's
+    endpoints by NodeManager (ordered by node_rank, host, port), each NodeManager's engine
+    ports in the order it registered them.
     """
     host: _builtins.str
     """Host name or address the engine listens on and is reached at. Required."""
@@ -250,7 +251,7 @@ class Endpoint(_message.Message):
     status, not by this.
     """
     headless: _builtins.bool
-    """Serves no requests (node_rank != 0 of a multi-node instance)."""
+    """Serves no requests: a DP rank's part on node_rank != 0 of a multi-node instance."""
     pid: _builtins.int
     """Engine process-group leader, as its NodeManager sees it; 0 = not running."""
     @_builtins.property
