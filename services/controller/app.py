@@ -4,7 +4,8 @@ Handlers (Register, the heartbeat streams) record what they observe and enqueue 
 reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops"):
 
 - ``assembly`` (key: job name): a pending assembly becomes an instance;
-- ``instance`` (key: instance id): heartbeat timeout, the state machine, StartEngines;
+- ``instance`` (key: instance id): heartbeat timeout, the state machine, StartEngines, and the
+  fault manager's recovery strategies;
 - ``coordinator`` (key: address): each Coordinator's table follows the routable instances.
 
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
@@ -28,6 +29,7 @@ from services.common.retry import Backoff
 from services.common.tasks import spawn
 
 from .assembler import Assembler
+from .faults import FaultManager
 from .heartbeats import STATS_WINDOW_S, HeartbeatHub
 from .instance_reconciler import InstanceReconciler
 from .instances import InstanceTable
@@ -77,7 +79,11 @@ class Controller:
         self.pending = PendingAssemblies(self.store, self.sessions)
         self.nm_clients = NodeManagerClients(nm_key, cfg, cfg.max_message_bytes)
 
-        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients)
+        # The fault manager enqueues instances on the loop that calls it: bound once the loop exists.
+        self.faults = FaultManager(
+            cfg, self.table, self.nm_clients, lambda iid: self.instance_loop.enqueue(iid)
+        )
+        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients, self.faults)
         self.instance_loop: Reconciler[int] = Reconciler(
             "instance",
             self.instances.reconcile,
@@ -104,6 +110,7 @@ class Controller:
             self.table, self.sessions, cfg.instance_heartbeat_timeout_s, self.instance_loop.enqueue
         )
         self.table.subscribe(self.registrar)
+        self.table.subscribe(self.faults)
         self.coordinators = CoordinatorSync(
             cfg.coordinators,
             self.table,
@@ -163,6 +170,7 @@ class Controller:
             await asyncio.gather(self._timer, return_exceptions=True)
         await self.assembly_loop.stop()
         await self.instance_loop.stop()
+        await self.faults.close()
         await self.coordinators.close()
         await self.nm_clients.close()
         self.store.close()

@@ -157,6 +157,8 @@ class HeartbeatHub:
             ep = next((e for e in member.by_id.values() if e.pid == ev.pid), None)
         if ep is not None:
             ep.status = EP_ABNORMAL
+            if ev.type == EVENT_DEAD:
+                ep.pid = 0  # what the next beat will say too: the fault manager acts on it now
         self.enqueue(inst.id)
 
     def sweep(self, now: float) -> None:

@@ -7,7 +7,8 @@ handlers record them and enqueue the id):
 2. the endpoint statuses → the state machine's next status (persisted, then observers told);
 3. members whose engines are not running yet → ``StartEngines``. A failed round is retried with
    the key's backoff up to ``start_command_retries`` times, then the instance is DELETED;
-   a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried.
+   a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried;
+4. the fault manager: which recovery strategy the instance wants now (faults.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.common.config import ControllerConfig
 
 from . import assembly
 from . import state_machine as sm
+from .faults import FaultManager
 from .instances import InstanceTable
 from .model import Instance, Member
 from .nm_client import NodeManagerClients
@@ -40,9 +42,16 @@ START_POLICY = retry.policy(
 
 
 class InstanceReconciler:
-    def __init__(self, cfg: ControllerConfig, table: InstanceTable, nm_clients: NodeManagerClients) -> None:
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        table: InstanceTable,
+        nm_clients: NodeManagerClients,
+        faults: FaultManager,
+    ) -> None:
         self.table = table
         self.nm_clients = nm_clients
+        self.faults = faults
         self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
         self.start_retries = cfg.start_command_retries
 
@@ -66,6 +75,8 @@ class InstanceReconciler:
         if any(m.started is False for m in inst.members):
             await self._start(inst)
             self.evaluate(inst)
+        if inst.status != sm.DELETED:
+            self.faults.reconcile(inst)
         return DONE
 
     def evaluate(self, inst: Instance) -> None:

@@ -1,4 +1,4 @@
-"""Calls from the Controller to NodeManagers: reachability probes and start commands.
+"""Calls from the Controller to NodeManagers: probes, start commands, relaunches and stops.
 
 Each call is made once; retrying is the work queue's job (instances.py's reconcile requeues a
 key with its backoff). Channels are cached per address (bounded, least recently used closed
@@ -19,6 +19,8 @@ from services.common.config import ServerConfig
 PROBE_TIMEOUT_S = 3.0
 PROBE_ATTEMPTS = 2
 START_TIMEOUT_S = 30.0
+RESTART_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
 CACHE_SIZE = 512
 # Calls in flight at once: a burst of thousands of registrations (a fleet starting, or every
 # NodeManager re-registering after a Controller restart) must not time its own probes out.
@@ -71,6 +73,27 @@ class NodeManagerClients:
         """One ``StartEngines``; waits (up to the deadline) for a NodeManager that is restarting."""
         async with self._in_flight:
             return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
+
+    async def get_status(self, address: str, relaxed: bool = True) -> nodemanager_pb2.GetStatusResponse:
+        async with self._in_flight:
+            return await self.stub(address).GetStatus(
+                nodemanager_pb2.GetStatusRequest(relaxed=relaxed),
+                timeout=PROBE_TIMEOUT_S,
+                wait_for_ready=False,
+            )
+
+    async def restart_engines(
+        self, address: str, action: nodemanager_pb2.RestartAction.ValueType, instance_id: int
+    ) -> nodemanager_pb2.RestartEnginesResponse:
+        """RESTART answers once the new engines are spawned (stopping the old ones takes up to
+        the node's engine_stop_grace_s); ABORT at once."""
+        request = nodemanager_pb2.RestartEnginesRequest(action=action, instance_id=instance_id)
+        async with self._in_flight:
+            return await self.stub(address).RestartEngines(request, timeout=RESTART_TIMEOUT_S)
+
+    async def stop(self, address: str, reason: str) -> None:
+        async with self._in_flight:
+            await self.stub(address).Stop(nodemanager_pb2.StopRequest(reason=reason), timeout=STOP_TIMEOUT_S)
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
         task = asyncio.get_running_loop().create_task(channel.close(grace=5.0))

@@ -43,11 +43,9 @@ class Registrar:
         self.enqueue_job = enqueue_job
         self.heartbeat_interval_ms = int(cfg.heartbeat_interval_s * 1000)
         self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
-        # No EngineRelaunchStrategy runs yet: answering "enabled" would make every NodeManager
-        # freeze its pod-restart fallback after an engine death while nothing relaunches it.
-        self.relaunch_enabled = False
-        if cfg.enable_engine_relaunch:
-            log.warn("engine_relaunch_unavailable", reason="strategy not built; pods restart instead")
+        # Enabled: a NodeManager whose engine died holds its pod-restart fallback while the
+        # fault manager relaunches the engines in place.
+        self.relaunch_enabled = cfg.enable_engine_relaunch
 
     def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
         now = time.monotonic()

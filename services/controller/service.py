@@ -68,4 +68,10 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
     async def GetFaultToleranceStatus(
         self, request: pb.GetFaultToleranceStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetFaultToleranceStatusResponse:
-        raise errors.unimplemented("fault manager (GetFaultToleranceStatus)")
+        if request.instance_id:
+            if request.instance_id not in self._c.table.live:
+                raise errors.not_found("instance", str(request.instance_id), "no live instance with this id")
+            ids = [request.instance_id]
+        else:
+            ids = sorted(self._c.table.live)
+        return pb.GetFaultToleranceStatusResponse(instances=self._c.faults.status(ids))

@@ -62,12 +62,18 @@ async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
 
 
 class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
-    """Records StartEngines and answers GetStatus, like a NodeManager with no engines yet."""
+    """Records StartEngines, RestartEngines and Stop; answers GetStatus with ``ready`` (False:
+    like a NodeManager whose engines are not up), or with ``status_error`` when set."""
 
     def __init__(self) -> None:
         self.starts: list[nodemanager_pb2.StartEnginesRequest] = []
         self.fail_starts = 0  # answer the next N StartEngines with ``start_error``
         self.start_error = errors.error_info(grpc.StatusCode.INTERNAL, "LAUNCH_FAILED", "test: launch failed")
+        self.restarts: list[int] = []  # RestartAction of every RestartEngines, in order
+        self.restart_error: errors.MotorError | None = None  # answer every RESTART with it
+        self.stops: list[str] = []  # reasons
+        self.ready = False
+        self.status_error: errors.MotorError | None = None
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -95,12 +101,27 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     async def GetStatus(
         self, req: nodemanager_pb2.GetStatusRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.GetStatusResponse:
-        return nodemanager_pb2.GetStatusResponse(ready=False)
+        if self.status_error is not None:
+            raise self.status_error
+        if not self.ready:
+            return nodemanager_pb2.GetStatusResponse(ready=False)
+        # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.
+        cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
+        endpoints = [
+            common_pb2.Endpoint(
+                id=e.id, host=e.host, port=e.port, pid=50000 + e.id, status=common_pb2.ENDPOINT_STATUS_NORMAL
+            )
+            for e in cmd.endpoints
+        ]
+        return nodemanager_pb2.GetStatusResponse(ready=True, endpoints=endpoints)
 
     async def RestartEngines(
         self, req: nodemanager_pb2.RestartEnginesRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.RestartEnginesResponse:
-        raise errors.unimplemented("test")
+        self.restarts.append(req.action)
+        if req.action == nodemanager_pb2.RESTART_ACTION_RESTART and self.restart_error is not None:
+            raise self.restart_error
+        return nodemanager_pb2.RestartEnginesResponse(relaunch_count=len(self.restarts))
 
     async def Pause(
         self, req: nodemanager_pb2.PauseRequest, ctx: grpc.aio.ServicerContext
@@ -115,6 +136,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     async def Stop(
         self, req: nodemanager_pb2.StopRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.StopResponse:
+        self.stops.append(req.reason)
         return nodemanager_pb2.StopResponse()
 
     async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:

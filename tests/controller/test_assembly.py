@@ -125,8 +125,7 @@ async def test_single_node_instance_gets_start_engines(tmp_path, node_managers) 
         resp = await agent.register()
         assert resp.node_id and resp.session_epoch and resp.instance_id == 0
         assert resp.heartbeat_interval_ms == 3000
-        # Until the relaunch strategy exists NodeManagers must not freeze waiting for one.
-        assert not resp.engine_relaunch_enabled
+        assert resp.engine_relaunch_enabled  # controller.enable_engine_relaunch, on by default
         await until(lambda: nm.starts)
         cmd = nm.starts[0]
         assert (cmd.job_name, cmd.instance_id, cmd.role, cmd.master_host, cmd.node_rank) == (

@@ -181,7 +181,6 @@ async def test_abnormal_beat_marks_instance_inactive(tmp_path, node_managers) ->
         ("ReportAlarms", controller_pb2.ReportAlarmsRequest(), "alarm store"),
         ("ListAlarms", controller_pb2.ListAlarmsRequest(), "alarm store"),
         ("TerminateInstance", controller_pb2.TerminateInstanceRequest(instance_id=1), "recovery service"),
-        ("GetFaultToleranceStatus", controller_pb2.GetFaultToleranceStatusRequest(), "fault manager"),
     ],
 )
 async def test_later_capabilities_are_unimplemented(tmp_path, method, request_, capability) -> None:

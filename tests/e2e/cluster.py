@@ -133,6 +133,19 @@ class Cluster:
                 found.append(int(entry.name))
         return found[0] if len(found) == 1 else 0
 
+    def nodemanager_pid(self, i: int) -> int:
+        """The pid of NodeManager nm-<i>, found by its gRPC port on its command line."""
+        port = str(NM + i + self.off).encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"nodemanager" in cmd and port in cmd:
+                    return int(entry.name)
+        raise AssertionError(f"nodemanager nm-{i} not found")
+
     def stop(self, timeout: float = 15.0) -> int:
         self.proc.signal(signal.SIGTERM)
         try:

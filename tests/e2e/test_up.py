@@ -102,7 +102,7 @@ def test_nodemanager_killed_is_restarted_and_its_instance_rebuilt(vllm_cluster: 
     c = vllm_cluster
     decode_before = next(i for i in c.controller_instances() if i["role"] == "ROLE_DECODE")
     old_pgid = int(decode_before["endpoints"][0]["pid"])
-    nm_pid = _nodemanager_pid(c, 1)
+    nm_pid = c.nodemanager_pid(1)
     os.kill(nm_pid, signal.SIGKILL)
     c.proc.wait_line("event=restart component=nm-1", 20)
 
@@ -123,19 +123,6 @@ def test_nodemanager_killed_is_restarted_and_its_instance_rebuilt(vllm_cluster: 
         )
     )
     assert_pd_legs(c, "vllm")
-
-
-def _nodemanager_pid(c: Cluster, i: int) -> int:
-    port = str(NM + i + c.off).encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"nodemanager" in cmd and port in cmd:
-                return int(entry.name)
-    raise AssertionError(f"nodemanager nm-{i} not found")
 
 
 def test_sglang_protocol_and_clean_shutdown(tmp_path: Path) -> None:

@@ -164,9 +164,8 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_ms: _builtins.int
     """How often to send a beat, in milliseconds (controller.heartbeat_interval_s)."""
     engine_relaunch_enabled: _builtins.bool
-    """Whether the Controller relaunches dead engines in place; when true a NodeManager holds
-    back its suicide fallback after an acked death report. Currently always false: the
-    relaunch strategy is not built, so a node with broken engines exits and its pod restarts.
+    """Whether the Controller relaunches dead engines in place (controller.enable_engine_relaunch);
+    when true a NodeManager holds back its suicide fallback after an acked death report.
     """
     instance_id: _builtins.int
     """The instance this node belongs to (0 while its instance is still assembling). Set when a

@@ -201,10 +201,9 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetFaultToleranceStatus(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED.
-
-        Contract: what the fault manager is doing, per instance: its fault level and the running
-        recovery strategy with its phase and history.
+        """What the fault manager is doing, per live instance: its fault level, the running recovery
+        strategy with its phase, and the strategies that finished (outcome and duration, the last
+        20). NOT_FOUND for an instance_id that is not a live instance.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -119,10 +119,9 @@ class ControllerStub:
     after_sequence N > 0 it first replays the history after N. No deadline.
     """
     GetFaultToleranceStatus: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetFaultToleranceStatusRequest, _controller_pb2.GetFaultToleranceStatusResponse]
-    """Not built yet: currently answers UNIMPLEMENTED.
-
-    Contract: what the fault manager is doing, per instance: its fault level and the running
-    recovery strategy with its phase and history.
+    """What the fault manager is doing, per live instance: its fault level, the running recovery
+    strategy with its phase, and the strategies that finished (outcome and duration, the last
+    20). NOT_FOUND for an instance_id that is not a live instance.
     """
 
 @_typing.type_check_only
@@ -216,10 +215,9 @@ class ControllerAsyncStub(ControllerStub):
     after_sequence N > 0 it first replays the history after N. No deadline.
     """
     GetFaultToleranceStatus: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetFaultToleranceStatusRequest, _controller_pb2.GetFaultToleranceStatusResponse]  # type: ignore[assignment]
-    """Not built yet: currently answers UNIMPLEMENTED.
-
-    Contract: what the fault manager is doing, per instance: its fault level and the running
-    recovery strategy with its phase and history.
+    """What the fault manager is doing, per live instance: its fault level, the running recovery
+    strategy with its phase, and the strategies that finished (outcome and duration, the last
+    20). NOT_FOUND for an instance_id that is not a live instance.
     """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
@@ -358,10 +356,9 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.GetFaultToleranceStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.GetFaultToleranceStatusResponse, _abc.Awaitable[_controller_pb2.GetFaultToleranceStatusResponse]]:
-        """Not built yet: currently answers UNIMPLEMENTED.
-
-        Contract: what the fault manager is doing, per instance: its fault level and the running
-        recovery strategy with its phase and history.
+        """What the fault manager is doing, per live instance: its fault level, the running recovery
+        strategy with its phase, and the strategies that finished (outcome and duration, the last
+        20). NOT_FOUND for an instance_id that is not a live instance.
         """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

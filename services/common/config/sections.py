@@ -109,8 +109,8 @@ class ControllerConfig(ServerConfig):
     """Period of the full SetInstances sent to every Coordinator, on top of the incremental
     calls, so a Coordinator can never drift for longer than this."""
     enable_engine_relaunch: bool = setting(True, c.BOOLEAN)
-    """Relaunch dead engines in place instead of restarting their pod (the relaunch strategy is
-    not built yet: NodeManagers are told relaunch is off and fall back to a pod restart)."""
+    """Relaunch dead engines in place (every NodeManager of the instance together) instead of
+    restarting their pods; off: NodeManagers hold nothing and their pod-restart fallback acts."""
     # The ranges of the four relaunch keys are those the relaunch strategy is designed for.
     engine_relaunch_complete_timeout_s: float = setting(600, c.seconds(60, 3600))
     """How long a relaunch may take until every NodeManager reports ready."""

@@ -1,0 +1,163 @@
+"""The fault manager and the relaunch strategy, against fake NodeManagers: what each NodeManager
+is told (RestartEngines RESTART / ABORT, Stop), what GetFaultToleranceStatus shows, and what
+becomes of the instance."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from motor.v1 import controller_pb2, nodemanager_pb2
+
+from services.common import errors
+from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller, until
+
+RESTART, ABORT = nodemanager_pb2.RESTART_ACTION_RESTART, nodemanager_pb2.RESTART_ACTION_ABORT
+UNAVAILABLE = errors.error_info(grpc.StatusCode.UNAVAILABLE, "TEST_DOWN", "test: down")
+# The shortest waits the configuration allows: a failing wait ends on the unreachable threshold.
+FAST = {"engine_relaunch_poll_interval_s": 1, "engine_relaunch_dispatch_retries": 0}
+
+
+async def active_pair(h, a, b, **agent):
+    """One instance over NodeManagers ``a`` and ``b`` (dp 2), ACTIVE; their agents."""
+    first = h.agent(job="j", nm=a, ports=(10000,), dp=2, **agent)
+    second = h.agent(job="j", nm=b, ports=(10002,), dp=2, **agent)
+    await first.register()
+    await second.register()
+    await until(lambda: a.starts and b.starts)
+    await first.beat(NORMAL)
+    await second.beat(NORMAL)
+    await until(lambda: h.instances(status=ACTIVE))
+    return first, second
+
+
+async def engine_event(agent, kind: int = controller_pb2.ENGINE_EVENT_TYPE_DEAD) -> None:
+    """``agent``'s engine reported dead (or unhealthy): its endpoint id is the one its StartEngines
+    gave it, its pid the fake NodeManager's 40000 + id."""
+    ep_id = agent.nm.starts[-1].endpoints[0].id
+    await agent.event(ep_id, 40000 + ep_id, kind)
+
+
+async def fault_status(h, instance_id: int = 0) -> list[controller_pb2.FaultToleranceEntry]:
+    req = controller_pb2.GetFaultToleranceStatusRequest(instance_id=instance_id)
+    return list((await h.stub.GetFaultToleranceStatus(req, timeout=5)).instances)
+
+
+async def test_a_dead_engine_is_relaunched_on_every_node_together(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        (entry,) = await fault_status(h)
+        assert (entry.fault_level, entry.strategy, list(entry.history)) == (0, "", [])
+        await engine_event(first)
+        await until(lambda: h.instances(status=INACTIVE))
+        # Both ranks restart, not only the one whose engine died; nothing is aborted.
+        await until(lambda: a.restarts and b.restarts)
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+        (entry,) = await fault_status(h)
+        assert (entry.fault_level, entry.strategy, entry.phase) == (2, "EngineRelaunch", "wait_ready")
+        a.ready = b.ready = True
+
+        async def done() -> controller_pb2.FaultToleranceEntry | None:
+            (e,) = await fault_status(h)
+            return e if e.history else None
+
+        entry = await until(done)
+        assert entry.strategy == "" and "EngineRelaunch succeeded" in entry.history[0]
+        assert (a.restarts, b.restarts, a.stops, b.stops) == ([RESTART], [RESTART], [], [])
+
+
+async def test_an_unreachable_node_manager_aborts_the_relaunch_everywhere(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        b.status_error = UNAVAILABLE  # the probe before the relaunch fails
+        await engine_event(first)
+        # Phase 2 at once for all: no RESTART anywhere, an ABORT to each.
+        await until(lambda: a.restarts and b.restarts)
+        assert (a.restarts, b.restarts) == ([ABORT], [ABORT])
+
+
+async def test_abort_goes_only_where_the_restart_was_refused(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        b.restart_error = errors.error_info(grpc.StatusCode.INTERNAL, "RELAUNCH_FAILED", "test: cannot start")
+        await engine_event(first)
+        await until(lambda: len(b.restarts) == 2)
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART, ABORT])  # a's engines stay held
+
+
+async def test_a_restart_already_running_counts_as_accepted(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        b.restart_error = errors.error_info(grpc.StatusCode.ABORTED, "RELAUNCH_IN_PROGRESS", "test: running")
+        a.ready = b.ready = True
+        await engine_event(first)
+
+        async def history() -> list[str]:
+            (e,) = await fault_status(h)
+            return list(e.history)
+
+        assert "EngineRelaunch succeeded" in (await until(history))[0]
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+
+
+async def test_a_failed_relaunch_escalates_to_terminating_the_instance(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST, engine_relaunch_nm_unreachable_threshold=1) as h:
+        first, _ = await active_pair(h, a, b)
+        await engine_event(first)
+        await until(lambda: a.restarts and b.restarts)
+        a.status_error = UNAVAILABLE  # a goes away while the engines come up
+        # The relaunch fails; both restarts were accepted, so nothing is aborted; then every
+        # NodeManager is stopped (its pod restarts) and the instance is gone.
+        await until(lambda: a.stops and b.stops)
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+        assert "engine relaunch failed" in a.stops[0]
+        await until(lambda: h.instances(status=DELETED))
+        assert await h.instances() == []
+
+
+async def test_relaunch_disabled_leaves_recovery_to_the_pods(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST, enable_engine_relaunch=False) as h:
+        first, _ = await active_pair(h, a, b)
+        other = await node_managers()
+        assert not (await h.agent(job="k", nm=other).register()).engine_relaunch_enabled
+        await engine_event(first)
+        await until(lambda: h.instances(status=INACTIVE))
+        (entry,) = await fault_status(h, 1)
+        assert (entry.fault_level, entry.strategy) == (2, "")
+        assert a.restarts == b.restarts == []
+
+
+async def test_a_lost_death_report_is_corrected_by_the_next_beat(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        # No engine event: only the beat saying the engine is ABNORMAL with no process.
+        await first.beat(ABNORMAL, pids=(0,))
+        await until(lambda: a.restarts and b.restarts)
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+
+
+async def test_fault_status_of_an_unknown_instance_is_not_found(tmp_path) -> None:
+    async with running_controller(tmp_path) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fault_status(h, 42)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert await fault_status(h) == []
+
+
+async def test_an_unhealthy_but_running_engine_is_not_relaunched(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        await engine_event(first, controller_pb2.ENGINE_EVENT_TYPE_UNHEALTHY)
+        await until(lambda: h.instances(status=INACTIVE))
+        (entry,) = await fault_status(h)
+        assert (entry.fault_level, entry.strategy) == (0, "")
+        assert a.restarts == b.restarts == []
+        await first.beat(NORMAL)
+        await until(lambda: h.instances(status=ACTIVE))

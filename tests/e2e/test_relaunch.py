@@ -1,0 +1,99 @@
+"""Engines relaunched in place, end to end: `motor up --prefill 1 --decode 2` under steady load,
+one decode engine's process group SIGKILLed. The NodeManager reports the death, the Controller
+takes the instance out of routing and relaunches the engines without restarting the NodeManager,
+and the instance serves again; meanwhile the other decode instance serves every request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import openai
+import pytest
+
+from tests.e2e.cluster import CONTROLLER, Cluster, poll
+
+pytestmark = pytest.mark.timeout(180)
+
+MESSAGES = [{"role": "user", "content": "Keep going while an engine dies."}]
+
+
+class Load:
+    """Non-streaming chat completions, one after another, until stopped (bounded)."""
+
+    def __init__(self, base_url: str, limit: int = 2000) -> None:
+        self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        self.limit = limit
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.ok + len(self.failed) < self.limit:
+            try:
+                resp = self.client.chat.completions.create(model="motor-sim", messages=MESSAGES, max_tokens=4)
+                assert resp.choices[0].message.content
+                self.ok += 1
+            except Exception as exc:
+                self.failed.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(40)
+
+
+def decode_instances(c: Cluster) -> list[dict[str, Any]]:
+    return [i for i in c.controller_instances() if i["role"] == "ROLE_DECODE"]
+
+
+def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> None:
+    c = Cluster(tmp_path, "--prefill", "1", "--decode", "2", nodes=3)
+    try:
+        c.wait_ready()
+        poll(
+            lambda: len([i for i in c.controller_instances() if i["status"] == "INSTANCE_STATUS_ACTIVE"]) == 3
+        )
+        victim = decode_instances(c)[0]
+        (ep,) = victim["endpoints"]
+        old_pgid, port = int(ep["pid"]), int(ep["port"])
+        nm_index = c.node_of_port(port)
+        nm_pid = c.nodemanager_pid(nm_index)
+        with Load(c.base_url) as load:
+            poll(lambda: load.ok >= 5)
+            os.killpg(old_pgid, signal.SIGKILL)
+
+            def status() -> str:
+                return next(i["status"] for i in decode_instances(c) if i["id"] == victim["id"])
+
+            poll(lambda: status() != "INSTANCE_STATUS_ACTIVE", timeout=5, every=0.05)
+            c.proc.wait_line(lambda s: "[ENGINE RELAUNCH #1 " in s, 30)
+
+            def relaunched() -> bool:
+                inst = next(i for i in decode_instances(c) if i["id"] == victim["id"])
+                pid = int(inst["endpoints"][0].get("pid", 0))
+                return inst["status"] == "INSTANCE_STATUS_ACTIVE" and pid not in (0, old_pgid)
+
+            poll(relaunched, timeout=60, every=0.2)
+            served_before = load.ok
+            poll(lambda: load.ok >= served_before + 10)
+        assert c.nodemanager_pid(nm_index) == nm_pid  # the NodeManager was not restarted
+        assert load.failed == []
+
+        # The strategy ends at its next readiness poll (every 5 s by default).
+        def history() -> list[str]:
+            req = {"instanceId": victim["id"]}
+            (entry,) = c.call(c.grpc(CONTROLLER), "motor.v1.Controller/GetFaultToleranceStatus", req)[
+                "instances"
+            ]
+            return entry.get("history", [])
+
+        assert "EngineRelaunch succeeded" in poll(history, timeout=20)[0]
+    finally:
+        c.cleanup()
