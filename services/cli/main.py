@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "register": ("services.cli.register", "standalone mode: set/add/del/list Coordinator instances"),
     "instances": ("services.cli.views", "list instances from the Controller"),
     "alarms": ("services.cli.views", "list or watch alarms from the Controller"),
-    "status": ("services.cli.views", "Controller and Coordinator status"),
+    "status": ("services.cli.views", "Controller and Coordinator status, and fault recovery per instance"),
+    "faults": ("services.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
     "config": ("services.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
 }
 

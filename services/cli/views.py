@@ -1,4 +1,5 @@
-"""Operator views: ``motor instances``, ``motor alarms [--watch]``, ``motor status``."""
+"""Operator views: ``motor instances``, ``motor alarms [--watch]``, ``motor status`` (with the
+fault manager's level, strategy and last outcome of every instance that has any)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ async def _health(ch: grpc.aio.Channel, deadline_s: float) -> str:
 
 async def status(args: argparse.Namespace, key: str | None) -> int:
     out: dict[str, Any] = {}
+    faults: list[controller_pb2.FaultToleranceEntry] = []
     async with open_channel(args.controller, key=key) as ch:
         out["controller"] = {"address": args.controller, "health": await _health(ch, args.timeout)}
         if out["controller"]["health"] == "SERVING":
@@ -141,6 +143,11 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
                 s = enums.status_name(i.status)
                 counts[s] = counts.get(s, 0) + 1
             out["controller"]["instances"] = counts
+            ft = await controller_pb2_grpc.ControllerStub(ch).GetFaultToleranceStatus(
+                controller_pb2.GetFaultToleranceStatusRequest(), timeout=args.timeout
+            )
+            # Only instances with something to say: a fault, a strategy, or one that ran.
+            faults = [e for e in ft.instances if e.fault_level or e.strategy or e.history]
     async with open_channel(args.coordinator, key=key) as ch:
         health = await _health(ch, args.timeout)
         out["coordinator"] = {"address": args.coordinator, "routable": health == "SERVING", "health": health}
@@ -156,10 +163,14 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
                 paused=len(table.paused),
             )
     if args.output == "json":
-        print(json.dumps(out, indent=2))
+        print(json.dumps({**out, "faults": [as_dict(e) for e in faults]}, indent=2))
     else:
         for name, fields in out.items():
             print(f"{name}: " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        for e in faults:
+            running = f" strategy={e.strategy} phase={e.phase}" if e.strategy else ""
+            last = f" last={e.history[-1]!r}" if e.history else ""
+            print(f"instance {e.instance_id}: fault_level=L{e.fault_level}{running}{last}")
     return 0 if not any(str(v.get("health", "")).startswith("UNREACHABLE") for v in out.values()) else 1
 
 

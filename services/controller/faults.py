@@ -4,8 +4,13 @@ Level-triggered: :meth:`FaultManager.reconcile` (called by the instance reconcil
 beat or engine event that changed something, and on every resync) looks at what the heartbeats
 show now and decides which strategy the instance wants:
 
-- an engine dead (its endpoint ABNORMAL with no process) is an L2 fault → ``EngineRelaunch``
-  when ``enable_engine_relaunch`` (off: nothing; the NodeManager's pod-restart fallback acts);
+- the instance's level is the highest of its NodeManagers' reported faults (ReportFaults, L1-L6)
+  and L2 for an engine that died (its endpoint ABNORMAL with no process);
+- above L2 the instance is separated (INACTIVE, not routed) until the faults are cleared, and a
+  running relaunch is stopped;
+- L2 (a dead engine, or a restart request) → ``EngineRelaunch`` when ``enable_engine_relaunch``
+  (off: nothing; the NodeManager's pod-restart fallback acts); a relaunch that succeeds has
+  honoured the restart requests of its NodeManagers, which are cleared;
 - the strategy that ran last failed → escalate: a failed ``EngineRelaunch`` → ``Terminate``.
 
 At most one strategy runs per instance: a higher-ranked one stops the running one and starts;
@@ -36,7 +41,13 @@ from .nm_client import NodeManagerClients
 from .strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
 
 HISTORY = 20  # finished strategies kept per instance
-L2 = 2
+L1, L2 = pb.FAULT_LEVEL_L1, pb.FAULT_LEVEL_L2
+
+
+@dataclass(frozen=True)
+class NodeFault:
+    level: int
+    reason: str
 
 
 @dataclass(eq=False)
@@ -74,34 +85,92 @@ class FaultManager:
         self.enqueue = enqueue
         self.relaunch = cfg.enable_engine_relaunch
         self._states: dict[int, FaultState] = {}
+        # Reported faults by NodeManager address, then by code: they outlive the instance (a
+        # rebuilt instance on a bad device is separated again) until cleared.
+        self._nodes: dict[str, dict[str, NodeFault]] = {}
+
+    # --- reported faults -------------------------------------------------------------------
+
+    def report(self, faults: list[pb.NodeFault]) -> None:
+        """Record or clear faults (already checked by the caller)."""
+        for f in faults:
+            address = f"{f.host}:{f.nm_port}"
+            node = self._nodes.setdefault(address, {})
+            if f.cleared:
+                if f.code:
+                    node.pop(f.code, None)
+                else:
+                    node.clear()
+            else:
+                node[f.code] = NodeFault(f.level, f.reason)
+            if not node:
+                del self._nodes[address]
+            log.event(
+                "fault_cleared" if f.cleared else "fault_reported",
+                node_manager=address,
+                level=pb.FaultLevel.Name(f.level),
+                code=f.code,
+                reason=f.reason,
+            )
+
+    def has_faults(self, address: str) -> bool:
+        return address in self._nodes
+
+    def node_level(self, address: str) -> int:
+        return max((f.level for f in self._nodes.get(address, {}).values()), default=0)
+
+    def _clear_restart_requests(self, inst: Instance) -> None:
+        for address in inst.node_managers:
+            node = self._nodes.get(address, {})
+            for code in [c for c, f in node.items() if f.level == L2]:
+                del node[code]
+            if not node:
+                self._nodes.pop(address, None)
 
     # --- deciding --------------------------------------------------------------------------
 
-    def reconcile(self, inst: Instance) -> None:
+    def reconcile(self, inst: Instance) -> bool:
+        """Act on the instance's faults; True when its separation changed (the caller runs the
+        state machine again)."""
         state = self._states.setdefault(inst.id, FaultState(since=time.time()))
-        dead = dead_engines(inst)
-        level = L2 if dead else 0
+        reported = max((self.node_level(a) for a in inst.node_managers), default=0)
+        level = max(reported, L2 if dead_engines(inst) else 0)
         if state.running is not None:
             level = max(level, state.running.level)
         if level != state.level:
             state.level, state.since = level, time.time()
-        want = self._wanted(inst, state, dead)
-        if want is None:
-            return
+        separated = level > L2
+        changed = separated != inst.separated
+        if changed:
+            inst.separated = separated
+            log.event(
+                "instance_separated" if separated else "instance_reunited", instance_id=inst.id, level=level
+            )
         running = state.running
-        if running is not None and want.rank <= running.strategy.rank:
-            return  # equal keeps the running one; lower is ignored
-        if running is not None:
-            log.event("strategy_preempted", instance_id=inst.id, strategy=running.strategy.name, by=want.name)
-            self._stop(running)
+        if separated and running is not None and running.strategy.rank < level:
+            self._preempt(inst, state, f"L{level} fault")
+            running = None
+        want = self._wanted(inst, state, level)
+        if want is None or (running is not None and want.rank <= running.strategy.rank):
+            return changed  # nothing wanted, or equal keeps the running one and lower is ignored
+        self._preempt(inst, state, want.name)
         self._start(inst, state, want, level)
+        return changed
 
-    def _wanted(self, inst: Instance, state: FaultState, dead: list[int]) -> Strategy | None:
+    def _wanted(self, inst: Instance, state: FaultState, level: int) -> Strategy | None:
         if state.failed == EngineRelaunch.name:
             return Terminate(inst, self.clients, self.table, f"engine relaunch failed for instance {inst.id}")
-        if dead and self.relaunch:
+        if level == L2 and self.relaunch:
             return EngineRelaunch(inst, self.clients, self.cfg)
         return None
+
+    def _preempt(self, inst: Instance, state: FaultState, by: str) -> None:
+        running = state.running
+        if running is None:
+            return
+        log.event("strategy_preempted", instance_id=inst.id, strategy=running.strategy.name, by=by)
+        state.running = None
+        self._stop(running)
 
     # --- running ---------------------------------------------------------------------------
 
@@ -118,6 +187,8 @@ class FaultManager:
         try:
             await strategy.run()
             log.event("strategy_succeeded", instance_id=inst.id, strategy=strategy.name)
+            if strategy.name == EngineRelaunch.name:
+                self._clear_restart_requests(inst)
         except StrategyFailed as exc:
             outcome = f"failed: {exc}"
             log.error("strategy_failed", instance_id=inst.id, strategy=strategy.name, reason=str(exc))

@@ -75,8 +75,8 @@ class InstanceReconciler:
         if any(m.started is False for m in inst.members):
             await self._start(inst)
             self.evaluate(inst)
-        if inst.status != sm.DELETED:
-            self.faults.reconcile(inst)
+        if inst.status != sm.DELETED and self.faults.reconcile(inst):
+            self.evaluate(inst)  # separated, or no longer
         return DONE
 
     def evaluate(self, inst: Instance) -> None:

@@ -75,3 +75,20 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         else:
             ids = sorted(self._c.table.live)
         return pb.GetFaultToleranceStatusResponse(instances=self._c.faults.status(ids))
+
+    async def ReportFaults(
+        self, request: pb.ReportFaultsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFaultsResponse:
+        by_node = {m.address: inst.id for inst in self._c.table.live.values() for m in inst.members}
+        affected: set[int] = set()
+        for f in request.faults:
+            address = f"{f.host}:{f.nm_port}"
+            if address in by_node:
+                affected.add(by_node[address])
+            elif not (f.cleared and self._c.faults.has_faults(address)):
+                # A node that left keeps its faults, so they can still be cleared.
+                raise errors.not_found("node", address, f"no live instance has NodeManager {address}")
+        self._c.faults.report(list(request.faults))
+        for iid in affected:
+            self._c.instance_loop.enqueue(iid)
+        return pb.ReportFaultsResponse(affected_instance_ids=sorted(affected))

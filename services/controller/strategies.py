@@ -1,10 +1,10 @@
 """Recovery strategies the fault manager runs for one instance, each as a cancellable task.
 
 A strategy's ``run()`` returns when it succeeded and raises :class:`StrategyFailed` when it did
-not; ``phase`` says where it is (GetFaultToleranceStatus shows it). ``rank`` orders strategies:
-a higher one preempts a lower one. When a strategy is stopped from outside (preempted, or its
-instance deleted) its task is cancelled and :meth:`stopped` does what must still be done without
-waiting for anyone.
+not; ``phase`` says where it is (GetFaultToleranceStatus shows it). ``rank`` orders strategies
+and fault levels: a higher one preempts a lower one. When a strategy is stopped from outside
+(preempted, or its instance deleted) its task is cancelled and :meth:`stopped` does what must
+still be done without waiting for anyone.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class EngineRelaunch:
     come up."""
 
     name = "EngineRelaunch"
-    rank = 1
+    rank = 2  # the fault level it answers: an L3+ fault (separation) stops it
 
     def __init__(self, inst: Instance, clients: NodeManagerClients, cfg: ControllerConfig) -> None:
         self.inst = inst
@@ -181,7 +181,7 @@ class Terminate:
     exits, so its pod restarts and registers anew) and delete the instance."""
 
     name = "Terminate"
-    rank = 2
+    rank = 7  # above every fault level: once started it finishes
 
     def __init__(
         self, inst: Instance, clients: NodeManagerClients, table: InstanceTable, reason: str

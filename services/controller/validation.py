@@ -67,4 +67,28 @@ def list_instances(req: controller_pb2.ListInstancesRequest) -> list[tuple[str, 
     return bad
 
 
-VALIDATORS = {"Register": register, "TerminateInstance": terminate_instance, "ListInstances": list_instances}
+_LEVELS = frozenset(controller_pb2.FaultLevel.values())
+
+
+def report_faults(req: controller_pb2.ReportFaultsRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if not req.faults:
+        bad.append(("faults", "at least one fault required"))
+    for i, f in enumerate(req.faults):
+        if not f.host:
+            bad.append((f"faults[{i}].host", "required"))
+        if not 0 < f.nm_port < 65536:
+            bad.append((f"faults[{i}].nm_port", "must be 1..65535"))
+        if f.level not in _LEVELS:
+            bad.append((f"faults[{i}].level", f"unknown level {f.level}"))
+        elif f.level == controller_pb2.FAULT_LEVEL_UNSPECIFIED and not f.cleared:
+            bad.append((f"faults[{i}].level", "required unless cleared (FAULT_LEVEL_L1 .. FAULT_LEVEL_L6)"))
+    return bad
+
+
+VALIDATORS = {
+    "Register": register,
+    "TerminateInstance": terminate_instance,
+    "ListInstances": list_instances,
+    "ReportFaults": report_faults,
+}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from motor.v1 import controller_pb2, nodemanager_pb2
 
 from services.common import errors
@@ -161,3 +162,93 @@ async def test_an_unhealthy_but_running_engine_is_not_relaunched(tmp_path, node_
         assert a.restarts == b.restarts == []
         await first.beat(NORMAL)
         await until(lambda: h.instances(status=ACTIVE))
+
+
+# ---- reported faults (ReportFaults) ------------------------------------------------------------
+
+
+def fault(nm, level: int = 0, code: str = "", cleared: bool = False) -> controller_pb2.NodeFault:
+    return controller_pb2.NodeFault(
+        host=nm.host,
+        nm_port=nm.port,
+        level=level,
+        code=code,
+        reason="test",
+        cleared=cleared,  # type: ignore[arg-type]
+    )
+
+
+async def report(h, *faults: controller_pb2.NodeFault) -> list[int]:
+    resp = await h.stub.ReportFaults(controller_pb2.ReportFaultsRequest(faults=faults), timeout=5)
+    return list(resp.affected_instance_ids)
+
+
+async def test_above_l2_the_instance_is_separated_until_cleared(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        await active_pair(h, a, b)
+        assert await report(h, fault(b, controller_pb2.FAULT_LEVEL_L1, "ecc")) == [1]
+        (entry,) = await fault_status(h)
+        assert entry.fault_level == 1 and await h.instances(status=ACTIVE)  # L1: shown, not handled
+        await report(h, fault(b, controller_pb2.FAULT_LEVEL_L4, "link"))
+        await until(lambda: h.instances(status=INACTIVE))
+        (entry,) = await fault_status(h)
+        assert entry.fault_level == 4
+        await report(h, fault(b, code="link", cleared=True))
+        await until(lambda: h.instances(status=ACTIVE))  # the engines were fine all along
+        (entry,) = await fault_status(h)
+        assert entry.fault_level == 1  # "ecc" is still there
+        assert a.restarts == b.restarts == []
+
+
+async def test_an_l2_restart_request_relaunches_and_is_then_consumed(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        await active_pair(h, a, b)
+        a.ready = b.ready = True
+        await report(h, fault(a, controller_pb2.FAULT_LEVEL_L2, "restart"))
+
+        async def relaunched() -> controller_pb2.FaultToleranceEntry | None:
+            (e,) = await fault_status(h)
+            return e if e.history and not e.strategy else None
+
+        entry = await until(relaunched)
+        assert "EngineRelaunch succeeded" in entry.history[0] and entry.fault_level == 0
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+
+
+async def test_a_separating_fault_stops_a_running_relaunch(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        await engine_event(first)
+        await until(lambda: a.restarts and b.restarts)  # relaunching; the engines do not come up
+        await report(h, fault(b, controller_pb2.FAULT_LEVEL_L5, "device"))
+
+        async def stopped() -> controller_pb2.FaultToleranceEntry | None:
+            (e,) = await fault_status(h)
+            return e if e.history else None
+
+        entry = await until(stopped)
+        assert (entry.strategy, entry.fault_level) == ("", 5)
+        assert "EngineRelaunch stopped" in entry.history[0]
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])  # both accepted: nothing to abort
+
+
+async def test_bad_fault_reports_change_nothing(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        await active_pair(h, a, b)
+        unknown = controller_pb2.NodeFault(
+            host="127.0.0.9", nm_port=7300, level=controller_pb2.FAULT_LEVEL_L3
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await report(h, fault(a, controller_pb2.FAULT_LEVEL_L6), unknown)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        [info] = [d for d in errors.details_of(err.value) if isinstance(d, error_details_pb2.ResourceInfo)]
+        assert info.resource_name == "127.0.0.9:7300"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await report(h, fault(a))  # no level, not a clear
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        (entry,) = await fault_status(h)
+        assert entry.fault_level == 0 and await h.instances(status=ACTIVE)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.cluster import CONTROLLER, Cluster, poll
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster, poll
+from tests.procs import motor_argv
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,5 +97,27 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
             return entry.get("history", [])
 
         assert "EngineRelaunch succeeded" in poll(history, timeout=20)[0]
+
+        # Operators see it, and can take the node out of routing and back with `motor faults`.
+        status = motor(c, "status", "--coordinator", c.grpc(COORDINATOR))
+        assert status.returncode == 0, status.stderr
+        assert f"instance {victim['id']}: fault_level=L0 last=" in status.stdout
+        node = c.grpc(NM + nm_index)
+        out = motor(c, "faults", "report", "--node", node, "--level", "L4", "--code", "xid-79")
+        assert (out.returncode, out.stdout) == (0, f"affected instances: {victim['id']}\n"), out.stderr
+        poll(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_INACTIVE")
+        assert motor(c, "faults", "clear", "--node", node).returncode == 0
+        poll(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_ACTIVE")
+        out = motor(c, "faults", "report", "--node", "127.0.0.1:1", "--level", "L3")
+        assert out.returncode == 1 and out.stderr.startswith("motor faults: NOT_FOUND: ")
     finally:
         c.cleanup()
+
+
+def motor(c: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = motor_argv(args[0], "--controller", c.grpc(CONTROLLER), *args[1:])
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
+def status_of(c: Cluster, instance_id: int) -> str:
+    return next(i["status"] for i in c.controller_instances() if i["id"] == instance_id)

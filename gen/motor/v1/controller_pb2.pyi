@@ -70,6 +70,46 @@ DIRECTIVE_REREGISTER: Directive.ValueType  # 1
 """The Controller does not know this session: register again (engines keep running)."""
 Global___Directive: _TypeAlias = Directive  # noqa: Y015
 
+class _FaultLevel:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FaultLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultLevel.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAULT_LEVEL_UNSPECIFIED: _FaultLevel.ValueType  # 0
+    """Not set: refused, unless the fault is being cleared."""
+    FAULT_LEVEL_L1: _FaultLevel.ValueType  # 1
+    """Sub-health: recorded and shown, not handled."""
+    FAULT_LEVEL_L2: _FaultLevel.ValueType  # 2
+    """Restart requested: the instance's engines are relaunched in place."""
+    FAULT_LEVEL_L3: _FaultLevel.ValueType  # 3
+    """Restart business: the instance is separated until cleared."""
+    FAULT_LEVEL_L4: _FaultLevel.ValueType  # 4
+    """Free-restart the device: separated until cleared."""
+    FAULT_LEVEL_L5: _FaultLevel.ValueType  # 5
+    """Restart the device: separated until cleared."""
+    FAULT_LEVEL_L6: _FaultLevel.ValueType  # 6
+    """Separate the device: separated until cleared."""
+
+class FaultLevel(_FaultLevel, metaclass=_FaultLevelEnumTypeWrapper):
+    """How serious a node or device fault is, and what the fault manager does about it."""
+
+FAULT_LEVEL_UNSPECIFIED: FaultLevel.ValueType  # 0
+"""Not set: refused, unless the fault is being cleared."""
+FAULT_LEVEL_L1: FaultLevel.ValueType  # 1
+"""Sub-health: recorded and shown, not handled."""
+FAULT_LEVEL_L2: FaultLevel.ValueType  # 2
+"""Restart requested: the instance's engines are relaunched in place."""
+FAULT_LEVEL_L3: FaultLevel.ValueType  # 3
+"""Restart business: the instance is separated until cleared."""
+FAULT_LEVEL_L4: FaultLevel.ValueType  # 4
+"""Free-restart the device: separated until cleared."""
+FAULT_LEVEL_L5: FaultLevel.ValueType  # 5
+"""Restart the device: separated until cleared."""
+FAULT_LEVEL_L6: FaultLevel.ValueType  # 6
+"""Separate the device: separated until cleared."""
+Global___FaultLevel: _TypeAlias = FaultLevel  # noqa: Y015
+
 @_typing.final
 class RegisterRequest(_message.Message):
     """What a NodeManager tells the Controller about itself and its engines."""
@@ -726,3 +766,95 @@ class GetFaultToleranceStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetFaultToleranceStatusResponse: _TypeAlias = GetFaultToleranceStatusResponse  # noqa: Y015
+
+@_typing.final
+class NodeFault(_message.Message):
+    """One fault on one NodeManager's node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    NM_PORT_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    """The NodeManager the fault is on: its host, as it registered. Required."""
+    nm_port: _builtins.int
+    """And its gRPC port. Required."""
+    level: Global___FaultLevel.ValueType
+    """Required unless cleared."""
+    code: _builtins.str
+    """What the reporter calls the fault; a node holds one fault per code ("" is a code too)."""
+    reason: _builtins.str
+    """Human-readable, for the log and GetFaultToleranceStatus."""
+    cleared: _builtins.bool
+    """The fault is gone: with a code, that code's fault is removed; without one, every fault of
+    the node.
+    """
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        nm_port: _builtins.int = ...,
+        level: Global___FaultLevel.ValueType = ...,
+        code: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        cleared: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "code", b"code", "host", b"host", "level", b"level", "nm_port", b"nm_port", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeFault: _TypeAlias = NodeFault  # noqa: Y015
+
+@_typing.final
+class ReportFaultsRequest(_message.Message):
+    """Faults to record or clear."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def faults(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeFault]:
+        """At least one."""
+
+    def __init__(
+        self,
+        *,
+        faults: _abc.Iterable[Global___NodeFault] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["faults", b"faults"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFaultsRequest: _TypeAlias = ReportFaultsRequest  # noqa: Y015
+
+@_typing.final
+class ReportFaultsResponse(_message.Message):
+    """The instances whose fault state the request changed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFFECTED_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def affected_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Their ids, ascending."""
+
+    def __init__(
+        self,
+        *,
+        affected_instance_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected_instance_ids", b"affected_instance_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFaultsResponse: _TypeAlias = ReportFaultsResponse  # noqa: Y015

@@ -82,6 +82,11 @@ class ControllerStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusResponse.FromString,
                 _registered_method=True)
+        self.ReportFaults = channel.unary_unary(
+                '/motor.v1.Controller/ReportFaults',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -209,6 +214,18 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFaults(self, request, context):
+        """Node and device faults from an operator or a device plugin (`motor faults`). An instance's
+        fault level is the highest over its NodeManagers; above L2 it is separated (INACTIVE, not
+        routed) until the faults are cleared; an L2 fault (restart request) relaunches its engines.
+        Every fault of a request is checked before any is applied: NOT_FOUND (ResourceInfo) for a
+        NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
+        has no level.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +268,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetFaultToleranceStatus,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusResponse.SerializeToString,
+            ),
+            'ReportFaults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFaults,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -477,6 +499,33 @@ class Controller:
             '/motor.v1.Controller/GetFaultToleranceStatus',
             motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.GetFaultToleranceStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFaults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Controller/ReportFaults',
+            motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -123,6 +123,14 @@ class ControllerStub:
     strategy with its phase, and the strategies that finished (outcome and duration, the last
     20). NOT_FOUND for an instance_id that is not a live instance.
     """
+    ReportFaults: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportFaultsRequest, _controller_pb2.ReportFaultsResponse]
+    """Node and device faults from an operator or a device plugin (`motor faults`). An instance's
+    fault level is the highest over its NodeManagers; above L2 it is separated (INACTIVE, not
+    routed) until the faults are cleared; an L2 fault (restart request) relaunches its engines.
+    Every fault of a request is checked before any is applied: NOT_FOUND (ResourceInfo) for a
+    NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
+    has no level.
+    """
 
 @_typing.type_check_only
 class ControllerAsyncStub(ControllerStub):
@@ -218,6 +226,14 @@ class ControllerAsyncStub(ControllerStub):
     """What the fault manager is doing, per live instance: its fault level, the running recovery
     strategy with its phase, and the strategies that finished (outcome and duration, the last
     20). NOT_FOUND for an instance_id that is not a live instance.
+    """
+    ReportFaults: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportFaultsRequest, _controller_pb2.ReportFaultsResponse]  # type: ignore[assignment]
+    """Node and device faults from an operator or a device plugin (`motor faults`). An instance's
+    fault level is the highest over its NodeManagers; above L2 it is separated (INACTIVE, not
+    routed) until the faults are cleared; an L2 fault (restart request) relaunches its engines.
+    Every fault of a request is checked before any is applied: NOT_FOUND (ResourceInfo) for a
+    NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
+    has no level.
     """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
@@ -359,6 +375,20 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         """What the fault manager is doing, per live instance: its fault level, the running recovery
         strategy with its phase, and the strategies that finished (outcome and duration, the last
         20). NOT_FOUND for an instance_id that is not a live instance.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportFaults(
+        self,
+        request: _controller_pb2.ReportFaultsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ReportFaultsResponse, _abc.Awaitable[_controller_pb2.ReportFaultsResponse]]:
+        """Node and device faults from an operator or a device plugin (`motor faults`). An instance's
+        fault level is the highest over its NodeManagers; above L2 it is separated (INACTIVE, not
+        routed) until the faults are cleared; an L2 fault (restart request) relaunches its engines.
+        Every fault of a request is checked before any is applied: NOT_FOUND (ResourceInfo) for a
+        NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
+        has no level.
         """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
