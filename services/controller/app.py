@@ -104,7 +104,13 @@ class Controller:
             keys=self.pending.jobs,
         )
         self.registrar = Registrar(
-            cfg, self.table, self.pending, self.sessions, self.store, self.assembly_loop.enqueue
+            cfg,
+            self.table,
+            self.pending,
+            self.sessions,
+            self.store,
+            self.assembly_loop.enqueue,
+            self.nm_clients,
         )
         self.hub = HeartbeatHub(
             self.table, self.sessions, cfg.instance_heartbeat_timeout_s, self.instance_loop.enqueue

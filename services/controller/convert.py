@@ -39,6 +39,7 @@ def member_of(req: controller_pb2.RegisterRequest) -> Member:
         nm_port=req.nm_port,
         ports=list(req.ports),
         device_count=req.device_count,
+        incarnation=req.incarnation,
     )
 
 
@@ -85,6 +86,7 @@ def _member_json(m: Member) -> dict[str, Any]:
         "nm_port": m.nm_port,
         "ports": list(m.ports),
         "device_count": m.device_count,
+        "incarnation": m.incarnation,
         "endpoint_ids": sorted(m.by_id),
     }
 
@@ -96,6 +98,7 @@ def _member_from_json(d: dict[str, Any]) -> Member:
         nm_port=int(d["nm_port"]),
         ports=[int(p) for p in d["ports"]],
         device_count=int(d.get("device_count", 0)),
+        incarnation=int(d.get("incarnation", 0)),
     )
 
 

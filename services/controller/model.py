@@ -51,6 +51,7 @@ class Member:
     nm_port: int
     ports: list[int]
     device_count: int = 0
+    incarnation: int = 0  # the NodeManager process that registered (RegisterRequest.incarnation)
     # Liveness (monotonic clock). A beat sets last_heard; so does a stream ending, which is how
     # "a broken stream starts the clock at once" works.
     last_heard: float = 0.0

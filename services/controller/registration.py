@@ -3,7 +3,9 @@
 Registrations are grouped by job name into a pending instance that owns a fresh id; completing
 and assembling it is the assembler's reconcile, which this only enqueues. A NodeManager that
 registers again carrying the id of a live instance (after a Controller restart or a lost stream)
-is re-attached: new session, engines untouched.
+is re-attached: new session, engines untouched. A NodeManager that restarted (a new process at
+the same address, proven by that address answering with the new incarnation) retires its old
+instance at once, which is then assembled again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import grpc
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors, log
@@ -21,6 +24,7 @@ from services.common.enums import DELETED, InstanceStatus, status_name
 from . import assembly, convert
 from .instances import InstanceTable
 from .model import Instance, Member, Pending
+from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .sessions import SessionTable
 from .store import Store
@@ -35,8 +39,10 @@ class Registrar:
         sessions: SessionTable,
         store: Store,
         enqueue_job: Callable[[str], None],
+        nm_clients: NodeManagerClients,
     ) -> None:
         self.table = table
+        self.nm_clients = nm_clients
         self.pending = pending
         self.sessions = sessions
         self.store = store
@@ -47,7 +53,46 @@ class Registrar:
         # fault manager relaunches the engines in place.
         self.relaunch_enabled = cfg.enable_engine_relaunch
 
-    def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+    async def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+        """A NodeManager restarted in place (a later incarnation at the address of a live
+        instance's member) first retires that instance, so it is rebuilt now rather than after
+        the heartbeat timeout; then the registration is handled as any other."""
+        inst = self._restart_candidate(req)
+        if inst is not None and await self._proves_restart(req):
+            member = inst.member_at(req.host, req.nm_port)
+            log.warn(
+                "node_manager_restarted",
+                instance_id=inst.id,
+                job=inst.job_name,
+                node_manager=f"{req.host}:{req.nm_port}",
+                old_incarnation=member.incarnation if member else 0,
+                incarnation=req.incarnation,
+            )
+            if inst.status != DELETED:  # another registration may have retired it meanwhile
+                self.table.delete(inst, "node_manager_restarted")
+        return self.register_now(req)
+
+    def _restart_candidate(self, req: pb.RegisterRequest) -> Instance | None:
+        """The live instance of the job whose member at this address is an earlier process."""
+        if req.instance_id or not req.incarnation:
+            return None
+        inst = self.table.by_job.get(req.job_name)
+        member = inst.member_at(req.host, req.nm_port) if inst is not None else None
+        if member is None or req.incarnation <= member.incarnation:
+            return None
+        return inst
+
+    async def _proves_restart(self, req: pb.RegisterRequest) -> bool:
+        """The proof: the process answering at that address now is the one registering. The
+        earlier one held the port while alive, so it is gone, and the new one stopped its
+        engines before registering. A stale or forged registration fails this check."""
+        try:
+            status = await self.nm_clients.get_status(f"{req.host}:{req.nm_port}")
+        except grpc.RpcError:
+            return False
+        return status.incarnation == req.incarnation
+
+    def register_now(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
         now = time.monotonic()
         if req.instance_id:
             inst = self.table.live.get(req.instance_id)
@@ -125,6 +170,16 @@ class Registrar:
                 instance_id=str(inst.id),
                 job_name=inst.job_name,
             )
+        if req.incarnation < member.incarnation:
+            # An earlier process's registration arriving late must not take the live one's session.
+            raise errors.already_exists(
+                "STALE_INCARNATION",
+                f"NodeManager {member.address} registered a later process (incarnation "
+                f"{member.incarnation}) than this registration ({req.incarnation})",
+                instance_id=str(inst.id),
+                node_manager=member.address,
+            )
+        member.incarnation = req.incarnation
         session = self.sessions.open(member, now)
         log.event(
             "reregistered",

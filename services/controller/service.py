@@ -27,7 +27,7 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
-        return self._c.registrar.register(request)
+        return await self._c.registrar.register(request)
 
     # Served with read/write instead of request/response iterators (services/common/rpc.py): one
     # coroutine per stream on the Controller's hottest path.

@@ -87,7 +87,7 @@ class ControllerLink:
     # --- registration ------------------------------------------------------------------------
 
     def register_request(self) -> controller_pb2.RegisterRequest:
-        return register_request(self.nm_cfg, self.nm_port, self.sup.instance_id)
+        return register_request(self.nm_cfg, self.nm_port, self.sup.instance_id, self.sup.incarnation)
 
     async def register(self) -> None:
         backoff = retry.Backoff(initial=1.0, maximum=30.0)
@@ -259,7 +259,7 @@ class ControllerLink:
 
 
 def register_request(
-    cfg: NodeManagerConfig, nm_port: int, instance_id: int = 0
+    cfg: NodeManagerConfig, nm_port: int, instance_id: int = 0, incarnation: int = 0
 ) -> controller_pb2.RegisterRequest:
     """What a NodeManager with ``cfg``, serving on ``nm_port``, registers with."""
     par = cfg.parallel
@@ -276,4 +276,5 @@ def register_request(
         node_rank=cfg.node_rank,
         instance_id=instance_id,
         pd_protocol=launch.pd_protocol(cfg.engine_type, cfg.sim_protocol),
+        incarnation=incarnation,
     )

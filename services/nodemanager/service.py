@@ -46,6 +46,7 @@ class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
             endpoints=sup.endpoints(),
             relaunch_count=sup.relaunch_count,
             instance_id=sup.instance_id,
+            incarnation=sup.incarnation,
         )
         until = sup.freeze.until
         if until is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Coroutine, Iterable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -73,6 +74,8 @@ class EngineSupervisor:
         self.reaper = reaper
         self.timing = Timing.from_config(nm_cfg)
         self.device_env = nm_cfg.device_env  # "auto" is resolved by main before any launch
+        # This process: a restarted NodeManager on the same address has a larger one.
+        self.incarnation = time.time_ns()
         self.sink: EventSink = NullSink()
         self.address = f"{nm_cfg.host}:{nm_cfg.port}"  # set to the bound address by main
         self.engines: dict[int, Engine] = {}

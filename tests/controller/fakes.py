@@ -74,6 +74,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.stops: list[str] = []  # reasons
         self.ready = False
         self.status_error: errors.MotorError | None = None
+        self.incarnation = 0  # what GetStatus says this process is
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -104,7 +105,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         if self.status_error is not None:
             raise self.status_error
         if not self.ready:
-            return nodemanager_pb2.GetStatusResponse(ready=False)
+            return nodemanager_pb2.GetStatusResponse(ready=False, incarnation=self.incarnation)
         # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.
         cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
         endpoints = [
@@ -113,7 +114,9 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
             )
             for e in cmd.endpoints
         ]
-        return nodemanager_pb2.GetStatusResponse(ready=True, endpoints=endpoints)
+        return nodemanager_pb2.GetStatusResponse(
+            ready=True, endpoints=endpoints, incarnation=self.incarnation
+        )
 
     async def RestartEngines(
         self, req: nodemanager_pb2.RestartEnginesRequest, ctx: grpc.aio.ServicerContext
@@ -296,6 +299,7 @@ class NodeAgent:
         model: str = "motor-sim",
         engine_type: int = common_pb2.ENGINE_TYPE_SIM,
         device_count: int = 0,
+        incarnation: int = 0,
     ) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
@@ -313,6 +317,7 @@ class NodeAgent:
                 dp=dp, tp=nnodes, pp=1, ep=1, nnodes=nnodes
             ),  # tp splits over the nodes
             node_rank=node_rank,
+            incarnation=incarnation,
         )
         self.node_id = 0
         self.epoch = 0

@@ -331,3 +331,43 @@ async def test_node_mismatch_is_not_retried(tmp_path, node_managers) -> None:
         [gone] = await until(lambda: h.instances(status=DELETED))
         assert gone.id == 1 and len(a.starts) == 1
         assert (await agent.beat()).directive == controller_pb2.DIRECTIVE_REREGISTER
+
+
+# ---- a NodeManager restarted in place ----------------------------------------------------------
+
+
+async def test_a_restarted_node_manager_retires_its_instance_at_once(tmp_path, node_managers) -> None:
+    nm = await node_managers()
+    # A heartbeat timeout far away: only the restart proof can retire the old instance in time.
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=600) as h:
+        nm.incarnation = 100
+        old = h.agent(job="p", nm=nm, incarnation=100)
+        await old.register()
+        await until(lambda: nm.starts)
+        await old.beat(NORMAL)
+        await until(lambda: h.instances(status=ACTIVE))
+        old.drop_stream()  # the process died
+        nm.incarnation = 200  # a new process answers at the same address
+        resp = await h.agent(job="p", nm=nm, incarnation=200).register()
+        assert resp.node_id != old.node_id
+        await until(lambda: len(nm.starts) == 2)
+        assert nm.starts[1].instance_id == 2  # assembled again, under a new id
+        assert [i.id for i in await h.instances(status=DELETED)] == [1]
+
+
+async def test_a_stale_or_forged_registration_cannot_evict_a_live_member(tmp_path, node_managers) -> None:
+    nm = await node_managers()
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=600) as h:
+        nm.incarnation = 100
+        live = h.agent(job="p", nm=nm, incarnation=100)
+        await live.register()
+        await until(lambda: nm.starts)
+        # An earlier process's registration arriving late, and one claiming a later process while
+        # the address still answers with the live one's incarnation: both refused.
+        for incarnation in (50, 300):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.agent(job="p", nm=nm, incarnation=incarnation).register()
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        (inst,) = await h.instances()
+        assert inst.id == 1 and len(nm.starts) == 1
+        assert (await live.beat(NORMAL)).HasField("ack")  # its session is untouched

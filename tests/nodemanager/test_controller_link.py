@@ -47,6 +47,8 @@ async def test_registration_retries_until_controller_is_up(tmp_path: Path, start
         fake = ctl.fake
         await until(lambda: fake.beats(), 15, "a beat")
         (reg,) = fake.registers
+        incarnation = (await nm.status()).incarnation  # this process, as GetStatus says
+        assert incarnation > 0
         assert reg == controller_pb2.RegisterRequest(
             job_name="job-a",
             role=common_pb2.ROLE_PREFILL,
@@ -60,6 +62,7 @@ async def test_registration_retries_until_controller_is_up(tmp_path: Path, start
             node_rank=0,
             instance_id=0,
             pd_protocol=common_pb2.PD_PROTOCOL_VLLM,
+            incarnation=incarnation,
         )
         first = fake.beats()[0]
         assert (first.node_id, first.session_epoch, list(first.endpoints)) == (7, 1, [])

@@ -128,6 +128,7 @@ class RegisterRequest(_message.Message):
     NODE_RANK_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PD_PROTOCOL_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
     """The job this node serves; every NodeManager of one instance registers with the same name.
     Required.
@@ -150,6 +151,13 @@ class RegisterRequest(_message.Message):
     """Non-zero on a re-register after a restart."""
     pd_protocol: _common_pb2.PdProtocol.ValueType
     """The KV hand-off protocol the engines speak; UNSPECIFIED = from engine_type."""
+    incarnation: _builtins.int
+    """This NodeManager process, set once when it starts (wall-clock nanoseconds), so a later
+    process on the same host and port has a larger one. A registration with a larger
+    incarnation than the member of a live instance at that address, confirmed by the address
+    itself answering GetStatus with it, proves the old process and its engines are gone: the
+    old instance is deleted at once instead of after the heartbeat timeout. 0 = not known.
+    """
     @_builtins.property
     def ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Business (HTTP) ports of this node's engines, one per endpoint (DP rank). At least one, no
@@ -175,10 +183,11 @@ class RegisterRequest(_message.Message):
         node_rank: _builtins.int = ...,
         instance_id: _builtins.int = ...,
         pd_protocol: _common_pb2.PdProtocol.ValueType = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["parallel", b"parallel"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_count", b"device_count", "engine_type", b"engine_type", "host", b"host", "instance_id", b"instance_id", "job_name", b"job_name", "model_name", b"model_name", "nm_port", b"nm_port", "node_rank", b"node_rank", "parallel", b"parallel", "pd_protocol", b"pd_protocol", "ports", b"ports", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_count", b"device_count", "engine_type", b"engine_type", "host", b"host", "incarnation", b"incarnation", "instance_id", b"instance_id", "job_name", b"job_name", "model_name", b"model_name", "nm_port", b"nm_port", "node_rank", b"node_rank", "parallel", b"parallel", "pd_protocol", b"pd_protocol", "ports", b"ports", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -215,6 +215,7 @@ class GetStatusResponse(_message.Message):
     RELAUNCH_COUNT_FIELD_NUMBER: _builtins.int
     FROZEN_UNTIL_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     """Every engine alive and ready as the request asked (strict or relaxed). False with no
     engines, while paused and while a relaunch runs.
@@ -223,6 +224,8 @@ class GetStatusResponse(_message.Message):
     """Relaunches since this NodeManager started."""
     instance_id: _builtins.int
     """The instance this node serves; 0 = none yet."""
+    incarnation: _builtins.int
+    """This NodeManager process (as in RegisterRequest.incarnation)."""
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
         """As reported on the heartbeat stream (PAUSED while paused, INITIAL during a relaunch)."""
@@ -239,10 +242,11 @@ class GetStatusResponse(_message.Message):
         relaunch_count: _builtins.int = ...,
         frozen_until: _timestamp_pb2.Timestamp | None = ...,
         instance_id: _builtins.int = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frozen_until", b"frozen_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "frozen_until", b"frozen_until", "instance_id", b"instance_id", "ready", b"ready", "relaunch_count", b"relaunch_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "frozen_until", b"frozen_until", "incarnation", b"incarnation", "instance_id", b"instance_id", "ready", b"ready", "relaunch_count", b"relaunch_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
