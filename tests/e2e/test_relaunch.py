@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster, poll
 from tests.procs import motor_argv
+from tests.standins import prepend_path, write_vllm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,3 +122,41 @@ def motor(c: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 def status_of(c: Cluster, instance_id: int) -> str:
     return next(i["status"] for i in c.controller_instances() if i["id"] == instance_id)
+
+
+def test_a_relaunch_that_cannot_start_falls_back_to_restarting_the_node(tmp_path) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    bin_dir = write_vllm(tmp_path / "bin")
+    env = {"PATH": prepend_path(bin_dir, os.environ.get("PATH")), "STANDIN_RECORDS": str(records)}
+    c = Cluster(tmp_path, "--engine-type", "vllm", env=env)
+    try:
+        c.wait_ready()
+        decode = poll(lambda: [i for i in decode_instances(c) if i["status"] == "INSTANCE_STATUS_ACTIVE"])[0]
+        pgid = int(decode["endpoints"][0]["pid"])
+        nm_pid = c.nodemanager_pid(1)
+        # The engine cannot be launched again: `vllm` is no longer executable.
+        (bin_dir / "vllm").chmod(0o644)
+        os.killpg(pgid, signal.SIGKILL)
+        c.proc.wait_line(lambda s: "event=strategy_failed" in s and f"instance_id={decode['id']}" in s, 30)
+        (bin_dir / "vllm").chmod(0o755)  # the restarted node can launch it
+        # Phase 2 told the decode node to give up holding its fallback; the escalation stopped
+        # it; motor up restarted it; the instance is assembled again and serves.
+        c.proc.wait_line(lambda s: s.startswith("[nm-1] ") and "event=unfrozen" in s, 10)
+        c.proc.wait_line(lambda s: s.startswith("[nm-1] ") and "event=stop_requested" in s, 10)
+        c.proc.wait_line("event=restart component=nm-1", 20)
+        poll(lambda: c.nodemanager_pid(1) != nm_pid)
+        rebuilt = poll(
+            lambda: [
+                i
+                for i in decode_instances(c)
+                if i["status"] == "INSTANCE_STATUS_ACTIVE" and i["id"] != decode["id"]
+            ],
+            timeout=40,
+        )[0]
+        assert int(rebuilt["endpoints"][0]["pid"]) not in (0, pgid)
+        assert not any(line.startswith("[nm-0] ") and "event=unfrozen" in line for line in c.proc.lines)
+        client = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="motor-sim", messages=MESSAGES, max_tokens=4).choices
+    finally:
+        c.cleanup()
