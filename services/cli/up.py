@@ -2,7 +2,7 @@
 
 Controller and Coordinator first; once both report SERVING, one NodeManager per instance (in the
 order prefill, decode, union), each launching its engines. Children that exit unasked are
-restarted with backoff (1 s doubling to 10 s), like pods. ``READY http://host:port`` goes to
+restarted with backoff (0.1 s doubling to 10 s), like pods. ``READY http://host:port`` goes to
 stdout exactly once, when the Coordinator is routable; every child's log goes to stderr with a
 ``[name] `` prefix (engines: ``[engine-<k>] ``).
 
@@ -47,7 +47,9 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task[None] | None = None
     restarts: int = 0
-    backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=1.0, maximum=10.0))
+    # A child that was running fine is back at once (its work waits on it); one that keeps
+    # crashing slows down to one try every 10 s.
+    backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=0.1, maximum=10.0))
     started: float = 0.0
 
 

@@ -147,6 +147,8 @@ class FaultManager:
                 "instance_separated" if separated else "instance_reunited", instance_id=inst.id, level=level
             )
         running = state.running
+        if running is not None:
+            running.strategy.poke()  # something changed: let it look now
         if separated and running is not None and running.strategy.rank < level:
             self._preempt(inst, state, f"L{level} fault")
             running = None

@@ -70,6 +70,7 @@ class HeartbeatHub:
             raise _stale(node_id)
         member = session.member
         member.open_streams += 1
+        member.stream_lost = False
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)
@@ -107,6 +108,9 @@ class HeartbeatHub:
             member.open_streams -= 1
             # A broken stream starts the heartbeat clock at once.
             member.last_heard = clock()
+            if member.open_streams == 0 and member.instance is not None and session.valid:
+                member.stream_lost = True
+                self.enqueue(member.instance.id)
             if task is not None:
                 self._streams.discard(task)
 

@@ -3,7 +3,9 @@
 ``reconcile(instance_id)`` compares the instance with the latest observations (the heartbeat
 handlers record them and enqueue the id):
 
-1. a NodeManager silent for ``instance_heartbeat_timeout_s`` → DELETED;
+1. a NodeManager silent for ``instance_heartbeat_timeout_s`` → DELETED; one whose stream just
+   broke and that does not answer a probe → its endpoints ABNORMAL (the instance leaves
+   routing now; the heartbeat timeout or its restart decides the rest);
 2. the endpoint statuses → the state machine's next status (persisted, then observers told);
 3. members whose engines are not running yet → ``StartEngines``. A failed round is retried with
    the key's backoff up to ``start_command_retries`` times, then the instance is DELETED;
@@ -71,6 +73,9 @@ class InstanceReconciler:
             )
             self.table.transition(inst, sm.after_heartbeat_timeout(inst.status), "heartbeat_timeout")
             return DONE
+        lost = [m for m in inst.members if m.stream_lost and not m.open_streams]
+        if lost:
+            await self._probe_lost(inst, lost)
         self.evaluate(inst)
         if any(m.started is False for m in inst.members):
             await self._start(inst)
@@ -78,6 +83,19 @@ class InstanceReconciler:
         if inst.status != sm.DELETED and self.faults.reconcile(inst):
             self.evaluate(inst)  # separated, or no longer
         return DONE
+
+    async def _probe_lost(self, inst: Instance, lost: list[Member]) -> None:
+        answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in lost))
+        for m, alive in zip(lost, answers, strict=True):
+            if m.open_streams:
+                continue  # it came back while we asked
+            m.stream_lost = False
+            if alive:
+                continue  # its stream will be back; its beats tell the rest
+            log.warn("node_manager_unreachable", instance_id=inst.id, node_manager=m.address)
+            for ep in m.by_id.values():
+                ep.status = sm.EP_ABNORMAL
+            m.beat_fingerprint = None  # its next beat, if any, is applied in full
 
     def evaluate(self, inst: Instance) -> None:
         """Run the state machine on the endpoint statuses last reported."""

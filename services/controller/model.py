@@ -57,6 +57,9 @@ class Member:
     last_heard: float = 0.0
     session: Session | None = None
     open_streams: int = 0
+    # Its last stream broke and no other is open: the instance reconcile asks whether the
+    # NodeManager is still there (a dead one's engines are about to go too).
+    stream_lost: bool = False
     instance: Instance | None = None  # None while the instance is still assembling
     # Assembled members only: the instance's endpoints this NodeManager serves, looked up by the
     # id it was given in StartEngines, or by port for a NodeManager that reports local ids.

@@ -10,6 +10,7 @@ still be done without waiting for anyone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Protocol
 
@@ -38,6 +39,8 @@ class Strategy(Protocol):
     async def run(self) -> None: ...
 
     def stopped(self) -> None: ...
+
+    def poke(self) -> None: ...
 
 
 def _accepted(result: object) -> bool:
@@ -78,6 +81,7 @@ class EngineRelaunch:
         self.threshold = cfg.engine_relaunch_nm_unreachable_threshold
         self.accepted: set[str] = set()
         self.phase = "probe"
+        self._wake = asyncio.Event()
 
     async def run(self) -> None:
         try:
@@ -136,6 +140,10 @@ class EngineRelaunch:
                 else:
                     misses[a] = 0
                     ready = ready and answer.ready
+                    died = [e.id for e in answer.endpoints if e.status == enums.EP_ABNORMAL and not e.pid]
+                    if died:
+                        # The relaunched engines died again: waiting out the timeout would not help.
+                        raise StrategyFailed(f"engine(s) {died} on {a} died again after the relaunch")
             if ready:
                 # What every NodeManager just said is newer than the last beats: recorded now,
                 # the next look at the instance does not take the dead engines for still dead.
@@ -145,7 +153,17 @@ class EngineRelaunch:
                 return
             if time.monotonic() >= deadline:
                 raise StrategyFailed(f"engines not ready {self.timeout_s:.0f}s after the relaunch")
-            await asyncio.sleep(self.poll_s)
+            self._wake.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the event is set, and a preempted strategy must stop.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
+
+    def poke(self) -> None:
+        """The instance changed (a beat): poll now rather than at the next interval, so the
+        strategy ends as soon as the engines are up and a later fault starts a new one."""
+        self._wake.set()
 
     def _observe(self, address: str, answer: nodemanager_pb2.GetStatusResponse) -> None:
         member = next((m for m in self.inst.members if m.address == address), None)
@@ -209,4 +227,7 @@ class Terminate:
             raise StrategyFailed(f"Stop did not reach {', '.join(unreached)}")
 
     def stopped(self) -> None:
+        pass
+
+    def poke(self) -> None:
         pass

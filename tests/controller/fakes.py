@@ -75,6 +75,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.ready = False
         self.status_error: errors.MotorError | None = None
         self.incarnation = 0  # what GetStatus says this process is
+        self.engines_dead = False  # GetStatus: every engine ABNORMAL with no process
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -104,6 +105,15 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     ) -> nodemanager_pb2.GetStatusResponse:
         if self.status_error is not None:
             raise self.status_error
+        if self.engines_dead:
+            cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
+            dead = [
+                common_pb2.Endpoint(id=e.id, status=common_pb2.ENDPOINT_STATUS_ABNORMAL)
+                for e in cmd.endpoints
+            ]
+            return nodemanager_pb2.GetStatusResponse(
+                ready=False, endpoints=dead, incarnation=self.incarnation
+            )
         if not self.ready:
             return nodemanager_pb2.GetStatusResponse(ready=False, incarnation=self.incarnation)
         # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.

@@ -13,7 +13,7 @@ from services.common import errors
 from services.common.errors import details_of
 from services.controller import assembler, assembly, validation
 from services.controller.model import JobSpec, Member
-from tests.controller.fakes import ACTIVE, DELETED, INITIAL, NORMAL, running_controller, until
+from tests.controller.fakes import ACTIVE, DELETED, INACTIVE, INITIAL, NORMAL, running_controller, until
 
 SIM, SGLANG = common_pb2.ENGINE_TYPE_SIM, common_pb2.ENGINE_TYPE_SGLANG
 
@@ -371,3 +371,36 @@ async def test_a_stale_or_forged_registration_cannot_evict_a_live_member(tmp_pat
         (inst,) = await h.instances()
         assert inst.id == 1 and len(nm.starts) == 1
         assert (await live.beat(NORMAL)).HasField("ack")  # its session is untouched
+
+
+async def test_a_node_manager_gone_with_its_stream_takes_its_instance_out_at_once(
+    tmp_path, node_managers, caplog: pytest.LogCaptureFixture
+) -> None:
+    alive, dead = await node_managers(), await node_managers()
+    # The heartbeat timeout is far away: only the probe after the broken stream can act in time.
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=600) as h:
+        agents = {}
+        for job, nm, port in (("a", alive, 10000), ("d", dead, 10002)):
+            agents[job] = h.agent(job=job, nm=nm, ports=(port,))
+            await agents[job].register()
+            await until(lambda nm=nm: nm.starts)
+            await agents[job].beat(NORMAL)
+        await until(lambda: _count(h, ACTIVE, 2))
+        agents["a"].drop_stream()  # a blip: the NodeManager still answers
+        await dead.stop()  # this one is gone: its stream breaks and it answers nothing
+        agents["d"].drop_stream()
+
+        def unreachable() -> list[str]:
+            return [
+                r.fields["node_manager"]  # type: ignore[attr-defined]
+                for r in caplog.records
+                if getattr(r, "event", "") == "node_manager_unreachable"
+            ]
+
+        assert await until(unreachable) == [f"127.0.0.1:{dead.port}"]
+        statuses = {i.job_name: i.status for i in await h.instances()}
+        assert statuses == {"a": ACTIVE, "d": INACTIVE}
+
+
+async def _count(h, status: int, n: int) -> bool:
+    return len(await h.instances(status=status)) == n

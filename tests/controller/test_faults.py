@@ -120,6 +120,17 @@ async def test_a_failed_relaunch_escalates_to_terminating_the_instance(tmp_path,
         assert await h.instances() == []
 
 
+async def test_engines_that_die_again_fail_the_relaunch_at_once(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    # Complete timeout 10 minutes: only the fast failure can end it within the test.
+    async with running_controller(tmp_path, **FAST, engine_relaunch_complete_timeout_s=600) as h:
+        first, _ = await active_pair(h, a, b)
+        b.engines_dead = True  # its relaunched engine starts, then dies
+        await engine_event(first)
+        await until(lambda: a.stops and b.stops)  # escalated to Terminate
+        assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
+
+
 async def test_relaunch_disabled_leaves_recovery_to_the_pods(tmp_path, node_managers) -> None:
     a, b = await node_managers(), await node_managers()
     async with running_controller(tmp_path, **FAST, enable_engine_relaunch=False) as h:

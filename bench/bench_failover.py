@@ -1,0 +1,279 @@
+"""Failover: how fast a killed engine or NodeManager is noticed and serving again, under load.
+
+`motor up --prefill 1 --decode 2` (simulated engines) with one client sending non-streaming
+chat completions one after another. Each round SIGKILLs one decode instance's engine process
+group (10 rounds), then one decode NodeManager (10 rounds), alternating between the two decode
+instances and waiting for all three instances to be ACTIVE in between. Per round:
+
+- detection: the kill → the Controller no longer lists the instance ACTIVE (polled every 10 ms);
+- recovery overhead: the kill → a decode instance of that job is ACTIVE again with a new
+  engine, minus the simulated engine's own start time (spawn → /health 200, measured alone);
+- failed requests while the round ran.
+
+Everything runs twice: with engine relaunch (the default) and with it disabled
+(`controller.enable_engine_relaunch = false`: the NodeManager's pod-restart fallback instead).
+Targets: detection < 1 s, overhead < 2 s, no failed request while another pair exists.
+
+    python -m bench.bench_failover [--rounds 10]
+    python -m bench failover
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import openai
+from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+
+from bench.loadgen.harness import machine
+from tests.e2e.cluster import CONTROLLER, HTTP, NM, free_offset
+
+RESULTS = Path(__file__).parent / "results" / "failover.md"
+DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
+ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
+DECODE = common_pb2.ROLE_DECODE
+
+
+@dataclass
+class Round:
+    kind: str
+    detect_s: float
+    serving_s: float
+    failed: int
+
+
+@dataclass
+class Load:
+    """One client, one request at a time, counting failures."""
+
+    url: str
+    ok: int = 0
+    failed: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": "failover"}]
+        while not self.stop.is_set():
+            try:
+                client.chat.completions.create(model="motor-sim", messages=messages, max_tokens=4)
+                self.ok += 1
+            except Exception:
+                self.failed += 1
+                time.sleep(0.01)
+
+
+def engine_start_s(runs: int = 5) -> float:
+    """Median time from spawning the simulated engine to its /health answering 200."""
+    times = []
+    for _ in range(runs):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "engine-sim", "serve", "motor-sim", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.005)
+            times.append(time.perf_counter() - start)
+        finally:
+            proc.kill()
+            proc.wait()
+    return statistics.median(times)
+
+
+class Cluster:
+    def __init__(self, relaunch: bool) -> None:
+        self.off = free_offset(3)
+        self.tmp = tempfile.TemporaryDirectory()
+        cfg = Path(self.tmp.name) / "cfg.json"
+        cfg.write_text(json.dumps({"controller": {"enable_engine_relaunch": relaunch}}))
+        argv = ["up", "--prefill", "1", "--decode", "2", "--config", str(cfg), "--port-offset", str(self.off)]
+        argv += ["--state-dir", str(Path(self.tmp.name) / "state")]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"motor up did not get ready: {line!r}")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{CONTROLLER + self.off}")
+        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.url = f"http://127.0.0.1:{HTTP + self.off}"
+
+    def instances(self) -> list[common_pb2.Instance]:
+        return list(self.stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances)
+
+    def all_active(self, timeout: float = 120) -> list[common_pb2.Instance]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = self.instances()
+            if len(live) == 3 and all(i.status == ACTIVE for i in live):
+                return live
+            time.sleep(0.05)
+        raise RuntimeError("the cluster did not come back to three ACTIVE instances")
+
+    def nodemanager_pid(self, port: int) -> int:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"nodemanager" in cmd and str(port).encode() in cmd:
+                    return int(entry.name)
+        raise RuntimeError(f"no NodeManager on port {port}")
+
+    def close(self) -> None:
+        self.channel.close()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.tmp.cleanup()
+
+
+def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
+    """Kill decode instance number ``target`` (0 or 1 by job) the ``kind`` way; time it."""
+    decodes = sorted((i for i in c.all_active() if i.role == DECODE), key=lambda i: i.job_name)
+    victim = decodes[target]
+    nm_index = 1 + target  # motor up numbers NodeManagers prefill, decode, decode
+    failed_before = load.failed
+    start = time.perf_counter()
+    if kind == "engine":
+        os.killpg(victim.endpoints[0].pid, signal.SIGKILL)
+    else:
+        os.kill(c.nodemanager_pid(NM + nm_index + c.off), signal.SIGKILL)
+    detect = serving = 0.0
+    while True:
+        now = time.perf_counter() - start
+        mine = [i for i in c.instances() if i.job_name == victim.job_name]
+        if not detect and not any(i.id == victim.id and i.status == ACTIVE for i in mine):
+            detect = now
+        if detect and any(
+            i.status == ACTIVE and i.endpoints[0].pid not in (0, victim.endpoints[0].pid) for i in mine
+        ):
+            serving = now
+            break
+        if now > 120:
+            states = [(i.id, i.job_name, i.status, [(e.pid, e.status) for e in i.endpoints]) for i in mine]
+            raise RuntimeError(f"{kind} round did not recover in 120 s: {states}")
+        time.sleep(0.01)
+    result = Round(kind, detect, serving, load.failed - failed_before)
+    print(
+        f"{kind} round: detect {detect:.3f}s serving {serving:.2f}s failed {result.failed}", file=sys.stderr
+    )
+    return result
+
+
+def run_mode(relaunch: bool, rounds: int) -> list[Round]:
+    c = Cluster(relaunch)
+    load = Load(c.url)
+    thread = threading.Thread(target=load.run, daemon=True)
+    try:
+        c.all_active()
+        thread.start()
+        out = [one_round(c, load, kind, r % 2) for kind in ("engine", "nodemanager") for r in range(rounds)]
+        c.all_active()
+        return out
+    finally:
+        load.stop.set()
+        thread.join(40)
+        c.close()
+
+
+def summary(rounds: list[Round], kind: str, engine_s: float) -> list[str]:
+    mine = [r for r in rounds if r.kind == kind]
+    detect = sorted(r.detect_s for r in mine)
+    overhead = sorted(max(0.0, r.serving_s - engine_s) for r in mine)
+    return [
+        f"{statistics.median(detect):.3f}",
+        f"{detect[-1]:.3f}",
+        f"{statistics.median(overhead):.2f}",
+        f"{overhead[-1]:.2f}",
+        str(sum(r.failed for r in mine)),
+    ]
+
+
+def verdict(rounds: list[Round], engine_s: float) -> str:
+    detect = max(r.detect_s for r in rounds)
+    overhead = max(r.serving_s - engine_s for r in rounds)
+    failed = sum(r.failed for r in rounds)
+    missed = [
+        name
+        for name, bad in (
+            (f"detection (worst {detect:.3f} s ≥ {DETECT_TARGET_S:.0f} s)", detect >= DETECT_TARGET_S),
+            (f"overhead (worst {overhead:.2f} s ≥ {OVERHEAD_TARGET_S:.0f} s)", overhead >= OVERHEAD_TARGET_S),
+            (f"failed requests ({failed})", failed > 0),
+        )
+        if bad
+    ]
+    return "all targets met" if not missed else "**missed: " + "; ".join(missed) + "**"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_failover")
+    p.add_argument("--rounds", type=int, default=10, help="kills of each kind per mode")
+    args = p.parse_args(argv or [])  # `python -m bench failover` runs the defaults
+    engine_s = engine_start_s()
+    results = {mode: run_mode(mode == "relaunch on", args.rounds) for mode in ("relaunch on", "relaunch off")}
+    rows = []
+    for mode, rounds in results.items():
+        for kind in ("engine", "nodemanager"):
+            rows.append(f"| {mode} | {kind} SIGKILL | " + " | ".join(summary(rounds, kind, engine_s)) + " |")
+    lines = [
+        "# Failover under load (motor up --prefill 1 --decode 2, simulated engines)",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, {machine()}, {args.rounds} kills of each kind per mode, one client "
+        "sending non-streaming requests back to back",
+        "",
+        f"Engine's own start time (spawn → /health 200, median of 5): {engine_s:.2f} s, subtracted from "
+        "the time to serving again.",
+        "",
+        "| mode | fault | detection p50 s | detection max s | overhead p50 s | overhead max s"
+        " | failed requests |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Targets: detection < {DETECT_TARGET_S:.0f} s, overhead < {OVERHEAD_TARGET_S:.0f} s, "
+        "0 failed requests while another pair exists.",
+        "",
+        *(f"- {mode}: {verdict(rounds, engine_s)}" for mode, rounds in results.items()),
+        "",
+    ]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
