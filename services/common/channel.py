@@ -117,12 +117,18 @@ def open_channel(
     tls: ServerConfig | None = None,
     max_message_bytes: int = 4 * 1024 * 1024,
     service: str = "client",
+    retries: bool = True,
 ) -> grpc.aio.Channel:
     """A channel to ``target`` ("host:port"). ``tls`` is the caller's own config section: with
-    a CA file the channel uses TLS, with a certificate and key as well it presents them (mTLS)."""
+    a CA file the channel uses TLS, with a certificate and key as well it presents them (mTLS).
+    ``retries=False``: idempotent calls are not retried on UNAVAILABLE (a probe that must say
+    "gone" at once rather than after the retry backoff)."""
     interceptors: list[Any] = [_UnaryDefaults(key), _UnaryStreamDefaults(key), _StreamStreamDefaults(key)]
     interceptors += telemetry.client_interceptors(service)
     options = channel_options(max_message_bytes)
+    if not retries:
+        options = [o for o in options if o[0] != "grpc.service_config"] + [("grpc.enable_retries", 0)]
+        options = [o for o in options if o != ("grpc.enable_retries", 1)]
     if tls is not None and tls.tls_ca_file:
         creds = grpc.ssl_channel_credentials(
             root_certificates=Path(tls.tls_ca_file).read_bytes(),

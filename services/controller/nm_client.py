@@ -33,21 +33,30 @@ class NodeManagerClients:
         self._tls = tls
         self._max = max_message_bytes
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._probes: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._closing: set[asyncio.Task[None]] = set()
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
-    def stub(self, address: str) -> nodemanager_pb2_grpc.NodeManagerAsyncStub:
-        ch = self._channels.get(address)
+    def stub(self, address: str, probe: bool = False) -> nodemanager_pb2_grpc.NodeManagerAsyncStub:
+        """A stub on the cached channel to ``address``; ``probe``: on a channel that does not
+        retry, so a NodeManager that is gone is known as gone at once."""
+        cache = self._probes if probe else self._channels
+        ch = cache.get(address)
         if ch is None:
             ch = open_channel(
-                address, key=self._key, tls=self._tls, max_message_bytes=self._max, service="controller"
+                address,
+                key=self._key,
+                tls=self._tls,
+                max_message_bytes=self._max,
+                service="controller",
+                retries=not probe,
             )
-            self._channels[address] = ch
-            while len(self._channels) > CACHE_SIZE:
-                _, old = self._channels.popitem(last=False)
+            cache[address] = ch
+            while len(cache) > CACHE_SIZE:
+                _, old = cache.popitem(last=False)
                 self._close_later(old)
         else:
-            self._channels.move_to_end(address)
+            cache.move_to_end(address)
         return nodemanager_pb2_grpc.NodeManagerStub(ch)
 
     async def reachable(self, address: str, probe_timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -56,7 +65,7 @@ class NodeManagerClients:
         for attempt in range(PROBE_ATTEMPTS):
             try:
                 async with self._in_flight:
-                    await self.stub(address).GetStatus(
+                    await self.stub(address, probe=True).GetStatus(
                         nodemanager_pb2.GetStatusRequest(relaxed=True),
                         timeout=probe_timeout_s,
                         wait_for_ready=False,
@@ -74,9 +83,11 @@ class NodeManagerClients:
         async with self._in_flight:
             return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
 
-    async def get_status(self, address: str, relaxed: bool = True) -> nodemanager_pb2.GetStatusResponse:
+    async def get_status(
+        self, address: str, relaxed: bool = True, probe: bool = False
+    ) -> nodemanager_pb2.GetStatusResponse:
         async with self._in_flight:
-            return await self.stub(address).GetStatus(
+            return await self.stub(address, probe=probe).GetStatus(
                 nodemanager_pb2.GetStatusRequest(relaxed=relaxed),
                 timeout=PROBE_TIMEOUT_S,
                 wait_for_ready=False,
@@ -101,6 +112,7 @@ class NodeManagerClients:
         task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        channels = list(self._channels.values())
+        channels = [*self._channels.values(), *self._probes.values()]
         self._channels.clear()
+        self._probes.clear()
         await asyncio.gather(*(c.close(grace=0.5) for c in channels), *self._closing, return_exceptions=True)

@@ -1,9 +1,10 @@
 """One engine endpoint: its process group, its readiness and its death.
 
 Status: INITIAL until the process runs, WAIT_TO_START until ``/health`` answers 200 and
-``/v1/models`` lists the model, then NORMAL. Headless engines have no HTTP server and are NORMAL
-while alive. ``max_probe_failures`` consecutive failures make an endpoint ABNORMAL, but only once
-it was NORMAL or its start-up window is over (a model may take minutes to load).
+``/v1/models`` lists the model (probed every 0.1 s until then), then NORMAL. Headless engines
+have no HTTP server and are NORMAL while alive. ``max_probe_failures`` consecutive failures make
+an endpoint ABNORMAL, but only once it was NORMAL or its start-up window is over (a model may
+take minutes to load).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from services.common.config import NodeManagerConfig
 from services.nodemanager.launch import EndpointSpec, LaunchParams
 
 _LINE_LIMIT = 1 << 20
+STARTUP_PROBE_S = 0.1
 _EXIT_POLL_S = 0.05
 
 
@@ -206,7 +208,11 @@ class Engine:
 
     async def _probe_loop(self) -> None:
         while self.alive:
-            await asyncio.sleep(self.timing.poll_s)
+            # Until it first answers, an engine is looked at often: the instance is out of
+            # service until then, and a probe of a loading engine costs a refused connection.
+            await asyncio.sleep(
+                self.timing.poll_s if self.ever_normal else min(self.timing.poll_s, STARTUP_PROBE_S)
+            )
             if not self.alive or self.stopping:
                 return
             ok, why = await self._probe()

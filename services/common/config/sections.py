@@ -226,7 +226,8 @@ class NodeManagerConfig(ServerConfig):
     """Directory of `engines.json`, the record of engine process groups (so a restarted
     NodeManager can stop the engines an earlier one left behind)."""
     status_poll_interval_s: float = setting(1, c.DURATION)
-    """How often each engine's `/health` is probed."""
+    """How often each engine's `/health` is probed once it has answered (every 0.1 s before,
+    so a started engine is in service at once)."""
     status_probe_timeout_s: float = setting(2, c.DURATION)
     """Deadline of one health probe."""
     max_probe_failures: int = setting(2, c.COUNT)
