@@ -83,15 +83,32 @@ class NodeManagerClients:
         async with self._in_flight:
             return await self.stub(address).StartEngines(request, timeout=START_TIMEOUT_S)
 
-    async def get_status(
-        self, address: str, relaxed: bool = True, probe: bool = False
-    ) -> nodemanager_pb2.GetStatusResponse:
+    async def get_status(self, address: str, relaxed: bool = True) -> nodemanager_pb2.GetStatusResponse:
         async with self._in_flight:
-            return await self.stub(address, probe=probe).GetStatus(
+            return await self.stub(address).GetStatus(
                 nodemanager_pb2.GetStatusRequest(relaxed=relaxed),
                 timeout=PROBE_TIMEOUT_S,
                 wait_for_ready=False,
             )
+
+    async def status_now(self, address: str) -> nodemanager_pb2.GetStatusResponse:
+        """GetStatus on a channel of its own: the cached one to an address whose process just
+        died is in reconnect backoff and would fail a call to its successor for a while."""
+        channel = open_channel(
+            address,
+            key=self._key,
+            tls=self._tls,
+            max_message_bytes=self._max,
+            service="controller",
+            retries=False,
+        )
+        try:
+            async with self._in_flight:
+                return await nodemanager_pb2_grpc.NodeManagerStub(channel).GetStatus(
+                    nodemanager_pb2.GetStatusRequest(relaxed=True), timeout=PROBE_TIMEOUT_S
+                )
+        finally:
+            await channel.close()
 
     async def restart_engines(
         self, address: str, action: nodemanager_pb2.RestartAction.ValueType, instance_id: int

@@ -87,7 +87,7 @@ class Registrar:
         earlier one held the port while alive, so it is gone, and the new one stopped its
         engines before registering. A stale or forged registration fails this check."""
         try:
-            status = await self.nm_clients.get_status(f"{req.host}:{req.nm_port}", probe=True)
+            status = await self.nm_clients.status_now(f"{req.host}:{req.nm_port}")
         except grpc.RpcError:
             return False
         return status.incarnation == req.incarnation

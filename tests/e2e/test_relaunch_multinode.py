@@ -51,7 +51,9 @@ def test_both_nodes_of_an_instance_relaunch_together(tmp_path: Path) -> None:
                 "status_poll_interval_s": 0.2,
             }
             nm_cfg.write_text(json.dumps({"nodemanager": section}))
-            nodes.append(Proc(motor_argv("nodemanager", "--config", str(nm_cfg), "--port", "0"), cwd=tmp_path))
+            nodes.append(
+                Proc(motor_argv("nodemanager", "--config", str(nm_cfg), "--port", "0"), cwd=tmp_path)
+            )
         procs += nodes
 
         def active() -> dict[str, Any] | None:

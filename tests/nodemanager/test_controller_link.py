@@ -235,3 +235,40 @@ async def test_dead_engine_without_relaunch_leads_to_suicide(tmp_path: Path, con
     assert await nm.wait_exit() != 0
     assert "suicide" in await nm.wait_line("event=exiting")
     assert port_free(port)
+
+
+async def test_controller_down_when_the_engine_dies_means_no_freeze(
+    tmp_path: Path, controller, start_nm
+) -> None:
+    # Relaunch is on, but nobody acknowledges the death report: nothing will relaunch the
+    # engine, so the node must not hold its fallback; it restarts promptly.
+    controller.fake.relaunch_enabled = True
+    port = free_port_pair()
+    nm = await start_nm(nm_config(tmp_path, [port], job_name="job-a", controller=controller.address))
+    pid = (await nm.start_engines()).endpoints[0].pid
+    await nm.wait_ready()
+    await until(lambda: controller.fake.beats(), 10, "a beat")
+    await controller.stop()
+    os.killpg(pid, signal.SIGKILL)
+    assert await nm.wait_exit() != 0
+    assert "suicide" in await nm.wait_line("event=exiting")
+    assert not any("event=frozen" in line for line in nm.proc.lines)
+
+
+async def test_a_freeze_nobody_lifts_expires_and_the_node_restarts(
+    tmp_path: Path, controller, start_nm
+) -> None:
+    # The death report is acked (relaunch on) but neither RESTART nor ABORT ever comes, as when
+    # the Controller's ABORT is lost: the hold runs out on its own.
+    controller.fake.relaunch_enabled = True
+    port = free_port_pair()
+    cfg = nm_config(
+        tmp_path, [port], job_name="job-a", controller=controller.address, engine_restart_wait_timeout_s=1
+    )
+    nm = await start_nm(cfg)
+    pid = (await nm.start_engines()).endpoints[0].pid
+    await nm.wait_ready()
+    os.killpg(pid, signal.SIGKILL)
+    await nm.wait_line("event=frozen")
+    assert await nm.wait_exit() != 0
+    assert "suicide" in await nm.wait_line("event=exiting")
