@@ -3,7 +3,9 @@
 `motor up --prefill 1 --decode 2` (simulated engines) with one client sending non-streaming
 chat completions one after another. Each round SIGKILLs one decode instance's engine process
 group (10 rounds), then one decode NodeManager (10 rounds), alternating between the two decode
-instances and waiting for all three instances to be ACTIVE in between. Per round:
+instances and waiting for all three instances to be ACTIVE (and the node about to be hit to
+have run for motor up's healthy-run time, so no crash-loop backoff is measured) in between. Per
+round:
 
 - detection: the kill → the Controller no longer lists the instance ACTIVE (polled every 10 ms);
 - recovery overhead: the kill → a decode instance of that job is ACTIVE again with a new
@@ -40,7 +42,8 @@ import openai
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 from bench.loadgen.harness import machine
-from tests.e2e.cluster import CONTROLLER, HTTP, NM, free_offset
+from services.cli.up import HEALTHY_RUN_S
+from tests.e2e.cluster import CONTROLLER, HTTP, NM, free_offset, nodemanager_pid
 
 RESULTS = Path(__file__).parent / "results" / "failover.md"
 DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
@@ -140,17 +143,6 @@ class Cluster:
             time.sleep(0.05)
         raise RuntimeError("the cluster did not come back to three ACTIVE instances")
 
-    def nodemanager_pid(self, port: int) -> int:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"nodemanager" in cmd and str(port).encode() in cmd:
-                    return int(entry.name)
-        raise RuntimeError(f"no NodeManager on port {port}")
-
     def close(self) -> None:
         self.channel.close()
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -166,12 +158,17 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     decodes = sorted((i for i in c.all_active() if i.role == DECODE), key=lambda i: i.job_name)
     victim = decodes[target]
     nm_index = 1 + target  # motor up numbers NodeManagers prefill, decode, decode
+    # motor up restarts a child that crashed within HEALTHY_RUN_S of its last start with a
+    # growing delay (crash-loop backoff): every kill waits until the node has run that long, so
+    # each round measures the failover, not the backoff.
+    nm_pid = nodemanager_pid(NM + nm_index + c.off)
+    time.sleep(max(0.0, HEALTHY_RUN_S + 1 - process_age_s(nm_pid)))
     failed_before = load.failed
     start = time.perf_counter()
     if kind == "engine":
         os.killpg(victim.endpoints[0].pid, signal.SIGKILL)
     else:
-        os.kill(c.nodemanager_pid(NM + nm_index + c.off), signal.SIGKILL)
+        os.kill(nm_pid, signal.SIGKILL)
     detect = serving = 0.0
     while True:
         now = time.perf_counter() - start
@@ -192,6 +189,14 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
         f"{kind} round: detect {detect:.3f}s serving {serving:.2f}s failed {result.failed}", file=sys.stderr
     )
     return result
+
+
+def process_age_s(pid: int) -> float:
+    """How long process ``pid`` has been running."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_mode(relaunch: bool, rounds: int) -> list[Round]:

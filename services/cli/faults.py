@@ -13,6 +13,7 @@ import sys
 import grpc
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
+from services.cli.views import rpc_error_line
 from services.common.channel import open_channel
 from services.common.config import ConfigError, read_key_file
 
@@ -72,13 +73,7 @@ def main(argv: list[str]) -> int:
         print(f"motor faults: {err.errors[0]}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as err:
-        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            print(
-                f"motor faults: cannot reach the Controller at {args.controller} ({err.code().name})",
-                file=sys.stderr,
-            )
-        else:
-            print(f"motor faults: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(rpc_error_line("motor faults", args.controller, err), file=sys.stderr)
         return 1
     ids = " ".join(str(i) for i in resp.affected_instance_ids) or "none"
     print(f"affected instances: {ids}")

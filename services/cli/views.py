@@ -177,6 +177,13 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
 COMMANDS = {"instances": instances, "alarms": alarms, "status": status}
 
 
+def rpc_error_line(prog: str, controller: str, err: grpc.aio.AioRpcError) -> str:
+    """The one line a CLI command prints for a failed call to the Controller."""
+    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"{prog}: cannot reach the Controller at {controller} ({err.code().name})"
+    return f"{prog}: {err.code().name}: {err.details()}"
+
+
 def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser(prog=f"motor {name}")
@@ -194,13 +201,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"motor {name}: {err.errors[0]}", file=sys.stderr)
     except grpc.aio.AioRpcError as err:
-        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            print(
-                f"motor {name}: cannot reach the Controller at {args.controller} ({err.code().name})",
-                file=sys.stderr,
-            )
-        else:
-            print(f"motor {name}: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(rpc_error_line(f"motor {name}", args.controller, err), file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     return 1

@@ -45,7 +45,7 @@ L1, L2 = pb.FAULT_LEVEL_L1, pb.FAULT_LEVEL_L2
 
 
 @dataclass(frozen=True)
-class NodeFault:
+class ReportedFault:
     level: int
     reason: str
 
@@ -87,7 +87,7 @@ class FaultManager:
         self._states: dict[int, FaultState] = {}
         # Reported faults by NodeManager address, then by code: they outlive the instance (a
         # rebuilt instance on a bad device is separated again) until cleared.
-        self._nodes: dict[str, dict[str, NodeFault]] = {}
+        self._nodes: dict[str, dict[str, ReportedFault]] = {}
 
     # --- reported faults -------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class FaultManager:
                 else:
                     node.clear()
             else:
-                node[f.code] = NodeFault(f.level, f.reason)
+                node[f.code] = ReportedFault(f.level, f.reason)
             if not node:
                 del self._nodes[address]
             log.event(

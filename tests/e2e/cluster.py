@@ -42,6 +42,19 @@ def free_offset(nodes: int, dp: int = 1) -> int:
     raise RuntimeError("no free port offset")
 
 
+def nodemanager_pid(port: int) -> int:
+    """The pid of the NodeManager serving gRPC on ``port`` (found by its command line)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"nodemanager" in cmd and str(port).encode() in cmd:
+                return int(entry.name)
+    raise AssertionError(f"no NodeManager on port {port}")
+
+
 def poll(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
     """Call ``fn`` until it returns something truthy (exceptions count as not yet)."""
     deadline, last = time.monotonic() + timeout, None
@@ -134,17 +147,8 @@ class Cluster:
         return found[0] if len(found) == 1 else 0
 
     def nodemanager_pid(self, i: int) -> int:
-        """The pid of NodeManager nm-<i>, found by its gRPC port on its command line."""
-        port = str(NM + i + self.off).encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"nodemanager" in cmd and port in cmd:
-                    return int(entry.name)
-        raise AssertionError(f"nodemanager nm-{i} not found")
+        """The pid of NodeManager nm-<i>."""
+        return nodemanager_pid(NM + i + self.off)
 
     def stop(self, timeout: float = 15.0) -> int:
         self.proc.signal(signal.SIGTERM)

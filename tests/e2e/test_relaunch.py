@@ -1,7 +1,8 @@
 """Engines relaunched in place, end to end: `motor up --prefill 1 --decode 2` under steady load,
 one decode engine's process group SIGKILLed. The NodeManager reports the death, the Controller
 takes the instance out of routing and relaunches the engines without restarting the NodeManager,
-and the instance serves again; meanwhile the other decode instance serves every request."""
+and the instance serves again; then the other decode instance's NodeManager is SIGKILLed and its
+instance rebuilt. Meanwhile not one request fails."""
 
 from __future__ import annotations
 
@@ -86,7 +87,23 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
             poll(relaunched, timeout=60, every=0.2)
             served_before = load.ok
             poll(lambda: load.ok >= served_before + 10)
-        assert c.nodemanager_pid(nm_index) == nm_pid  # the NodeManager was not restarted
+            assert c.nodemanager_pid(nm_index) == nm_pid  # the NodeManager was not restarted
+
+            # Now the other decode instance's NodeManager is killed outright: its instance
+            # leaves routing, is rebuilt by the restarted node, and serves again.
+            other = next(i for i in decode_instances(c) if i["id"] != victim["id"])
+            other_nm = c.node_of_port(int(other["endpoints"][0]["port"]))
+            os.kill(c.nodemanager_pid(other_nm), signal.SIGKILL)
+
+            def rebuilt() -> bool:
+                return any(
+                    i["status"] == "INSTANCE_STATUS_ACTIVE" and i["id"] not in (victim["id"], other["id"])
+                    for i in decode_instances(c)
+                )
+
+            poll(rebuilt, timeout=30, every=0.2)
+            served_before = load.ok
+            poll(lambda: load.ok >= served_before + 10)
         assert load.failed == []
 
         # The strategy ends at its next readiness poll (every 5 s by default).
