@@ -81,7 +81,7 @@ class Controller:
 
         # The fault manager enqueues instances on the loop that calls it: bound once the loop exists.
         self.faults = FaultManager(
-            cfg, self.table, self.nm_clients, lambda iid: self.instance_loop.enqueue(iid)
+            cfg, self.table, self.nm_clients, lambda iid: self.instance_loop.enqueue(iid), self.store
         )
         self.instances = InstanceReconciler(cfg, self.table, self.nm_clients, self.faults)
         self.instance_loop: Reconciler[int] = Reconciler(

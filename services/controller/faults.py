@@ -15,8 +15,9 @@ show now and decides which strategy the instance wants:
 
 At most one strategy runs per instance: a higher-ranked one stops the running one and starts;
 an equal or lower one leaves it. A finished strategy is recorded in the instance's bounded
-history (with its outcome and duration) and its instance is reconciled again. A deleted
-instance's strategy is stopped and its record dropped.
+history (with its outcome and duration) and its instance is reconciled again. Reported faults
+and the history are stored first (they survive a restart), then applied. A deleted instance's
+strategy is stopped and its record dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from services.common.config import ControllerConfig
 from .instances import InstanceTable
 from .model import Instance
 from .nm_client import NodeManagerClients
+from .store import Store
 from .strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
 
 HISTORY = 20  # finished strategies kept per instance
@@ -78,40 +80,58 @@ class FaultManager:
         table: InstanceTable,
         clients: NodeManagerClients,
         enqueue: Callable[[int], None],
+        store: Store,
     ) -> None:
         self.cfg = cfg
         self.table = table
         self.clients = clients
         self.enqueue = enqueue
+        self.store = store
         self.relaunch = cfg.enable_engine_relaunch
         self._states: dict[int, FaultState] = {}
         # Reported faults by NodeManager address, then by code: they outlive the instance (a
-        # rebuilt instance on a bad device is separated again) until cleared.
-        self._nodes: dict[str, dict[str, ReportedFault]] = {}
+        # rebuilt instance on a bad device is separated again) until cleared, and a restart.
+        self._nodes: dict[str, dict[str, ReportedFault]] = {
+            address: {code: ReportedFault(level, reason) for code, (level, reason) in faults.items()}
+            for address, faults in store.load_node_faults().items()
+        }
+        # Strategy history from before a restart, until each instance's state is made.
+        self._history = store.load_fault_history()
 
     # --- reported faults -------------------------------------------------------------------
 
     def report(self, faults: list[pb.NodeFault]) -> None:
-        """Record or clear faults (already checked by the caller)."""
+        """Record or clear faults (already checked by the caller): stored first, in one
+        transaction, then applied."""
+        changed: dict[str, dict[str, ReportedFault]] = {}
         for f in faults:
             address = f"{f.host}:{f.nm_port}"
-            node = self._nodes.setdefault(address, {})
-            if f.cleared:
-                if f.code:
-                    node.pop(f.code, None)
-                else:
-                    node.clear()
-            else:
+            node = changed.setdefault(address, dict(self._nodes.get(address, {})))
+            if not f.cleared:
                 node[f.code] = ReportedFault(f.level, f.reason)
-            if not node:
-                del self._nodes[address]
+            elif f.code:
+                node.pop(f.code, None)
+            else:
+                node.clear()
+        self._replace(changed)
+        for f in faults:
             log.event(
                 "fault_cleared" if f.cleared else "fault_reported",
-                node_manager=address,
+                node_manager=f"{f.host}:{f.nm_port}",
                 level=pb.FaultLevel.Name(f.level),
                 code=f.code,
                 reason=f.reason,
             )
+
+    def _replace(self, changed: dict[str, dict[str, ReportedFault]]) -> None:
+        self.store.save_node_faults(
+            {a: {c: (r.level, r.reason) for c, r in node.items()} for a, node in changed.items()}
+        )
+        for address, node in changed.items():
+            if node:
+                self._nodes[address] = node
+            else:
+                self._nodes.pop(address, None)
 
     def has_faults(self, address: str) -> bool:
         return address in self._nodes
@@ -120,19 +140,20 @@ class FaultManager:
         return max((f.level for f in self._nodes.get(address, {}).values()), default=0)
 
     def _clear_restart_requests(self, inst: Instance) -> None:
-        for address in inst.node_managers:
-            node = self._nodes.get(address, {})
-            for code in [c for c, f in node.items() if f.level == L2]:
-                del node[code]
-            if not node:
-                self._nodes.pop(address, None)
+        changed = {
+            address: {c: f for c, f in self._nodes[address].items() if f.level != L2}
+            for address in inst.node_managers
+            if any(f.level == L2 for f in self._nodes.get(address, {}).values())
+        }
+        if changed:
+            self._replace(changed)
 
     # --- deciding --------------------------------------------------------------------------
 
     def reconcile(self, inst: Instance) -> bool:
         """Act on the instance's faults; True when its separation changed (the caller runs the
         state machine again)."""
-        state = self._states.setdefault(inst.id, FaultState(since=time.time()))
+        state = self._state(inst.id)
         reported = max((self.node_level(a) for a in inst.node_managers), default=0)
         level = max(reported, L2 if dead_engines(inst) else 0)
         if state.running is not None:
@@ -158,6 +179,13 @@ class FaultManager:
         self._preempt(inst, state, want.name)
         self._start(inst, state, want, level)
         return changed
+
+    def _state(self, instance_id: int) -> FaultState:
+        state = self._states.get(instance_id)
+        if state is None:
+            state = self._states[instance_id] = FaultState(since=time.time())
+            state.history.extend(self._history.pop(instance_id, []))
+        return state
 
     def _wanted(self, inst: Instance, state: FaultState, level: int) -> Strategy | None:
         if state.failed == EngineRelaunch.name:
@@ -203,7 +231,7 @@ class FaultManager:
         finally:
             elapsed = time.monotonic() - started
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            state.history.append(f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s")
+            self._record(inst, state, f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s")
             if state.running is not None and state.running.strategy is strategy:
                 state.running = None
                 state.since = time.time()
@@ -211,6 +239,17 @@ class FaultManager:
                     state.failed = strategy.name
                 if inst.status != enums.DELETED:
                     self.enqueue(inst.id)  # look again: escalate, or clear the level
+
+    def _record(self, inst: Instance, state: FaultState, entry: str) -> None:
+        """Stored, then kept in memory; an instance deleted meanwhile keeps no history."""
+        if inst.id not in self._states:
+            return
+        try:
+            self.store.add_fault_history(inst.id, entry, HISTORY)
+        except Exception:
+            log.exception("fault_history_write_failed", instance_id=inst.id, entry=entry)
+            return
+        state.history.append(entry)
 
     def _stop(self, running: Running) -> None:
         running.task.cancel()
@@ -224,6 +263,8 @@ class FaultManager:
         if new != enums.DELETED:
             return
         state = self._states.pop(inst.id, None)
+        self._history.pop(inst.id, None)
+        self.store.forget_fault_history(inst.id)
         if state is not None and state.running is not None:
             # Terminate deletes its own instance; it must finish, not be cancelled by that.
             if state.running.task is not asyncio.current_task():
@@ -232,7 +273,7 @@ class FaultManager:
     def status(self, instance_ids: list[int]) -> list[pb.FaultToleranceEntry]:
         out = []
         for iid in instance_ids:
-            state = self._states.get(iid) or FaultState()
+            state = self._states.get(iid) or FaultState(history=collections.deque(self._history.get(iid, [])))
             since = timestamp_pb2.Timestamp()
             if state.since:
                 since.FromNanoseconds(int(state.since * 1e9))

@@ -1,7 +1,8 @@
 """The Controller's embedded database: ``state_dir/controller.db`` (sqlite3, WAL).
 
 Holds the instance-id counter, every assembled instance (DELETED ones too, so an id is never
-handed out twice and operators can list what was removed) and the pending assemblies. Writes
+handed out twice and operators can list what was removed), the pending assemblies, the node
+faults reported with ReportFaults and the fault manager's strategy history. Writes
 are small and synchronous: one row per registration, assembly or status transition, never one
 per heartbeat.
 """
@@ -25,7 +26,17 @@ CREATE TABLE IF NOT EXISTS instances (
 CREATE TABLE IF NOT EXISTS pending (
     id INTEGER PRIMARY KEY, job_name TEXT NOT NULL UNIQUE, data TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS node_faults (
+    node_manager TEXT NOT NULL, code TEXT NOT NULL, level INTEGER NOT NULL, reason TEXT NOT NULL,
+    PRIMARY KEY (node_manager, code)
+);
+CREATE TABLE IF NOT EXISTS fault_history (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, instance_id INTEGER NOT NULL, entry TEXT NOT NULL
+);
 """
+
+# A node's reported faults by code: (level, reason).
+NodeFaults = dict[str, tuple[int, str]]
 
 # DELETED instances kept for ListInstances(status=DELETED), in memory and on disk; older ones are
 # pruned as new ones are deleted and at start-up. The id counter lives in ``meta``, so pruning
@@ -109,3 +120,47 @@ class Store:
     def load_pending(self) -> list[Pending]:
         rows = self._db.execute("SELECT id, job_name, data FROM pending ORDER BY id").fetchall()
         return [pending_from_row(id_, job, data) for id_, job, data in rows]
+
+    def save_node_faults(self, nodes: dict[str, NodeFaults]) -> None:
+        """Replace the stored faults of each node in ``nodes`` (an empty dict clears it), in one
+        transaction."""
+        with self._db:
+            self._db.execute("BEGIN")
+            for address, faults in nodes.items():
+                self._db.execute("DELETE FROM node_faults WHERE node_manager=?", (address,))
+                self._db.executemany(
+                    "INSERT INTO node_faults(node_manager, code, level, reason) VALUES(?,?,?,?)",
+                    [(address, code, level, reason) for code, (level, reason) in faults.items()],
+                )
+
+    def load_node_faults(self) -> dict[str, NodeFaults]:
+        out: dict[str, NodeFaults] = {}
+        for address, code, level, reason in self._db.execute(
+            "SELECT node_manager, code, level, reason FROM node_faults ORDER BY node_manager, code"
+        ):
+            out.setdefault(address, {})[code] = (level, reason)
+        return out
+
+    def add_fault_history(self, instance_id: int, entry: str, keep: int) -> None:
+        """Append to an instance's strategy history, keeping its newest ``keep`` entries."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO fault_history(instance_id, entry) VALUES(?,?)", (instance_id, entry)
+            )
+            self._db.execute(
+                "DELETE FROM fault_history WHERE instance_id=? AND seq NOT IN "
+                "(SELECT seq FROM fault_history WHERE instance_id=? ORDER BY seq DESC LIMIT ?)",
+                (instance_id, instance_id, keep),
+            )
+
+    def load_fault_history(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for instance_id, entry in self._db.execute(
+            "SELECT instance_id, entry FROM fault_history ORDER BY seq"
+        ):
+            out.setdefault(instance_id, []).append(entry)
+        return out
+
+    def forget_fault_history(self, instance_id: int) -> None:
+        self._db.execute("DELETE FROM fault_history WHERE instance_id=?", (instance_id,))

@@ -263,3 +263,26 @@ async def test_bad_fault_reports_change_nothing(tmp_path, node_managers) -> None
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         (entry,) = await fault_status(h)
         assert entry.fault_level == 0 and await h.instances(status=ACTIVE)
+
+
+async def test_reported_faults_and_history_survive_a_controller_restart(tmp_path, node_managers) -> None:
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        await active_pair(h, a, b)
+        a.ready = b.ready = True
+        await report(h, fault(a, controller_pb2.FAULT_LEVEL_L2, "restart"))
+
+        async def history() -> list[str]:
+            (e,) = await fault_status(h)
+            return list(e.history) if not e.strategy else []
+
+        await until(history)
+        await report(h, fault(b, controller_pb2.FAULT_LEVEL_L1, "ecc"))
+    async with running_controller(tmp_path, **FAST) as h:  # the same state_dir
+
+        async def restored() -> controller_pb2.FaultToleranceEntry | None:
+            (e,) = await fault_status(h, 1)
+            return e if e.fault_level == 1 else None
+
+        entry = await until(restored)  # the L1 fault is back; the consumed L2 is not
+        assert "EngineRelaunch succeeded" in entry.history[0]
