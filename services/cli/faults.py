@@ -17,7 +17,7 @@ from services.cli.views import rpc_error_line
 from services.common.channel import open_channel
 from services.common.config import ConfigError, read_key_file
 
-LEVELS = {f"L{n}": n for n in range(1, 7)}
+LEVELS = tuple(f"L{n}" for n in range(1, 7))
 
 
 def _node(text: str) -> tuple[str, int]:

@@ -43,21 +43,23 @@ class NodeManagerClients:
         cache = self._probes if probe else self._channels
         ch = cache.get(address)
         if ch is None:
-            ch = open_channel(
-                address,
-                key=self._key,
-                tls=self._tls,
-                max_message_bytes=self._max,
-                service="controller",
-                retries=not probe,
-            )
-            cache[address] = ch
+            ch = cache[address] = self._open(address, retries=not probe)
             while len(cache) > CACHE_SIZE:
                 _, old = cache.popitem(last=False)
                 self._close_later(old)
         else:
             cache.move_to_end(address)
         return nodemanager_pb2_grpc.NodeManagerStub(ch)
+
+    def _open(self, address: str, retries: bool) -> grpc.aio.Channel:
+        return open_channel(
+            address,
+            key=self._key,
+            tls=self._tls,
+            max_message_bytes=self._max,
+            service="controller",
+            retries=retries,
+        )
 
     async def reachable(self, address: str, probe_timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         """Does the NodeManager answer ``GetStatus``? A refused connection fails fast; a slow
@@ -94,14 +96,7 @@ class NodeManagerClients:
     async def status_now(self, address: str) -> nodemanager_pb2.GetStatusResponse:
         """GetStatus on a channel of its own: the cached one to an address whose process just
         died is in reconnect backoff and would fail a call to its successor for a while."""
-        channel = open_channel(
-            address,
-            key=self._key,
-            tls=self._tls,
-            max_message_bytes=self._max,
-            service="controller",
-            retries=False,
-        )
+        channel = self._open(address, retries=False)
         try:
             async with self._in_flight:
                 return await nodemanager_pb2_grpc.NodeManagerStub(channel).GetStatus(

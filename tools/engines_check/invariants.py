@@ -200,14 +200,7 @@ def _vllm_dense_instance(group: list[Launch]) -> list[str]:
     where, dp = group[0]["instance"], group[0]["dp"]
     if sorted(routable) != list(range(dp)):
         problems.append(f"{where}: routable engines have DP ranks {sorted(routable)}, expected 0..{dp - 1}")
-    for rank, rank_parts in parts.items():
-        addrs = {a for a, _ in rank_parts}
-        node_ranks = sorted(str(r) for _, r in rank_parts)
-        if len(addrs) != 1 or node_ranks != [str(k) for k in range(nnodes)]:
-            problems.append(f"{where}: rank {rank}'s parts do not meet: {sorted(rank_parts, key=str)}")
-    firsts = [rank_parts[0][0] for rank_parts in parts.values()]
-    if len(set(firsts)) != len(firsts):
-        problems.append(f"{where}: independent DP ranks share a rendezvous: {firsts}")
+    problems += _parts_meet(where, parts, nnodes, "independent DP ranks share a rendezvous")
     return problems
 
 
@@ -246,6 +239,16 @@ def _sglang_instance(group: list[Launch]) -> list[str]:
             problems.append(
                 f"{where}: {n} DP schedulers on {host}, which has {len(ranks_on[host])} DP rank(s)"
             )
+    problems += _parts_meet(where, parts, nnodes, "DP ranks share a --dist-init-addr")
+    return problems
+
+
+def _parts_meet(
+    where: str, parts: dict[int, list[tuple[str | None, str | None]]], nnodes: int, shared: str
+) -> list[str]:
+    """Each rank's parts (rendezvous address, node rank) meet at one address with node ranks
+    0 .. nnodes-1, and no two ranks share an address (``shared`` names that problem)."""
+    problems = []
     for rank, rank_parts in parts.items():
         addrs = {a for a, _ in rank_parts}
         node_ranks = sorted(str(r) for _, r in rank_parts)
@@ -253,7 +256,7 @@ def _sglang_instance(group: list[Launch]) -> list[str]:
             problems.append(f"{where}: rank {rank}'s parts do not meet: {sorted(rank_parts, key=str)}")
     firsts = [rank_parts[0][0] for rank_parts in parts.values()]
     if len(set(firsts)) != len(firsts):
-        problems.append(f"{where}: DP ranks share a --dist-init-addr: {firsts}")
+        problems.append(f"{where}: {shared}: {firsts}")
     return problems
 
 
