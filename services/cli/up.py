@@ -3,7 +3,8 @@
 Controller and Coordinator first; once both report SERVING, one NodeManager per instance (in the
 order prefill, decode, union), each launching its engines. Children that exit unasked are
 restarted with backoff (0.1 s doubling to 10 s), like pods. ``READY http://host:port`` goes to
-stdout exactly once, when the Coordinator is routable; every child's log goes to stderr with a
+stdout exactly once, when the Coordinator is routable (``https://`` when its section has a
+TLS certificate); every child's log goes to stderr with a
 ``[name] `` prefix (engines: ``[engine-<k>] ``).
 
 Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
@@ -16,20 +17,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import ssl
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import log, retry
 from services.common.channel import open_channel
-from services.common.config import Config, ConfigError, load
+from services.common.config import Config, ConfigError, ServerConfig, load
 from services.common.procgroup import Reaper, become_subreaper
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
@@ -230,31 +234,31 @@ class Cluster:
             child.restarts += 1
             await self.spawn(child)
 
-    async def wait_serving(self, addr: str, service: str) -> None:
-        async with open_channel(addr) as ch:
+    async def wait_serving(self, addr: str, service: str, section: ServerConfig) -> None:
+        # The section's TLS settings: a cluster configured for TLS answers nothing in plaintext.
+        async with open_channel(addr, tls=section) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while not self.stopping.is_set():
-                try:
+                with contextlib.suppress(grpc.aio.AioRpcError):  # not up yet: the loop retries
                     r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
                     if r.status == health_pb2.HealthCheckResponse.SERVING:
                         return
-                except Exception:
-                    pass
                 await asyncio.sleep(0.05)
 
     async def announce_ready(self) -> None:
-        url = f"http://{self.host}:{self.http_port}"
+        co = self.cfg.coordinator
+        https = bool(co.tls_cert_file and co.tls_key_file)
+        url = f"{'https' if https else 'http'}://{self.host}:{self.http_port}"
+        ssl_ctx: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=co.tls_ca_file or None) if https else True
+        )
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             while not self.stopping.is_set():
-                try:
-                    async with http.get(f"{url}/readiness") as resp:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not routable yet
+                    async with http.get(f"{url}/readiness", ssl=ssl_ctx) as resp:
                         if resp.status == 200:
                             print(f"READY {url}", flush=True)
                             return
-                except aiohttp.ClientError:
-                    pass
-                except TimeoutError:
-                    pass
                 await asyncio.sleep(0.05)
 
     async def run(self) -> int:
@@ -266,8 +270,8 @@ class Cluster:
             await self.spawn(child)
             supervisors.append(asyncio.create_task(self.supervise(child)))
         await asyncio.gather(
-            self.wait_serving(self.controller_addr, "motor.v1.Controller"),
-            self.wait_serving(self.coordinator_addr, "motor.v1.Coordinator"),
+            self.wait_serving(self.controller_addr, "motor.v1.Controller", self.cfg.controller),
+            self.wait_serving(self.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
         )
         for child in nodes:
             if self.stopping.is_set():

@@ -4,12 +4,17 @@ Every channel gets the client keepalive settings (docs/architecture.md, "Runtime
 message-size limits, a retry policy for idempotent unary RPCs, and an interceptor that gives
 every unary call a deadline (5 s unless the caller sets one), ``wait_for_ready`` (a peer that is
 restarting is waited for, up to the deadline) and the management key when one is configured.
+
+TLS: a client uses it whenever its side of the deployment does (:class:`ClientTLS`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,62 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str,
     ]
 
 
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS on a channel: the peer is verified with ``ca_file``, or with the system's trusted
+    roots when it is ""; ``cert_file`` and ``key_file`` are presented when both are given (mTLS).
+    For callers without a config section (the CLI); services pass their section instead."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    @classmethod
+    def of(cls, cfg: ServerConfig) -> ClientTLS | None:
+        """The TLS a service's clients use: on when its section has a CA file or a certificate.
+        A certificate alone means the deployment runs TLS, so talking plaintext to peers would
+        fail (or, worse, succeed against an impostor)."""
+        if not (cfg.tls_ca_file or cfg.tls_cert_file):
+            return None
+        return cls(cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file)
+
+
+# Credentials by the identity of the files they were made from: channels are opened all the time
+# (one per NodeManager, reopened after failures), and reading PEM files for each would block the
+# event loop for nothing. A file that changes (a rotated certificate) has a new identity.
+_Identity = tuple[str, int, int] | None
+_CREDENTIALS: OrderedDict[tuple[_Identity, ...], grpc.ChannelCredentials] = OrderedDict()
+_CREDENTIALS_KEPT = 16
+
+
+def _identity(path: str) -> _Identity:
+    if not path:
+        return None
+    info = os.stat(path)
+    return (path, info.st_mtime_ns, info.st_size)
+
+
+def _read_file(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
+    mine = bool(tls.cert_file and tls.key_file)
+    paths = (tls.ca_file, tls.cert_file if mine else "", tls.key_file if mine else "")
+    ident = tuple(_identity(p) for p in paths)
+    creds = _CREDENTIALS.get(ident)
+    if creds is not None:
+        _CREDENTIALS.move_to_end(ident)
+        return creds
+    ca, cert, key = (_read_file(p) if p else None for p in paths)
+    # root_certificates=None: gRPC's default roots (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH overrides them).
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    _CREDENTIALS[ident] = creds
+    while len(_CREDENTIALS) > _CREDENTIALS_KEPT:
+        _CREDENTIALS.popitem(last=False)
+    return creds
+
+
 class _CallDetails(grpc.aio.ClientCallDetails):
     pass
 
@@ -114,13 +175,14 @@ def open_channel(
     target: str,
     *,
     key: str | None = None,
-    tls: ServerConfig | None = None,
+    tls: ServerConfig | ClientTLS | None = None,
     max_message_bytes: int = 4 * 1024 * 1024,
     service: str = "client",
     retries: bool = True,
 ) -> grpc.aio.Channel:
-    """A channel to ``target`` ("host:port"). ``tls`` is the caller's own config section: with
-    a CA file the channel uses TLS, with a certificate and key as well it presents them (mTLS).
+    """A channel to ``target`` ("host:port"). ``tls`` is the caller's own config section (TLS
+    when it has ``tls_ca_file`` or ``tls_cert_file``, see :meth:`ClientTLS.of`) or a
+    :class:`ClientTLS`; ``None`` is plaintext.
     ``retries=False``: idempotent calls are not retried on UNAVAILABLE (a probe that must say
     "gone" at once rather than after the retry backoff)."""
     interceptors: list[Any] = [_UnaryDefaults(key), _UnaryStreamDefaults(key), _StreamStreamDefaults(key)]
@@ -129,11 +191,8 @@ def open_channel(
     if not retries:
         options = [o for o in options if o[0] != "grpc.service_config"] + [("grpc.enable_retries", 0)]
         options = [o for o in options if o != ("grpc.enable_retries", 1)]
-    if tls is not None and tls.tls_ca_file:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(tls.tls_ca_file).read_bytes(),
-            private_key=Path(tls.tls_key_file).read_bytes() if tls.tls_key_file else None,
-            certificate_chain=Path(tls.tls_cert_file).read_bytes() if tls.tls_cert_file else None,
-        )
+    client_tls = ClientTLS.of(tls) if isinstance(tls, ServerConfig) else tls
+    if client_tls is not None:
+        creds = _credentials(client_tls)
         return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

@@ -2,7 +2,8 @@
 
 Health (``""`` plus each served service), reflection, keepalive policy, ``so_reuseport = 0``,
 message-size limits, raw-bytes method wrappers, interceptors (tracing, access log, management key),
-optional TLS/mTLS, the ``event=listening`` line, and the graceful stop sequence.
+optional TLS/mTLS, the exposure warning (:mod:`services.common.exposure`), the
+``event=listening`` line, and the graceful stop sequence.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from services.common import log, telemetry
-from services.common.config import ServerConfig, read_key_file
+from services.common import exposure, log, telemetry
+from services.common.config import ConfigError, ServerConfig, read_key_file, read_private_file
 from services.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
 from services.common.rpc import service_handler
 
@@ -28,6 +29,29 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SHUTDOWN_DRAIN_S = 1.0
 STOP_GRACE_S = 3.0
+MAX_TLS_FILE_BYTES = 1024 * 1024
+
+
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS with ``tls_cert_file`` + ``tls_key_file``; client certificates required with
+    ``tls_ca_file`` too. The private key must be private (``read_private_file``)."""
+    # Checked even when unused (no certificate): a private key others can read is a leak already.
+    key = read_private_file(cfg.tls_key_file, "TLS key file", MAX_TLS_FILE_BYTES) if cfg.tls_key_file else b""
+    if not (cfg.tls_cert_file and cfg.tls_key_file):
+        return None
+    ca = cfg.tls_ca_file
+    return grpc.ssl_server_credentials(
+        [(key, read_public_file(cfg.tls_cert_file, "TLS certificate file"))],
+        root_certificates=read_public_file(ca, "TLS CA file") if ca else None,
+        require_client_auth=bool(ca),
+    )
+
+
+def read_public_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or type(exc).__name__}") from None
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -67,8 +91,9 @@ class MotorServer:
         self._stop_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._server: grpc.aio.Server | None = None
         self._stopping = False
-        # Read the key before binding anything: a bad key file is a start-up error.
+        # Read every file before binding anything: a bad key or certificate is a start-up error.
         self._key = read_key_file(cfg.management_key_file) if cfg.management_key_file else None
+        self._creds = server_credentials(cfg)
 
     @property
     def address(self) -> str:
@@ -96,7 +121,7 @@ class MotorServer:
             server,
         )
         bind = f"{self.host}:{self.port}"
-        creds = self._credentials()
+        creds = self._creds
         try:
             bound = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
         except RuntimeError as exc:
@@ -104,6 +129,7 @@ class MotorServer:
         if not bound:
             raise OSError(f"cannot bind gRPC {bind}: address in use or not available")
         self.port = bound
+        exposure.check_management(self.name, self.cfg, self.address)
         await server.start()
         self._server = server
         for n in names:
@@ -116,16 +142,6 @@ class MotorServer:
 
     async def set_ready(self, ready: bool) -> None:
         await self.health.set("", SERVING if ready else NOT_SERVING)
-
-    def _credentials(self) -> grpc.ServerCredentials | None:
-        cert, key, ca = self.cfg.tls_cert_file, self.cfg.tls_key_file, self.cfg.tls_ca_file
-        if not (cert and key):
-            return None
-        return grpc.ssl_server_credentials(
-            [(Path(key).read_bytes(), Path(cert).read_bytes())],
-            root_certificates=Path(ca).read_bytes() if ca else None,
-            require_client_auth=bool(ca),
-        )
 
     async def stop(self) -> None:
         """NOT_SERVING everywhere, drain, end streams, then stop with a grace period."""

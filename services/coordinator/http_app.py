@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.config import read_private_file
 from services.common.http_errors import JSON_CT, OpenAIError, error_middleware, model_not_found
 from services.coordinator.bodies import estimate_tokens
 from services.coordinator.metrics import Metrics
@@ -24,6 +25,7 @@ from services.coordinator.pd import Call, Router
 from services.coordinator.routes import RoutingView
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_API_KEYS_BYTES = 1024 * 1024
 
 
 def _not_routable() -> OpenAIError:
@@ -48,8 +50,10 @@ class ApiKeys:
 
     @classmethod
     def from_file(cls, path: str) -> ApiKeys:
-        with open(path, encoding="utf-8") as f:
-            keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        """Raises ConfigError when group or others can read the file (the keys grant access),
+        UnicodeDecodeError or ValueError when its content is unusable."""
+        text = read_private_file(path, "API keys file", MAX_API_KEYS_BYTES).decode("utf-8")
+        keys = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
         if not keys:
             raise ValueError(f"{path}: no API key in the file")
         return cls(keys)

@@ -4,11 +4,12 @@ one routing table, one routing view and one upstream connection pool."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 from aiohttp import web
 from motor.v1 import coordinator_pb2
 
-from services.common import log
+from services.common import exposure, log
 from services.common.config import Config, ConfigError, CoordinatorConfig
 from services.common.enums import ROLE_NAMES
 from services.common.server import MotorServer
@@ -30,9 +31,27 @@ def _api_keys(path: str) -> ApiKeys | None:
         return None
     try:
         return ApiKeys.from_file(path)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"coordinator.api_keys_file: cannot use {path}: {reason}") from None
+    except ConfigError as err:
+        raise ConfigError([f"coordinator.api_keys_file: {e}" for e in err.errors]) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"coordinator.api_keys_file: cannot use {path}: {exc}") from None
+
+
+def _https(cfg: CoordinatorConfig) -> ssl.SSLContext | None:
+    """The inference port's TLS: the same certificate and key as the gRPC port.
+
+    Client certificates are never asked for, even with ``tls_ca_file``: OpenAI SDK clients and
+    load-balancer probes do not carry them. The API is guarded by ``api_keys_file`` instead."""
+    if not (cfg.tls_cert_file and cfg.tls_key_file):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except OSError as exc:  # ssl.SSLError included: not PEM, or a key that does not match
+        files = f"{cfg.tls_cert_file}, {cfg.tls_key_file}"
+        raise ConfigError(f"{files}: cannot load TLS certificate and key: {exc.strerror or exc}") from None
+    return ctx
 
 
 class Coordinator:
@@ -41,6 +60,7 @@ class Coordinator:
         self.table = RoutingTable()
         self.view = RoutingView()
         self.metrics = Metrics()
+        # Files are read here, not in start(): a bad one must stop the process before any port binds.
         self._keys = _api_keys(cfg.api_keys_file)
         self._ready_lock = asyncio.Lock()
         self.service = CoordinatorService(self.table, self._on_change)
@@ -51,6 +71,7 @@ class Coordinator:
             port=cfg.port,
             readiness_gated=True,
         )
+        self._ssl = _https(cfg)
         self.breaker = Breaker(lambda: self.view)
         self._runner: web.AppRunner | None = None
         self.http_address = ""
@@ -81,7 +102,7 @@ class Coordinator:
         await runner.setup()
         self._runner = runner
         host = self.cfg.host
-        site = web.TCPSite(runner, host, self.cfg.http_port, backlog=2048)
+        site = web.TCPSite(runner, host, self.cfg.http_port, backlog=2048, ssl_context=self._ssl)
         try:
             await site.start()
         except OSError as exc:
@@ -90,10 +111,13 @@ class Coordinator:
             ) from exc
         port = runner.addresses[0][1] if runner.addresses else self.cfg.http_port
         self.http_address = netloc(host, int(port))
+        exposure.check_inference(self.cfg, self.http_address)
         await self.server.start()
         self.breaker.start(self._engines.session)
         self.server.on_stop(self._begin_http_stop)
-        self.server.announce(http=self.http_address)
+        # http= stays host:port whatever the scheme, so the line parses the same with TLS on.
+        tls = {"https": "true"} if self._ssl is not None else {}
+        self.server.announce(http=self.http_address, **tls)
 
     async def _on_change(self) -> None:
         """Swap in the routing view of the accepted table, then publish readiness."""

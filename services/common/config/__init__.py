@@ -6,7 +6,7 @@ sample file are about). ``docs/configuration.md`` lists every key.
 """
 
 from .errors import ConfigError
-from .keyfile import read_key_file
+from .keyfile import read_key_file, read_private_file
 from .loader import DEFAULTS, from_dicts, load, load_config
 from .sections import (
     SECTIONS,
@@ -34,4 +34,5 @@ __all__ = [
     "load",
     "load_config",
     "read_key_file",
+    "read_private_file",
 ]

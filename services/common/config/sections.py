@@ -61,19 +61,30 @@ class ServerConfig:
     host: str = setting("127.0.0.1", c.HOST)
     """Address the service's listeners bind to (a NodeManager also registers with it, so the
     Controller must reach it there). The default keeps every port reachable from this machine
-    only."""
+    only. Any address outside 127.0.0.0/8 and ::1 (`0.0.0.0`, `::`, a host name, a routable IP)
+    counts as reachable from the network, and an unguarded port is warned about once at start:
+    `management_plane_exposed` for a gRPC port with neither `management_key_file` nor mTLS;
+    on the Coordinator, `inference_api_open` for an HTTP port without `api_keys_file`, and
+    `api_keys_in_clear` for API keys on a port that is not HTTPS."""
     management_key_file: str = setting("", c.FILE)
     """File holding the management key. When set, every motor.v1 RPC must carry it in the
-    `x-motor-management-key` metadata (health and reflection never need it). The file must not
-    be readable by group or others, or the service refuses to start."""
+    `x-motor-management-key` metadata (health and reflection never need it). The file must be a
+    regular file that group and others cannot access (`chmod 600`), or the service refuses to
+    start."""
     tls_cert_file: str = setting("", c.FILE)
-    """PEM certificate the service presents. With `tls_key_file` it serves TLS; clients in this
-    process present it too when `tls_ca_file` is set (mTLS)."""
+    """PEM certificate the service presents. With `tls_key_file` it serves TLS on its gRPC port,
+    and the Coordinator serves HTTPS on its inference port as well. When set, this service's
+    own calls to its peers use TLS too (the deployment runs TLS), verifying them with
+    `tls_ca_file` or, without it, the system's trusted roots; with `tls_key_file` they present
+    this certificate (mTLS)."""
     tls_key_file: str = setting("", c.FILE)
-    """PEM private key of `tls_cert_file`."""
+    """PEM private key of `tls_cert_file`. It must be a regular file that group and others cannot
+    access (`chmod 600`), or the service refuses to start."""
     tls_ca_file: str = setting("", c.FILE)
-    """PEM CA bundle. On a server it requires and verifies client certificates (mTLS); on this
-    service's clients it verifies the peer's certificate (TLS to peers)."""
+    """PEM CA bundle. On a gRPC server (with `tls_cert_file` and `tls_key_file`) it requires
+    client certificates signed by this CA (mTLS); the Coordinator's HTTPS port never asks for
+    one, since OpenAI clients carry none. On this service's clients it turns TLS on and
+    verifies the peer's certificate with this CA."""
     max_message_bytes: int = setting(4194304, c.integer(1024, 2**31 - 1))  # gRPC takes a C int
     """Largest gRPC message accepted or sent; a larger request is refused with
     RESOURCE_EXHAUSTED."""
@@ -140,7 +151,8 @@ class CoordinatorConfig(ServerConfig):
     port: int = setting(7200, c.PORT)
     """gRPC port of motor.v1.Coordinator (the management plane)."""
     http_port: int = setting(8000, c.PORT)
-    """HTTP port of the OpenAI-compatible API, `/health`, `/readiness` and `/metrics`."""
+    """HTTP port of the OpenAI-compatible API, `/health`, `/readiness` and `/metrics`; HTTPS
+    when `tls_cert_file` and `tls_key_file` are set (`event=listening` then adds `https=true`)."""
     workers: int = setting(1, c.integer(1, 256))
     """Inference worker processes (only 1 is supported today; more logs `workers_not_supported`)."""
     prefill_policy: str = setting("least_load", c.POLICY)
@@ -150,7 +162,11 @@ class CoordinatorConfig(ServerConfig):
     """How a decode (or union) instance is chosen; same choices as `prefill_policy`."""
     api_keys_file: str = setting("", c.FILE)
     """File of client API keys, one per line (`#` comments allowed). When set, the inference API
-    requires `Authorization: Bearer <key>`."""
+    requires `Authorization: Bearer <key>`. It must be a regular file that group and others
+    cannot access (`chmod 600`), or the Coordinator refuses to start. Without HTTPS
+    (`tls_cert_file`, `tls_key_file`) on a `host` other than loopback the keys travel in clear,
+    which is warned about at start (`api_keys_in_clear`); without this file there,
+    `inference_api_open` is."""
     controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
     """The Controller's address, where precision alarms are reported (not built yet)."""
     controller_key_file: str = setting("", c.FILE)
