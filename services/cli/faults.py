@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 
 import grpc
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
-from services.cli.views import rpc_error_line
-from services.common.channel import open_channel
-from services.common.config import ConfigError, read_key_file
+from services.cli import client
+from services.common.config import ConfigError
 
 LEVELS = tuple(f"L{n}" for n in range(1, 7))
 
@@ -29,9 +29,7 @@ def _node(text: str) -> tuple[str, int]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="motor faults", description=__doc__.splitlines()[0])
-    p.add_argument("--controller", default="127.0.0.1:7100", metavar="H:P")
-    p.add_argument("--key-file", metavar="F", help="management key file")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    client.add_flags(p, coordinator=False)
     sub = p.add_subparsers(dest="action", required=True)
     rep = sub.add_parser("report", help="record a fault on a NodeManager's node")
     rep.add_argument(
@@ -59,7 +57,7 @@ def request_of(args: argparse.Namespace) -> controller_pb2.ReportFaultsRequest:
 
 
 async def send(args: argparse.Namespace, key: str | None) -> controller_pb2.ReportFaultsResponse:
-    async with open_channel(args.controller, key=key) as ch:
+    async with client.channel(args, args.controller, key) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         return await stub.ReportFaults(request_of(args), timeout=args.timeout)
 
@@ -67,14 +65,16 @@ async def send(args: argparse.Namespace, key: str | None) -> controller_pb2.Repo
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
-        key = read_key_file(args.key_file) if args.key_file else None
-        resp = asyncio.run(send(args, key))
+        resp = asyncio.run(send(args, client.key_of(args)))
     except ConfigError as err:
         print(f"motor faults: {err.errors[0]}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as err:
-        print(rpc_error_line("motor faults", args.controller, err), file=sys.stderr)
+        print(client.rpc_error_line("motor faults", "Controller", args.controller, err), file=sys.stderr)
         return 1
+    if args.output == "json":
+        print(json.dumps({"affected_instance_ids": list(resp.affected_instance_ids)}))
+        return 0
     ids = " ".join(str(i) for i in resp.affected_instance_ids) or "none"
     print(f"affected instances: {ids}")
     return 0

@@ -23,23 +23,15 @@ from motor.v1 import (
     coordinator_pb2_grpc,
 )
 
+from services.cli import client
 from services.common import enums
-from services.common.channel import open_channel
-from services.common.config import ConfigError, read_key_file
+from services.common.config import ConfigError
 
 if TYPE_CHECKING:
     from google.protobuf.internal.enum_type_wrapper import _EnumTypeWrapper
 
 MULTI_COMMAND = True
 _V = TypeVar("_V", bound=int)
-
-
-def common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--controller", default="127.0.0.1:7100", metavar="H:P")
-    p.add_argument("--coordinator", default="127.0.0.1:7200", metavar="H:P")
-    p.add_argument("--key-file", metavar="F", help="management key file")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
 def as_dict(msg: Message) -> dict[str, Any]:
@@ -79,7 +71,7 @@ def print_table(rows: list[list[str]]) -> None:
 
 
 async def instances(args: argparse.Namespace, key: str | None) -> int:
-    async with open_channel(args.controller, key=key) as ch:
+    async with client.channel(args, args.controller, key) as ch:
         resp = await controller_pb2_grpc.ControllerStub(ch).ListInstances(
             controller_pb2.ListInstancesRequest(), timeout=args.timeout
         )
@@ -91,7 +83,7 @@ async def instances(args: argparse.Namespace, key: str | None) -> int:
 
 
 async def alarms(args: argparse.Namespace, key: str | None) -> int:
-    async with open_channel(args.controller, key=key) as ch:
+    async with client.channel(args, args.controller, key) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
         if args.watch:
             async for item in stub.WatchAlarms(controller_pb2.WatchAlarmsRequest(after_sequence=args.after)):
@@ -132,7 +124,7 @@ async def _health(ch: grpc.aio.Channel, deadline_s: float) -> str:
 async def status(args: argparse.Namespace, key: str | None) -> int:
     out: dict[str, Any] = {}
     faults: list[controller_pb2.FaultToleranceEntry] = []
-    async with open_channel(args.controller, key=key) as ch:
+    async with client.channel(args, args.controller, key) as ch:
         out["controller"] = {"address": args.controller, "health": await _health(ch, args.timeout)}
         if out["controller"]["health"] == "SERVING":
             resp = await controller_pb2_grpc.ControllerStub(ch).ListInstances(
@@ -148,7 +140,7 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
             )
             # Only instances with something to say: a fault, a strategy, or one that ran.
             faults = [e for e in ft.instances if e.fault_level or e.strategy or e.history]
-    async with open_channel(args.coordinator, key=key) as ch:
+    async with client.channel(args, args.coordinator, key) as ch:
         health = await _health(ch, args.timeout)
         out["coordinator"] = {"address": args.coordinator, "routable": health == "SERVING", "health": health}
         if not health.startswith("UNREACHABLE"):
@@ -177,17 +169,10 @@ async def status(args: argparse.Namespace, key: str | None) -> int:
 COMMANDS = {"instances": instances, "alarms": alarms, "status": status}
 
 
-def rpc_error_line(prog: str, controller: str, err: grpc.aio.AioRpcError) -> str:
-    """The one line a CLI command prints for a failed call to the Controller."""
-    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"{prog}: cannot reach the Controller at {controller} ({err.code().name})"
-    return f"{prog}: {err.code().name}: {err.details()}"
-
-
 def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser(prog=f"motor {name}")
-    common_flags(p)
+    client.add_flags(p)
     if name == "alarms":
         p.add_argument("--watch", action="store_true", help="follow new alarms (JSON lines)")
         p.add_argument(
@@ -196,12 +181,11 @@ def main(argv: list[str]) -> int:
         p.add_argument("--active", action="store_true", help="only active alarms")
     args = p.parse_args(rest)
     try:
-        key = read_key_file(args.key_file) if args.key_file else None
-        return asyncio.run(COMMANDS[name](args, key))
+        return asyncio.run(COMMANDS[name](args, client.key_of(args)))
     except ConfigError as err:
         print(f"motor {name}: {err.errors[0]}", file=sys.stderr)
     except grpc.aio.AioRpcError as err:
-        print(rpc_error_line(f"motor {name}", args.controller, err), file=sys.stderr)
+        print(client.rpc_error_line(f"motor {name}", "Controller", args.controller, err), file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     return 1
