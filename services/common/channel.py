@@ -71,6 +71,10 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str,
         # Reconnect quickly to a restarted peer instead of the default 20 s+ backoff ceiling.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        # Each channel owns its connections. With gRPC's global pool a channel opened to get
+        # past a dead connection (a restarted Coordinator or NodeManager) would share the old
+        # channel's subchannel and wait out its reconnect backoff: up to 2 s of blindness.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

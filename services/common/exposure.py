@@ -44,7 +44,8 @@ def check_management(service: str, cfg: ServerConfig, address: str) -> None:
             "management_plane_exposed",
             service=service,
             address=address,
-            detail="no management_key_file and no mTLS: anyone who can reach this port can change the cluster",
+            detail="no management_key_file and no mTLS: "
+            "anyone who can reach this port can change the cluster",
         )
     elif not serves_tls(cfg):
         log.warn(

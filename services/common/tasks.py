@@ -6,6 +6,8 @@ an engine's health probe) would stop without a word. Two kinds:
 
 - :func:`spawn`: a loop meant to run for the life of its owner. A failure is logged with its
   traceback and the loop is started again after a backoff; returning normally ends it.
+  :func:`supervise` is the same in the caller's own task, and can give up after a number of
+  restarts (a recovery strategy that keeps crashing counts as failed rather than looping).
 - :func:`start`: a one-shot task (wait for a process to exit, forward its output). A failure is
   logged with its traceback and ends the task.
 """
@@ -32,23 +34,46 @@ def cancelled_from_outside() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def supervise(name: str, run: Callable[[], Awaitable[None]], backoff: Backoff | None = None) -> None:
-    """Run ``run()`` until it returns or this task is cancelled; start it again after each
+class GaveUp(Exception):
+    """A supervised run failed again after its last allowed restart; ``__cause__`` is that
     failure."""
+
+
+async def supervise(
+    name: str,
+    run: Callable[[], Awaitable[None]],
+    backoff: Backoff | None = None,
+    *,
+    restarts: int | None = None,
+    expected: tuple[type[Exception], ...] = (),
+) -> None:
+    """Run ``run()`` until it returns or this task is cancelled; start it again after each
+    failure. ``expected`` exceptions are ``run``'s answer, not a failure: they reach the caller
+    at once. After ``restarts`` restarts in all (None: no limit) the next failure raises
+    :class:`GaveUp`."""
     backoff = backoff or Backoff(0.1, 5.0)
+    failures = 0
     while True:
         started = time.monotonic()
         try:
             await run()
             return
-        except asyncio.CancelledError:
+        except expected:
+            raise
+        except asyncio.CancelledError as exc:
             if cancelled_from_outside():
                 raise
             log.exception("task_failed", task=name)
-        except Exception:
+            failure: BaseException = exc
+        except Exception as exc:
             log.exception("task_failed", task=name)
+            failure = exc
         if time.monotonic() - started > HEALTHY_RUN_S:
             backoff.reset()
+        failures += 1
+        if restarts is not None and failures > restarts:
+            why = f"{type(failure).__name__}: {failure}"
+            raise GaveUp(f"{name} failed {failures} times, last: {why}") from failure
         delay = backoff.next()
         log.event("task_restarting", task=name, in_s=round(delay, 3))
         await asyncio.sleep(delay)

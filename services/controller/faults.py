@@ -14,10 +14,12 @@ show now and decides which strategy the instance wants:
 - the strategy that ran last failed → escalate: a failed ``EngineRelaunch`` → ``Terminate``.
 
 At most one strategy runs per instance: a higher-ranked one stops the running one and starts;
-an equal or lower one leaves it. A finished strategy is recorded in the instance's bounded
-history (with its outcome and duration) and its instance is reconciled again. Reported faults
-and the history are stored first (they survive a restart), then applied. A deleted instance's
-strategy is stopped and its record dropped.
+an equal or lower one leaves it. A strategy that crashes (an exception other than
+``StrategyFailed``: a bug) is logged with its traceback and run again after a backoff, up to
+``STRATEGY_RESTARTS`` times; crashing once more counts as failed (and escalates). A finished
+strategy is recorded in the instance's bounded history (with its outcome and duration) and its
+instance is reconciled again. Reported faults and the history are stored first (they survive a
+restart), then applied. A deleted instance's strategy is stopped and its record dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from motor.v1 import controller_pb2 as pb
 
 from services.common import enums, log, tasks
 from services.common.config import ControllerConfig
+from services.common.retry import Backoff
 
 from .instances import InstanceTable
 from .model import Instance
@@ -43,6 +46,9 @@ from .store import Store
 from .strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
 
 HISTORY = 20  # finished strategies kept per instance
+STRATEGY_RESTARTS = 3  # after a crash; one more crash and the strategy has failed
+# Long enough for a crash caused by something passing (a peer mid-restart) to have passed.
+RESTART_BACKOFF = (1.0, 5.0)
 L1, L2 = pb.FAULT_LEVEL_L1, pb.FAULT_LEVEL_L2
 
 
@@ -215,19 +221,24 @@ class FaultManager:
         log.event("strategy_started", instance_id=inst.id, strategy=strategy.name)
         outcome = "succeeded"
         try:
-            await strategy.run()
+            # A transient bug must not escalate a relaunch to Terminate; one that keeps crashing
+            # counts as failed instead of looping.
+            await tasks.supervise(
+                f"strategy-{strategy.name}-{inst.id}",
+                strategy.run,
+                Backoff(*RESTART_BACKOFF),
+                restarts=STRATEGY_RESTARTS,
+                expected=(StrategyFailed,),
+            )
             log.event("strategy_succeeded", instance_id=inst.id, strategy=strategy.name)
             if strategy.name == EngineRelaunch.name:
                 self._clear_restart_requests(inst)
-        except StrategyFailed as exc:
+        except (StrategyFailed, tasks.GaveUp) as exc:
             outcome = f"failed: {exc}"
             log.error("strategy_failed", instance_id=inst.id, strategy=strategy.name, reason=str(exc))
         except asyncio.CancelledError:
             outcome = "stopped"
             raise
-        except Exception as exc:
-            outcome = f"failed: {type(exc).__name__}: {exc}"
-            log.exception("strategy_failed", instance_id=inst.id, strategy=strategy.name)
         finally:
             elapsed = time.monotonic() - started
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

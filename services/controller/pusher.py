@@ -5,12 +5,17 @@ One :class:`CoordinatorPusher` per configured address remembers what that Coordi
 to hold. Transitions only mark the instance dirty and enqueue the address; the reconcile diffs
 the dirty instances against what the Coordinator holds and sends the difference as incremental
 calls (new → Add, gone → Delete, paused → Pause, resumed → Resume; Delete answering NOT_FOUND
-counts as done). When that knowledge may be wrong — at start-up, after a failed call, when a
-response carries a new ``incarnation`` (the Coordinator restarted), when its health Watch stream
-comes back after a break, and every ``coordinator_set_sync_interval_s`` — the next reconcile
-sends one full ``SetInstances`` instead. A failed call is retried with the key's backoff (a
-failed Set never queues a second Set); the Watch coming back retries at once. The periodic
-resync diffs every instance, so a lost event is corrected within one resync.
+counts as done). When that knowledge may be wrong — at start-up, after a failed call (or any
+failure of a reconcile), when a response carries a new ``incarnation`` (the Coordinator
+restarted), when its health Watch (coordinator_watch.py) comes back after a break, and every
+``coordinator_set_sync_interval_s`` — the next reconcile sends one full ``SetInstances``
+instead. A failed call is retried with the key's backoff (a failed Set never queues a second
+Set); the Watch coming back retries at once. The periodic resync diffs every instance, so a lost
+event is corrected within one resync.
+
+grpc.aio ends a call whose channel is closed with a ``CancelledError`` in the caller (and a
+call on a closed channel with ``UsageError``): both are failed calls like any other, and the
+pusher opens a fresh channel, since nothing more goes through that one.
 """
 
 from __future__ import annotations
@@ -23,27 +28,29 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from services.common import log
+from services.common import log, tasks
 from services.common.channel import open_channel
 from services.common.config import ServerConfig
 from services.common.enums import PAUSED, InstanceStatus
 from services.common.retry import Backoff
-from services.common.tasks import cancelled_from_outside, spawn
+from services.common.tasks import cancelled_from_outside
 
 from . import state_machine as sm
 from .convert import identity_pb, instance_pb
+from .coordinator_watch import CoordinatorWatch
 from .instances import InstanceTable
 from .model import Instance
 from .reconciler import DONE, Reconciler, Result, Retry
 
-COORDINATOR_SERVICE = "motor.v1.Coordinator"
 CALL_TIMEOUT_S = 3.0
-WATCH_BACKOFF = (0.1, 1.0)
 WARN_EVERY_S = 30.0
 RESYNC_S = 30.0
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+# How a call fails: the Coordinator's answer, or grpc.aio's for a closed channel.
+_CALL_FAILED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError)
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class CoordinatorPusher:
         tls: ServerConfig | None = None,
         max_message_bytes: int = 4 << 20,
         sync_interval_s: float = 0.0,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.address = address
         self._table = table
@@ -73,18 +81,22 @@ class CoordinatorPusher:
         self._tls = tls
         self._max = max_message_bytes
         self._sync_interval_s = sync_interval_s
+        self._timeout = call_timeout_s
         # What the Coordinator holds; None = unknown, so the next reconcile sends a full Set.
         self._held: dict[int, Held] | None = None
         self._dirty: set[int] = set()
         self._channel: grpc.aio.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorAsyncStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
-        self._watch: asyncio.Task[None] | None = None
+        self.channel_gen = 0
+        self._set_gen = 0  # the channel the last Set went out on
+        # A full Set was asked for while one was in flight: that one's success does not count.
+        self._stale = False
+        self._watch = CoordinatorWatch(self)
         self._closing: set[asyncio.Task[None]] = set()
         self.incarnation = ""
         self.synced_fingerprint = ""  # of the last Set the Coordinator accepted
         self.last_set_ok = float("-inf")
-        self._set_in_flight = False
         self._last_warn: tuple[str, float] = ("", float("-inf"))
         self._suppressed = 0
         self.stats = {"set_ok": 0, "set_failed": 0, "incremental_ok": 0, "incremental_failed": 0}
@@ -100,7 +112,19 @@ class CoordinatorPusher:
         if self._held is not None:
             log.event("coordinator_full_sync_queued", coordinator=self.address, reason=reason)
         self._held = None
+        self._stale = True
         self._enqueue(self.address)
+
+    def restored(self, broken_gen: int) -> None:
+        """The health Watch answers SERVING again after a break first seen on channel
+        ``broken_gen``."""
+        log.event("coordinator_reachable", coordinator=self.address)
+        # Only a Set that went out on a channel opened after the break surely reached the process
+        # answering now: one sent before may have been taken by a process on its way out.
+        if self._set_gen <= broken_gen:
+            self.request_full_sync("watch_restored")
+        else:
+            self._enqueue(self.address)  # a retry waiting out its backoff goes now
 
     def resync(self) -> None:
         """Diff every instance at the next reconcile (what corrects a lost event)."""
@@ -110,28 +134,32 @@ class CoordinatorPusher:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._open()
-        self._watch = spawn(f"coordinator-watch-{self.address}", self._watch_health)
+        self.reopen()
+        self._watch.start()
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        await self._watch.close()
         if self._channel is not None:
             await self._channel.close(grace=0.2)
         await asyncio.gather(*self._closing, return_exceptions=True)
 
-    def _open(self) -> None:
+    def reopen(self) -> None:
+        """A fresh channel for every call from now on; calls on the old one get a second to end."""
         old = self._channel
         self._channel = open_channel(
             self.address, key=self._key, tls=self._tls, max_message_bytes=self._max, service="controller"
         )
+        self.channel_gen += 1
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         if old is not None:
-            task = asyncio.get_running_loop().create_task(old.close(grace=1.0))
+            task = tasks.start(f"coordinator-channel-close-{self.address}", old.close(grace=1.0))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def health_stub(self) -> health_pb2_grpc.HealthStub:
+        assert self._health is not None
+        return self._health
 
     # ---- reconcile -----------------------------------------------------------------------------
 
@@ -139,12 +167,19 @@ class CoordinatorPusher:
         periodic = self._sync_interval_s > 0
         if periodic and time.monotonic() - self.last_set_ok >= self._sync_interval_s:
             self._held = None
+        try:
+            if self._held is None:
+                await self._send_set()
+            else:
+                await self._send_changes()
+        except BaseException:
+            # A failed call, or a bug halfway through the dirty set: what the Coordinator holds is
+            # no longer known, and only a full Set is sure to put it right.
+            self._held = None
+            raise
         if self._held is None:
-            await self._send_set()
-        else:
-            await self._send_changes()
-        if self._held is None:
-            return Result(requeue_after=0)  # a response showed a new incarnation
+            # A response showed a new incarnation, or a full Set was asked for during this one.
+            return Result(requeue_after=0)
         if periodic:
             return Result(requeue_after=self.last_set_ok + self._sync_interval_s - time.monotonic())
         return DONE
@@ -156,19 +191,18 @@ class CoordinatorPusher:
         routable = self._table.routable()
         req = coordinator_pb2.SetInstancesRequest(instances=[instance_pb(i) for i in routable])
         sent = _held_of(routable)  # what the Coordinator will hold, whatever changes meanwhile
-        self._set_in_flight = True
+        gen = self._set_gen = self.channel_gen
+        self._stale = False
         try:
-            resp = await self._stub.SetInstances(req, timeout=CALL_TIMEOUT_S, wait_for_ready=False)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
+            resp = await self._stub.SetInstances(req, timeout=self._timeout, wait_for_ready=False)
+        except _CALL_FAILED as err:
             self.stats["set_failed"] += 1
-            self._failed("set", err)
-        finally:
-            self._set_in_flight = False
+            self._failed("set", err, gen)
         self.stats["set_ok"] += 1
         self._last_warn = ("", float("-inf"))
         self.last_set_ok = time.monotonic()
         self.incarnation = resp.incarnation
-        self._held = sent
+        self._held = None if self._stale else sent
         self.synced_fingerprint = hashlib.blake2b(
             req.SerializeToString(deterministic=True), digest_size=8
         ).hexdigest()
@@ -223,9 +257,8 @@ class CoordinatorPusher:
     async def _call(
         self, kind: str, *, instances: Sequence[common_pb2.Instance] = (), ids: Sequence[int] = ()
     ) -> None:
-        stub = self._stub
+        stub, gen, t = self._stub, self.channel_gen, self._timeout
         assert stub is not None
-        t = CALL_TIMEOUT_S
         try:
             resp: _Answer
             if kind == "add":
@@ -246,26 +279,26 @@ class CoordinatorPusher:
                 resp = await stub.ResumeInstances(
                     coordinator_pb2.ResumeInstancesRequest(ids=ids), timeout=t, wait_for_ready=False
                 )
-        except grpc.aio.AioRpcError as err:
-            if kind == "delete" and err.code() == grpc.StatusCode.NOT_FOUND:
+        except _CALL_FAILED as err:
+            if isinstance(err, grpc.aio.AioRpcError) and kind == "delete" and err.code() == NOT_FOUND:
                 raise _NotFound from err
             self.stats["incremental_failed"] += 1
-            self._failed(kind, err)
-        except asyncio.CancelledError as err:
-            self.stats["incremental_failed"] += 1
-            self._failed(kind, err)
+            self._failed(kind, err, gen)
         self.stats["incremental_ok"] += 1
         self._last_warn = ("", float("-inf"))
         self._check_incarnation(resp.incarnation)
 
-    def _failed(self, call: str, err: BaseException) -> NoReturn:
-        """After a failed call nothing is known of the Coordinator's table: the next attempt (with
-        the key's backoff) is a full Set. One warning per new kind of failure, then at most one
-        every WARN_EVERY_S while it lasts."""
+    def _failed(self, call: str, err: BaseException, gen: int) -> NoReturn:
+        """A failed call: retried (as a full Set) with the key's backoff. One warning per new
+        kind of failure, then at most one every WARN_EVERY_S while it lasts."""
         if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
             raise err
-        self._held = None
-        code = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "CANCELLED"
+        if isinstance(err, grpc.aio.AioRpcError):
+            code, detail = err.code().name, err.details() or ""
+        else:
+            code, detail = "CHANNEL_CLOSED", type(err).__name__
+            if gen == self.channel_gen:
+                self.reopen()  # nothing more goes through a closed channel
         key, now = f"{call}:{code}", time.monotonic()
         if key == self._last_warn[0] and now - self._last_warn[1] < WARN_EVERY_S:
             self._suppressed += 1
@@ -275,7 +308,7 @@ class CoordinatorPusher:
                 coordinator=self.address,
                 call=call,
                 code=code,
-                detail=(err.details() or "") if isinstance(err, grpc.aio.AioRpcError) else "channel closed",
+                detail=detail,
                 repeated=self._suppressed,
             )
             self._last_warn, self._suppressed = (key, now), 0
@@ -287,43 +320,6 @@ class CoordinatorPusher:
             self._held = None
         if incarnation:
             self.incarnation = incarnation
-
-    # ---- health watch --------------------------------------------------------------------------
-
-    async def _watch_health(self) -> None:
-        """Follow the Coordinator's health: a break and return means it may have lost its table
-        (or missed our calls), so resync; and any retry that is waiting goes at once."""
-        backoff = Backoff(*WATCH_BACKOFF)
-        broken_at: float | None = None
-        while True:
-            assert self._health is not None
-            try:
-                call = self._health.Watch(
-                    health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE), wait_for_ready=False
-                )
-                async for resp in call:
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        backoff.reset()
-                        if broken_at is not None:
-                            log.event("coordinator_reachable", coordinator=self.address)
-                            # Unless a Set got through since, or one is on its way now (if that
-                            # one fails, it marks the table unknown itself).
-                            if self.last_set_ok < broken_at and not self._set_in_flight:
-                                self.request_full_sync("watch_restored")
-                            self._enqueue(self.address)
-                            broken_at = None
-                    elif broken_at is None:
-                        broken_at = time.monotonic()
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warn("coordinator_health_unavailable", coordinator=self.address)
-                    return  # nothing to watch: the periodic Set and the resync still run
-            if broken_at is None:
-                broken_at = time.monotonic()
-                log.warn("coordinator_unreachable", coordinator=self.address)
-            await backoff.sleep()
-            # A fresh channel connects at once instead of waiting out gRPC's reconnect backoff.
-            self._open()
 
 
 def _held_of(instances: list[Instance]) -> dict[int, Held]:
@@ -351,6 +347,7 @@ class CoordinatorSync:
         max_message_bytes: int = 4 << 20,
         sync_interval_s: float = 0.0,
         resync_s: float = RESYNC_S,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.reconciler: Reconciler[str] = Reconciler(
             "coordinator",
@@ -369,6 +366,7 @@ class CoordinatorSync:
                 tls=tls,
                 max_message_bytes=max_message_bytes,
                 sync_interval_s=sync_interval_s,
+                call_timeout_s=call_timeout_s,
             )
             for a in addresses
         }

@@ -1,10 +1,11 @@
 """Recovery strategies the fault manager runs for one instance, each as a cancellable task.
 
 A strategy's ``run()`` returns when it succeeded and raises :class:`StrategyFailed` when it did
-not; ``phase`` says where it is (GetFaultToleranceStatus shows it). ``rank`` orders strategies
-and fault levels: a higher one preempts a lower one. When a strategy is stopped from outside
-(preempted, or its instance deleted) its task is cancelled and :meth:`stopped` does what must
-still be done without waiting for anyone.
+not; after any other exception (a bug) the fault manager calls it again, so it starts over from
+its first phase. ``phase`` says where it is (GetFaultToleranceStatus shows it). ``rank`` orders
+strategies and fault levels: a higher one preempts a lower one. When a strategy is stopped from
+outside (preempted, or its instance deleted) its task is cancelled and :meth:`stopped` does what
+must still be done without waiting for anyone.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class EngineRelaunch:
             raise
 
     async def _relaunch(self) -> None:
+        self.phase = "probe"
         reachable = await asyncio.gather(*(self._probe(a) for a in self.addresses))
         gone = [a for a, ok in zip(self.addresses, reachable, strict=True) if not ok]
         if gone:

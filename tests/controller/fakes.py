@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +24,7 @@ from motor.v1 import (
 
 from services.common import errors
 from services.common.config import ControllerConfig, load
+from services.common.rpc import service_handler
 from services.common.server import MotorServer
 from services.controller.app import Controller
 
@@ -56,6 +57,35 @@ async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
         await asyncio.sleep(every)
+
+
+# ---- the two sides of the Controller → Coordinator contract --------------------------------------
+
+# A channel of its own, not sharing a connection (or a reconnect backoff) with any other.
+FRESH = [("grpc.use_local_subchannel_pool", 1)]
+# An instance as both sides name it: id, job, role and endpoints.
+Identity = tuple[int, str, int, tuple[tuple[str, int], ...]]
+
+
+def identity(i: common_pb2.Instance) -> Identity:
+    return (i.id, i.job_name, i.role, tuple(sorted((e.host, e.port) for e in i.endpoints)))
+
+
+def controller_side(instances: Iterable[common_pb2.Instance]) -> tuple[set[Identity], set[int]]:
+    """What a Coordinator must hold, from the Controller's ListInstances: its ACTIVE and PAUSED
+    instances, and which of them are paused."""
+    routable = [i for i in instances if i.status in (ACTIVE, PAUSED)]
+    return {identity(i) for i in routable}, {i.id for i in routable if i.status == PAUSED}
+
+
+async def coordinator_side(address: str) -> tuple[set[Identity], set[int]]:
+    """What the Coordinator at ``address`` holds, from its ListInstances: every instance
+    (available, unavailable or paused), and the paused ones."""
+    async with grpc.aio.insecure_channel(address, options=FRESH) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        r = await stub.ListInstances(coordinator_pb2.CoordinatorListInstancesRequest(), timeout=5)
+    held = {identity(i) for group in (r.available, r.unavailable, r.paused) for i in group}
+    return held, {i.id for i in r.paused}
 
 
 # ---- NodeManager server ------------------------------------------------------------------------
@@ -169,17 +199,23 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
 
 
 class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """A Coordinator's management table, recording every call; can fail the next N calls."""
+    """A Coordinator's management table, recording every call; can fail the next N calls, refuse
+    every call with a code, or take calls and never answer. ``health=False``: a server without
+    the health service (Watch answers UNIMPLEMENTED)."""
 
-    def __init__(self) -> None:
+    def __init__(self, health: bool = True) -> None:
         self.calls: list[tuple[str, Any, bool]] = []  # (method, request, succeeded)
         self.table: dict[int, common_pb2.Instance] = {}
         self.paused: set[int] = set()
         self.fail_next = 0
+        self.refuse: grpc.StatusCode | None = None  # answer every call with this code while set
+        self.hang = False  # take every call and never answer (until the caller gives up)
+        self.hung: list[str] = []  # methods of the calls taken while hanging
         self.on_answer: Callable[[str], None] | None = None  # runs as a call succeeds (method)
         self.incarnation = uuid.uuid4().hex
         self.revision = 0
-        self.server: MotorServer | None = None
+        self.health = health
+        self.server: MotorServer | grpc.aio.Server | None = None
         self.port = 0
 
     def restart_state(self) -> None:
@@ -188,7 +224,14 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.paused.clear()
         self.incarnation = uuid.uuid4().hex
 
-    def _enter(self, method: str, req: Any) -> None:
+    async def _enter(self, method: str, req: Any) -> None:
+        if self.hang:
+            self.calls.append((method, req, False))
+            self.hung.append(method)
+            await asyncio.Event().wait()  # until gRPC cancels the handler (deadline, stop)
+        if self.refuse is not None:
+            self.calls.append((method, req, False))
+            raise errors.error_info(self.refuse, "TEST_REFUSED", f"test: {method} refused")
         if self.fail_next > 0:
             self.fail_next -= 1
             self.calls.append((method, req, False))
@@ -211,7 +254,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def SetInstances(
         self, req: coordinator_pb2.SetInstancesRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.SetInstancesResponse:
-        self._enter("Set", req)
+        await self._enter("Set", req)
         self.table = {i.id: i for i in req.instances}
         self.paused = {i.id for i in req.instances if i.status == PAUSED}
         return self._ok("Set", req, coordinator_pb2.SetInstancesResponse)
@@ -219,15 +262,17 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def AddInstances(
         self, req: coordinator_pb2.AddInstancesRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.AddInstancesResponse:
-        self._enter("Add", req)
+        await self._enter("Add", req)
         for i in req.instances:
             self.table[i.id] = i
+            if i.status == PAUSED:  # like the Coordinator's table: stored paused is paused
+                self.paused.add(i.id)
         return self._ok("Add", req, coordinator_pb2.AddInstancesResponse)
 
     async def DeleteInstances(
         self, req: coordinator_pb2.DeleteInstancesRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.DeleteInstancesResponse:
-        self._enter("Delete", req)
+        await self._enter("Delete", req)
         for i in req.instances:
             if i.id not in self.table:
                 self.calls.append(("Delete", req, False))
@@ -240,14 +285,14 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def PauseInstances(
         self, req: coordinator_pb2.PauseInstancesRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.PauseInstancesResponse:
-        self._enter("Pause", req)
+        await self._enter("Pause", req)
         self.paused |= set(req.ids)
         return self._ok("Pause", req, coordinator_pb2.PauseInstancesResponse)
 
     async def ResumeInstances(
         self, req: coordinator_pb2.ResumeInstancesRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ResumeInstancesResponse:
-        self._enter("Resume", req)
+        await self._enter("Resume", req)
         self.paused -= set(req.ids)
         return self._ok("Resume", req, coordinator_pb2.ResumeInstancesResponse)
 
@@ -267,20 +312,25 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         raise errors.unimplemented("test")
 
     async def start(self, port: int = 0) -> FakeCoordinator:
+        descriptor = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+        if not self.health:
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((service_handler(descriptor, self),))
+            self.port = server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            self.server = server
+            return self
         cfg = load(None, env={}, overrides={}).coordinator
-        self.server = MotorServer(
-            "coordinator",
-            cfg,
-            [(coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"], self)],
-            port=port,
-        )
+        self.server = MotorServer("coordinator", cfg, [(descriptor, self)], port=port)
         self.port = await self.server.start()
         return self
 
     async def stop(self) -> None:
-        if self.server is not None:
+        if isinstance(self.server, MotorServer):
             await self.server.stop()
-            self.server = None
+        elif self.server is not None:
+            await self.server.stop(0.2)
+        self.server = None
 
     @property
     def address(self) -> str:

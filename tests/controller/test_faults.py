@@ -4,12 +4,16 @@ becomes of the instance."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 from motor.v1 import controller_pb2, nodemanager_pb2
 
 from services.common import errors
+from services.controller import faults
+from services.controller.strategies import EngineRelaunch
 from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller, until
 
 RESTART, ABORT = nodemanager_pb2.RESTART_ACTION_RESTART, nodemanager_pb2.RESTART_ACTION_ABORT
@@ -118,6 +122,70 @@ async def test_a_failed_relaunch_escalates_to_terminating_the_instance(tmp_path,
         assert "engine relaunch failed" in a.stops[0]
         await until(lambda: h.instances(status=DELETED))
         assert await h.instances() == []
+
+
+def crash_in_wait_ready(monkeypatch: pytest.MonkeyPatch, times: int) -> None:
+    """The relaunch hits a bug (RuntimeError) when it starts waiting, ``times`` times; then it
+    runs as written. Restarts come after 10 ms instead of seconds."""
+    monkeypatch.setattr(faults, "RESTART_BACKOFF", (0.01, 0.02))
+    real = EngineRelaunch._wait_ready
+    crashes = 0
+
+    async def wait_ready(self: EngineRelaunch) -> None:
+        nonlocal crashes
+        if crashes < times:
+            crashes += 1
+            raise RuntimeError("test: a bug")
+        await real(self)
+
+    monkeypatch.setattr(EngineRelaunch, "_wait_ready", wait_ready)
+
+
+def logged(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage() == event]
+
+
+async def test_a_crashing_relaunch_is_run_again_and_succeeds(
+    tmp_path, node_managers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    crash_in_wait_ready(monkeypatch, times=2)
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        a.ready = b.ready = True
+        await engine_event(first)
+
+        async def done() -> controller_pb2.FaultToleranceEntry | None:
+            (e,) = await fault_status(h)
+            return e if e.history and not e.strategy else None
+
+        entry = await until(done)
+        assert "EngineRelaunch succeeded" in entry.history[0] and len(entry.history) == 1
+        # Each run starts over: probe, RESTART to every NodeManager, wait.
+        assert (a.restarts, b.restarts) == ([RESTART] * 3, [RESTART] * 3)
+        assert a.stops == b.stops == [] and await h.instances(status=ACTIVE)
+        crashes = logged(caplog, "task_failed")
+        assert len(crashes) == 2 and all(
+            r.exc_info and isinstance(r.exc_info[1], RuntimeError) for r in crashes
+        )
+        assert logged(caplog, "strategy_failed") == []
+
+
+async def test_a_relaunch_that_keeps_crashing_fails_and_escalates(
+    tmp_path, node_managers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    crash_in_wait_ready(monkeypatch, times=100)
+    a, b = await node_managers(), await node_managers()
+    async with running_controller(tmp_path, **FAST) as h:
+        first, _ = await active_pair(h, a, b)
+        await engine_event(first)
+        await until(lambda: a.stops and b.stops)  # escalated to Terminate
+        runs = faults.STRATEGY_RESTARTS + 1
+        assert (a.restarts, b.restarts) == ([RESTART] * runs, [RESTART] * runs)
+        assert len(logged(caplog, "task_failed")) == runs
+        [failure] = logged(caplog, "strategy_failed")
+        assert f"failed {runs} times, last: RuntimeError: test: a bug" in failure.fields["reason"]  # type: ignore[attr-defined]
+        await until(lambda: h.instances(status=DELETED))
 
 
 async def test_engines_that_die_again_fail_the_relaunch_at_once(tmp_path, node_managers) -> None:

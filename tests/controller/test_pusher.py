@@ -1,32 +1,73 @@
 """The event pusher against a fake Coordinator: incremental calls, the coalesced full Set,
-incarnation changes, NOT_FOUND deletes and a Coordinator that comes up late."""
+incarnation changes, NOT_FOUND deletes and a Coordinator that comes up late; then the failures
+it must survive, each ending with the Coordinator's table equal to the Controller's: its channel
+closed under a call, a Coordinator that hangs, refuses, restarts in the middle of a Set (a fake,
+and a real process SIGKILLed), or takes a Set on its way out."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from motor.v1 import common_pb2
 
+from services.common.server import MotorServer
 from services.controller import state_machine as sm
+from services.controller.convert import instance_pb
+from services.controller.coordinator_watch import UNKNOWN, CoordinatorWatch
 from services.controller.instances import InstanceTable
 from services.controller.model import Instance, JobSpec, Member
 from services.controller.pusher import CoordinatorSync
 from services.controller.store import Store
-from tests.controller.fakes import FakeCoordinator, until
+from tests.controller.fakes import (
+    ACTIVE,
+    NORMAL,
+    FakeCoordinator,
+    FakeNodeManager,
+    controller_side,
+    coordinator_side,
+    running_controller,
+    until,
+)
+from tests.procs import Proc, motor_argv
 
 
 class World:
     """An instance table (with its database) and one pusher watching it."""
 
-    def __init__(self, tmp: Path, address: str, sync_interval_s: float = 0.0, resync_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        address: str,
+        sync_interval_s: float = 0.0,
+        resync_s: float = 30.0,
+        call_timeout_s: float = 3.0,
+    ) -> None:
         self.store = Store(tmp)
         self.table = InstanceTable(self.store)
-        self.sync = CoordinatorSync([address], self.table, sync_interval_s=sync_interval_s, resync_s=resync_s)
+        self.sync = CoordinatorSync(
+            [address],
+            self.table,
+            sync_interval_s=sync_interval_s,
+            resync_s=resync_s,
+            call_timeout_s=call_timeout_s,
+        )
+        self.address = address
         self.pusher = self.sync.pushers[address]
         self._next_port = 10000
+
+    async def in_step(self) -> bool:
+        """The Coordinator holds exactly what the Controller's ListInstances would call routable."""
+        listed = [instance_pb(i) for i in self.table.find()]  # what Controller.ListInstances answers
+        return await coordinator_side(self.address) == controller_side(listed)
 
     def instance(self, status: int = sm.ACTIVE) -> Instance:
         """A new instance, taken from INITIAL to ``status`` through the table."""
@@ -202,3 +243,296 @@ async def test_a_change_made_while_a_call_is_in_flight_follows_it(
     await until(lambda: a.id in coordinator.paused)
     [add] = coordinator.ok_calls("Add")
     assert add.instances[0].status == sm.ACTIVE and coordinator.count("Pause", ok=True) == 1
+
+
+# ---- failures the pusher survives -----------------------------------------------------------------
+
+
+def logged(caplog: pytest.LogCaptureFixture, event: str = "coordinator_push_failed") -> list[dict]:
+    return [r.fields for r in caplog.records if r.getMessage() == event]
+
+
+def bugs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Lines that say something broke rather than failed as expected."""
+    return [r.getMessage() for r in caplog.records if r.getMessage() in ("reconcile_failed", "task_failed")]
+
+
+async def started(w: World) -> World:
+    w.sync.start()
+    await until(lambda: w.pusher.stats["set_ok"] == 1)  # the start-up sync
+    return w
+
+
+async def test_a_channel_closed_under_an_in_flight_call(
+    tmp_path: Path, coordinator: FakeCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = await started(World(tmp_path, coordinator.address))
+    try:
+        a = w.instance(sm.ACTIVE)
+        await until(lambda: a.id in coordinator.table)
+        coordinator.hang = True
+        b = w.instance(sm.ACTIVE)
+        await until(lambda: coordinator.hung == ["Add"])
+        # grpc.aio raises CancelledError inside the awaiting Add: the bug that once ended the
+        # pusher for good.
+        assert w.pusher._channel is not None
+        await w.pusher._channel.close()
+        coordinator.hang = False
+        await until(w.in_step)
+        assert b.id in coordinator.table
+        c = w.instance(sm.ACTIVE)  # and it keeps going
+        await until(lambda: c.id in coordinator.table)
+        first = logged(caplog)[0]
+        assert (first["call"], first["code"], first["detail"]) == ("add", "CHANNEL_CLOSED", "CancelledError")
+        assert bugs(caplog) == []
+    finally:
+        await w.sync.close()
+        w.store.close()
+
+
+async def test_without_health_a_closed_channel_is_replaced_by_the_pusher(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    coordinator = await FakeCoordinator(health=False).start()
+    w = await started(World(tmp_path, coordinator.address))
+    try:
+        await until(lambda: logged(caplog, "coordinator_health_unavailable"))
+        # Nobody else would open a new channel: the Watch ended for good on UNIMPLEMENTED.
+        assert w.pusher._channel is not None
+        await w.pusher._channel.close()
+        a = w.instance(sm.ACTIVE)  # its Add finds the channel closed (UsageError)
+        await until(lambda: a.id in coordinator.table)
+        assert await w.in_step()
+        assert [(f["call"], f["detail"]) for f in logged(caplog)] == [("add", "UsageError")]
+        assert coordinator.count("Add") == 0 and coordinator.count("Set", ok=True) == 2
+        assert bugs(caplog) == [] and len(logged(caplog, "coordinator_health_unavailable")) == 1
+    finally:
+        await w.sync.close()
+        w.store.close()
+        await coordinator.stop()
+
+
+async def test_a_hanging_coordinator(
+    tmp_path: Path, coordinator: FakeCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = await started(World(tmp_path, coordinator.address, call_timeout_s=0.3))
+    try:
+        a = w.instance(sm.ACTIVE)
+        await until(lambda: a.id in coordinator.table)
+        coordinator.hang = True
+        b = w.instance(sm.ACTIVE)
+        w.table.transition(a, sm.PAUSED, "test")
+        # Each call ends at its deadline and is tried again, as a full Set.
+        await until(lambda: len(coordinator.hung) >= 4)
+        assert coordinator.hung[:2] == ["Add", "Set"] and set(coordinator.hung[1:]) == {"Set"}
+        coordinator.hang = False
+        await until(w.in_step)
+        assert coordinator.paused == {a.id} and b.id in coordinator.table
+        # One warning per kind of failure, however often it happened.
+        assert [(f["call"], f["code"]) for f in logged(caplog)] == [
+            ("add", "DEADLINE_EXCEEDED"),
+            ("set", "DEADLINE_EXCEEDED"),
+        ]
+        assert bugs(caplog) == []
+    finally:
+        await w.sync.close()
+        w.store.close()
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED],
+)
+async def test_a_refusing_coordinator(
+    tmp_path: Path, coordinator: FakeCoordinator, caplog: pytest.LogCaptureFixture, code: grpc.StatusCode
+) -> None:
+    w = await started(World(tmp_path, coordinator.address))
+    try:
+        a = w.instance(sm.ACTIVE)
+        await until(lambda: a.id in coordinator.table)
+        coordinator.refuse = code
+        b = w.instance(sm.ACTIVE)
+        w.table.transition(a, sm.PAUSED, "test")
+        await until(lambda: w.pusher.stats["set_failed"] >= 3)
+        assert not await w.in_step()
+        coordinator.refuse = None
+        await until(w.in_step)
+        assert coordinator.paused == {a.id} and b.id in coordinator.table
+        assert [(f["call"], f["code"]) for f in logged(caplog)] == [("add", code.name), ("set", code.name)]
+        assert bugs(caplog) == []
+    finally:
+        await w.sync.close()
+        w.store.close()
+
+
+async def test_a_coordinator_restarted_during_a_set(tmp_path: Path, coordinator: FakeCoordinator) -> None:
+    w = await started(World(tmp_path, coordinator.address))
+    try:
+        a, b = w.instance(sm.ACTIVE), w.instance(sm.PAUSED)
+        await until(w.in_step)
+        coordinator.hang = True
+        w.pusher.request_full_sync("test")
+        await until(lambda: coordinator.hung == ["Set"])
+        port, old = coordinator.port, coordinator.incarnation
+        await coordinator.stop()  # the Set in flight dies with the server
+        coordinator.restart_state()
+        coordinator.hang = False
+        await coordinator.start(port)
+        await until(w.in_step)
+        assert coordinator.table.keys() == {a.id, b.id} and coordinator.paused == {b.id}
+        assert w.pusher.incarnation == coordinator.incarnation != old
+    finally:
+        await w.sync.close()
+        w.store.close()
+
+
+async def test_a_set_taken_by_a_coordinator_on_its_way_out_is_sent_again(
+    tmp_path: Path, coordinator: FakeCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = await started(World(tmp_path, coordinator.address))
+    try:
+        a = w.instance(sm.ACTIVE)
+        await until(w.in_step)
+        # A graceful stop: NOT_SERVING first, and calls are still taken while it drains.
+        assert isinstance(coordinator.server, MotorServer)
+        await coordinator.server.health.enter_graceful_shutdown()
+        await until(lambda: logged(caplog, "coordinator_unreachable"))
+        w.pusher.request_full_sync("test")
+        await until(lambda: coordinator.count("Set", ok=True) == 2)
+        port = coordinator.port
+        await coordinator.stop()
+        coordinator.restart_state()
+        await coordinator.start(port)
+        # That Set reached the old process, not the one answering now: the table comes back.
+        await until(w.in_step)
+        assert a.id in coordinator.table and coordinator.count("Set", ok=True) == 3
+    finally:
+        await w.sync.close()
+        w.store.close()
+
+
+class ScriptedHealth:
+    """A health stub whose Watch streams follow a script: each item is a status to send or an
+    exception to raise; a stream that runs out of items stays open."""
+
+    def __init__(self, *streams: list[Any]) -> None:
+        self.streams = list(streams)
+
+    def Watch(self, req: health_pb2.HealthCheckRequest, wait_for_ready: bool = False) -> AsyncIterator[Any]:
+        return self._stream(self.streams.pop(0))
+
+    async def _stream(self, items: list[Any]) -> AsyncIterator[Any]:
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            yield health_pb2.HealthCheckResponse(status=item)
+        await asyncio.Event().wait()
+
+
+class WatchedPusher:
+    address = "127.0.0.1:1"
+
+    def __init__(self, health: ScriptedHealth) -> None:
+        self.health = health
+        self.channel_gen = 1
+        self.restored_after: list[int] = []
+
+    def health_stub(self) -> Any:
+        return self.health
+
+    def reopen(self) -> None:
+        self.channel_gen += 1
+
+    def restored(self, broken_gen: int) -> None:
+        self.restored_after.append(broken_gen)
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "test")
+
+
+async def test_a_watch_that_fails_is_restarted_and_resyncs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    pusher = WatchedPusher(ScriptedHealth([SERVING, RuntimeError("test: a bug")], [SERVING]))
+    watch = CoordinatorWatch(pusher)
+    watch.start()
+    try:
+        # Nobody watched while it was restarting: whatever Set went before, a full one follows.
+        await until(lambda: pusher.restored_after == [UNKNOWN])
+        assert bugs(caplog) == ["task_failed"] and len(logged(caplog, "task_restarting")) == 1
+        assert watch._task is not None and not watch._task.done()
+    finally:
+        await watch.close()
+
+
+async def test_only_a_coordinator_without_health_ends_the_watch(caplog: pytest.LogCaptureFixture) -> None:
+    pusher = WatchedPusher(
+        ScriptedHealth(
+            [SERVING, rpc_error(grpc.StatusCode.UNAVAILABLE)],  # breaks on channel 1
+            [asyncio.CancelledError()],  # grpc.aio: the channel was closed under the stream
+            [NOT_SERVING, rpc_error(grpc.StatusCode.CANCELLED)],
+            [SERVING, rpc_error(grpc.StatusCode.UNAVAILABLE)],  # back, then breaks on channel 4
+            [rpc_error(grpc.StatusCode.UNIMPLEMENTED)],
+        )
+    )
+    watch = CoordinatorWatch(pusher)
+    watch.start()
+    assert watch._task is not None
+    await asyncio.wait_for(watch._task, 10)
+    assert pusher.restored_after == [1] and pusher.channel_gen == 5
+    assert [f["why"] for f in logged(caplog, "coordinator_unreachable")] == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert len(logged(caplog, "coordinator_health_unavailable")) == 1
+    assert bugs(caplog) == [] and logged(caplog, "task_restarting") == []
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+async def test_a_real_coordinator_killed_during_a_set(
+    tmp_path: Path, node_managers: Callable[..., Awaitable[FakeNodeManager]]
+) -> None:
+    grpc_port, http_port = _free_ports(2)
+    argv = motor_argv("coordinator", "--port", str(grpc_port), "--http-port", str(http_port))
+
+    async def coordinator_process() -> tuple[Proc, str]:
+        proc = Proc(argv, cwd=tmp_path)
+        address, _ = await asyncio.to_thread(proc.listening)
+        return proc, address
+
+    proc, address = await coordinator_process()
+    try:
+        async with running_controller(tmp_path / "controller", coordinators=[address]) as h:
+
+            async def in_step() -> bool:
+                return await coordinator_side(address) == controller_side(await h.instances())
+
+            nm = await node_managers()
+            agent = h.agent(job="p", nm=nm)
+            await agent.register()
+            await until(lambda: nm.starts)
+            await agent.beat(NORMAL)
+            await until(lambda: h.instances(status=ACTIVE))
+            await until(in_step)
+            sync = h.controller.coordinators
+            pusher, old = sync.pushers[address], sync.pushers[address].incarnation
+            proc.signal(signal.SIGSTOP)  # takes the Set, never answers it
+            pusher.request_full_sync("test")
+            await until(lambda: sync.reconciler.queue.processing == 1)
+            await asyncio.sleep(0.2)  # the request is on the wire
+            assert sync.reconciler.queue.processing == 1 and pusher.stats["set_ok"] == 1
+            await asyncio.to_thread(proc.kill)
+            proc, _ = await coordinator_process()
+            await until(in_step, timeout=15)
+            assert len(controller_side(await h.instances())[0]) == 1 and pusher.incarnation != old
+    finally:
+        await asyncio.to_thread(proc.kill)

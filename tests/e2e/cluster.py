@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.nodemanager.statefile import StateFile
-from tests.procs import Proc, grpcurl, motor_argv
+from tests.procs import Proc, child_pids, grpcurl, motor_argv
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
 
@@ -131,19 +131,9 @@ class Cluster:
         return [r.pgid for i in range(self.nodes) for r in StateFile(self.state / f"nm-{i}").read()]
 
     def component_pid(self, name: str) -> int:
-        """The pid of a child of ``motor up`` by its command line (controller, coordinator, nodemanager)."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.popen.pid and name.encode() in cmd:
-                found.append(int(entry.name))
+        """The pid of a child of ``motor up`` by its command line (controller, coordinator,
+        nodemanager); 0 unless exactly one matches."""
+        found = child_pids(self.proc.popen.pid, name)
         return found[0] if len(found) == 1 else 0
 
     def nodemanager_pid(self, i: int) -> int:
