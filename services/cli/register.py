@@ -29,6 +29,7 @@ from services.cli import table_checks as checks
 from services.cli.views import instance_rows, print_table
 from services.common import enums
 from services.common.config import ConfigError
+from services.coordinator import validation
 
 PROG = "motor register"
 ROLES = ("prefill", "decode", "union")
@@ -184,6 +185,10 @@ def build_all(plans: Sequence[Planned], args: argparse.Namespace) -> list[common
             inst = _fill(plan.given, inst)
         out.append(inst)
     checks.refuse_overlaps(out)
+    # The Coordinator's own request checks, here too, so a dry run shows what it would refuse.
+    bad = validation.instance_list(out)
+    if bad:
+        raise sa.InputError("; ".join(f"{path}: {problem}" for path, problem in bad))
     return out
 
 

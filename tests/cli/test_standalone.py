@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from motor.v1 import common_pb2
 
+from services.cli import register
 from services.cli import standalone as sa
 from services.cli import table_checks as checks
 
@@ -146,3 +147,16 @@ def test_delete_reads_the_stored_identity() -> None:
         checks.delete_targets([(p.id, spec)], _held(moved), "c")
     sent = checks.identity_only(p)
     assert (sent.id, sent.job_name, sent.model_name) == (p.id, p.job_name, "")
+
+
+def test_a_dry_run_shows_what_the_coordinator_would_refuse(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["add", "--engine-type", "sglang", "--no-health-check", "--model-name", "m", "--dry-run"]
+    assert register.main([*base, "--prefill", "127.0.0.1:30000"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "motor register add: instances[0].endpoints[0].bootstrap_port: required for an SGLang prefill endpoint"
+    )
+    assert register.main([*base, "--prefill", "127.0.0.1:30000:30001"]) == 0
+    sent = json.loads(capsys.readouterr().out)["instances"][0]
+    assert sent["endpoints"][0]["bootstrap_port"] == 30001
+    assert sent["pd_protocol"] == "PD_PROTOCOL_SGLANG"
