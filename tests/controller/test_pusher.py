@@ -498,6 +498,18 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _unread_bytes(port: int) -> int:
+    """Bytes that arrived for the listener on ``port`` and sit unread in its sockets (a stopped
+    process cannot read them): the request is on the wire."""
+    total = 0
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                total += int(fields[4].split(":")[1], 16)
+    return total
+
+
 async def test_a_real_coordinator_killed_during_a_set(
     tmp_path: Path, node_managers: Callable[..., Awaitable[FakeNodeManager]]
 ) -> None:
@@ -528,7 +540,7 @@ async def test_a_real_coordinator_killed_during_a_set(
             proc.signal(signal.SIGSTOP)  # takes the Set, never answers it
             pusher.request_full_sync("test")
             await until(lambda: sync.reconciler.queue.processing == 1)
-            await asyncio.sleep(0.2)  # the request is on the wire
+            await until(lambda: _unread_bytes(grpc_port) > 0)
             assert sync.reconciler.queue.processing == 1 and pusher.stats["set_ok"] == 1
             await asyncio.to_thread(proc.kill)
             proc, _ = await coordinator_process()
