@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test gen docs lint bench proto-baseline venv clean engines-check
+.PHONY: up test gen docs lint bench proto-baseline venv clean engines-check system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,7 +18,7 @@ venv: $(STAMP)
 up: $(STAMP)
 	@$(BIN)/motor up $(ARGS)
 
-test: $(STAMP) lint
+test: system-deps $(STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 gen: $(STAMP)
@@ -33,6 +33,43 @@ gen: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python tools/apidoc.py
 	$(BIN)/python -m services.common.config.reference > docs/configuration.md
+
+# Debian packages some tests run for real (tests/controller/test_alertmanager.py starts its own
+# Alertmanager on a free port). Installed when this is root with apt-get, the only place an
+# install can work; elsewhere those tests skip, and this says so once. Never fails `make test`:
+# a test whose package is missing skips with one line saying why. While installing, a
+# policy-rc.d (unless the machine has one) keeps the package from starting its system service
+# on :9093; any that still runs is stopped and disabled, since tests start their own.
+SYSTEM_DEBS := prometheus-alertmanager
+APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
+
+system-deps:
+	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "system-deps: not root with apt-get, so $(SYSTEM_DEBS) is not installed here: the tests that run a real Alertmanager skip unless it is on PATH"; \
+		exit 0; \
+	fi; \
+	missing=; \
+	for p in $(SYSTEM_DEBS); do \
+		dpkg -s $$p 2>/dev/null | grep -q '^Status: install ok installed' || missing="$$missing $$p"; \
+	done; \
+	[ -n "$$missing" ] || exit 0; \
+	echo "system-deps: installing$$missing"; \
+	rc=/usr/sbin/policy-rc.d; own=; \
+	if [ ! -e $$rc ]; then \
+		printf '#!/bin/sh\nexit 101\n' > $$rc && chmod 755 $$rc && own=1 && trap 'rm -f '$$rc EXIT INT TERM; \
+	fi; \
+	{ $(APT) install -y --no-install-recommends $$missing || \
+		{ $(APT) update && $(APT) install -y --no-install-recommends $$missing; }; } >/dev/null 2>&1; \
+	ok=$$?; \
+	[ -z "$$own" ] || rm -f $$rc; \
+	if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then \
+		systemctl disable --now prometheus-alertmanager >/dev/null 2>&1; \
+	elif [ -x /etc/init.d/prometheus-alertmanager ]; then \
+		/etc/init.d/prometheus-alertmanager stop >/dev/null 2>&1; \
+		update-rc.d prometheus-alertmanager disable >/dev/null 2>&1; \
+	fi; \
+	[ $$ok = 0 ] || echo "system-deps: could not install$$missing (apt-get failed): the tests that run a real Alertmanager will skip"; \
+	exit 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check services tests bench tools

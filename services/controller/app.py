@@ -9,9 +9,10 @@ reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops")
 - ``coordinator`` (key: address): each Coordinator's table follows the routable instances.
 
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
-now); ``start()`` starts the reconcilers and the timer; ``stop()`` ends streams and tasks and
-closes channels and the database. ``serve()`` in main.py puts it behind a MotorServer; tests can
-do the same in-process.
+now; the alarms are compared with the instances); ``start()`` starts the reconcilers and the
+timer; ``end_streams()`` (a server stop hook) ends the heartbeat and alarm watch streams;
+``stop()`` ends streams and tasks and closes channels and the database. ``serve()`` in main.py
+puts it behind a MotorServer; tests can do the same in-process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from services.common.gcpolicy import GcGuard
 from services.common.retry import Backoff
 from services.common.tasks import spawn
 
+from .alarm_sources import COORDINATOR_ALARM_AFTER_S, CoordinatorAlarms, InstanceAlarms
+from .alarm_watch import AlarmWatchHub
+from .alarms import AlarmStore
+from .alertmanager import AlertmanagerSink
 from .assembler import Assembler
 from .faults import FaultManager
 from .heartbeats import STATS_WINDOW_S, HeartbeatHub
@@ -37,6 +42,7 @@ from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .pusher import CoordinatorSync
 from .reconciler import Reconciler
+from .recovery import Recovery
 from .registration import Registrar
 from .service import ControllerService
 from .sessions import SessionTable
@@ -63,7 +69,9 @@ def _lock_state_dir(state_dir: str) -> int:
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig) -> None:
+    def __init__(
+        self, cfg: ControllerConfig, *, coordinator_alarm_after_s: float = COORDINATOR_ALARM_AFTER_S
+    ) -> None:
         self.cfg = cfg
         # Key files first: a bad one is a start-up error before anything is opened.
         nm_key = read_key_file(cfg.nodemanager_key_file) if cfg.nodemanager_key_file else None
@@ -75,9 +83,21 @@ class Controller:
             os.close(self._lock)
             raise
         self.table = InstanceTable(self.store)
+        self.alarms = AlarmStore(self.store)
+        self.alarm_watch = AlarmWatchHub(self.alarms)
+        self.instance_alarms = InstanceAlarms(self.table, self.alarms)
+        self.coordinator_alarms = CoordinatorAlarms(self.alarms, cfg.coordinators, coordinator_alarm_after_s)
         self.sessions = SessionTable()
         self.pending = PendingAssemblies(self.store, self.sessions)
         self.nm_clients = NodeManagerClients(nm_key, cfg, cfg.max_message_bytes)
+        # TerminateInstance, and what a reported precision alarm leads to.
+        self.recovery = Recovery(cfg, self.table, self.nm_clients, self.alarms, coord_key)
+        self.alert_sink: AlertmanagerSink | None = None
+        if cfg.alarm_webhook_url:
+            self.alert_sink = AlertmanagerSink(
+                cfg.alarm_webhook_url, self.alarms.active, tls_ca_file=cfg.tls_ca_file
+            )
+            self.alarms.subscribe(self.alert_sink)
 
         # The fault manager enqueues instances on the loop that calls it: bound once the loop exists.
         self.faults = FaultManager(
@@ -117,6 +137,7 @@ class Controller:
         )
         self.table.subscribe(self.registrar)
         self.table.subscribe(self.faults)
+        self.table.subscribe(self.instance_alarms)
         self.coordinators = CoordinatorSync(
             cfg.coordinators,
             self.table,
@@ -125,6 +146,7 @@ class Controller:
             max_message_bytes=cfg.max_message_bytes,
             sync_interval_s=cfg.coordinator_set_sync_interval_s,
             resync_s=RESYNC_S,
+            on_reachability=self.coordinator_alarms.on_reachability,
         )
         self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
         self.servicer = ControllerService(self)
@@ -132,6 +154,8 @@ class Controller:
         now = time.monotonic()
         self.table.load(self.store.load_instances(), now)
         self.pending.load(self.store.load_pending(), now)
+        self._reconcile_alarms()
+        self._last_alarm_resync = now
         self.gc = GcGuard()
         self.gc.settle(self._working_set())
         shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
@@ -147,6 +171,8 @@ class Controller:
         return len(self.sessions) + len(self.table.live) + len(self.pending)
 
     async def start(self) -> None:
+        if self.alert_sink is not None:
+            self.alert_sink.start()
         self.coordinators.start()
         self.assembly_loop.start()
         self.instance_loop.start()
@@ -164,19 +190,37 @@ class Controller:
                 self._last_report = now
                 for loop in self.loops:
                     loop.report()
+            if now - self._last_alarm_resync >= RESYNC_S:
+                self._last_alarm_resync = now
+                self._reconcile_alarms()
             self.gc.settle(self._working_set())
+
+    def _reconcile_alarms(self) -> None:
+        """Level-triggered alarms: what a lost transition or a failed write missed is put right."""
+        self.instance_alarms.reconcile()
+        self.coordinator_alarms.reconcile()
+
+    def end_streams(self) -> None:
+        """On stop, after the drain: NodeManagers and alarm watchers reconnect to the next
+        Controller at once."""
+        self.hub.cancel_streams()
+        self.alarm_watch.close()
 
     async def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self.hub.cancel_streams()
+        self.end_streams()
+        self.coordinator_alarms.close()
         if self._timer is not None:
             self._timer.cancel()
             await asyncio.gather(self._timer, return_exceptions=True)
         await self.assembly_loop.stop()
         await self.instance_loop.stop()
         await self.faults.close()
+        await self.recovery.close()
+        if self.alert_sink is not None:
+            await self.alert_sink.close()  # before the database closes: its resend reads it
         await self.coordinators.close()
         await self.nm_clients.close()
         self.store.close()

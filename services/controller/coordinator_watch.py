@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -30,6 +31,8 @@ COORDINATOR_SERVICE = "motor.v1.Coordinator"
 RETRY = (0.05, 0.25)
 # A break whose start is not known (the watch itself failed): no Set sent before counts.
 UNKNOWN = sys.maxsize
+# Told (address, reachable, why) when what the Watch sees changes: the Coordinator alarm.
+Reachability = Callable[[str, bool, str], None]
 
 
 class Watched(Protocol):
@@ -46,8 +49,10 @@ class Watched(Protocol):
 
 
 class CoordinatorWatch:
-    def __init__(self, pusher: Watched) -> None:
+    def __init__(self, pusher: Watched, on_reachability: Reachability | None = None) -> None:
         self._pusher = pusher
+        self._on_reachability = on_reachability
+        self.reachable: bool | None = None  # None: not known yet
         self._backoff = Backoff(*RETRY)
         # The channel generation on which the current break was first seen; None: no break.
         # Kept here, not in the loop, so a watch restarted after a failure still knows.
@@ -78,6 +83,7 @@ class CoordinatorWatch:
                         self._broke(gen, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
                         continue
                     self._backoff.reset()
+                    self._reached(True)
                     if self.broken_gen is not None:
                         broken, self.broken_gen = self.broken_gen, None
                         self._pusher.restored(broken)
@@ -85,6 +91,7 @@ class CoordinatorWatch:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warn("coordinator_health_unavailable", coordinator=self._pusher.address)
+                    self._reached(True)  # it answered
                     return  # nothing to watch: the periodic Set and the resync still run
                 why = err.code().name
             except asyncio.CancelledError:
@@ -98,6 +105,13 @@ class CoordinatorWatch:
             self._pusher.reopen()
 
     def _broke(self, gen: int, why: str) -> None:
+        self._reached(False, why)
         if self.broken_gen is None:
             self.broken_gen = gen
             log.warn("coordinator_unreachable", coordinator=self._pusher.address, why=why)
+
+    def _reached(self, reachable: bool, why: str = "") -> None:
+        if reachable != self.reachable:
+            self.reachable = reachable
+            if self._on_reachability is not None:
+                self._on_reachability(self._pusher.address, reachable, why)

@@ -21,8 +21,9 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
         [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
         port=c.port,
     )
-    # After the drain: end the heartbeat streams so NodeManagers reconnect elsewhere at once.
-    server.on_stop(controller.hub.cancel_streams)
+    # After the drain: end the heartbeat and alarm watch streams so their clients reconnect
+    # elsewhere at once.
+    server.on_stop(controller.end_streams)
     try:
         await server.start()
     except BaseException:

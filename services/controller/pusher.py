@@ -40,7 +40,7 @@ from services.common.tasks import cancelled_from_outside
 
 from . import state_machine as sm
 from .convert import identity_pb, instance_pb
-from .coordinator_watch import CoordinatorWatch
+from .coordinator_watch import CoordinatorWatch, Reachability
 from .instances import InstanceTable
 from .model import Instance
 from .reconciler import DONE, Reconciler, Result, Retry
@@ -73,6 +73,7 @@ class CoordinatorPusher:
         max_message_bytes: int = 4 << 20,
         sync_interval_s: float = 0.0,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        on_reachability: Reachability | None = None,
     ) -> None:
         self.address = address
         self._table = table
@@ -92,7 +93,7 @@ class CoordinatorPusher:
         self._set_gen = 0  # the channel the last Set went out on
         # A full Set was asked for while one was in flight: that one's success does not count.
         self._stale = False
-        self._watch = CoordinatorWatch(self)
+        self._watch = CoordinatorWatch(self, on_reachability)
         self._closing: set[asyncio.Task[None]] = set()
         self.incarnation = ""
         self.synced_fingerprint = ""  # of the last Set the Coordinator accepted
@@ -348,6 +349,7 @@ class CoordinatorSync:
         sync_interval_s: float = 0.0,
         resync_s: float = RESYNC_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        on_reachability: Reachability | None = None,
     ) -> None:
         self.reconciler: Reconciler[str] = Reconciler(
             "coordinator",
@@ -367,6 +369,7 @@ class CoordinatorSync:
                 max_message_bytes=max_message_bytes,
                 sync_interval_s=sync_interval_s,
                 call_timeout_s=call_timeout_s,
+                on_reachability=on_reachability,
             )
             for a in addresses
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -9,9 +10,10 @@ import grpc
 from motor.v1 import controller_pb2 as pb
 from motor.v1 import controller_pb2_grpc
 
-from services.common import errors
+from services.common import errors, log
 from services.common.rpc import BidiStream
 from services.controller import validation
+from services.controller.alarm_pages import list_page
 from services.controller.convert import instance_pb
 
 if TYPE_CHECKING:
@@ -42,28 +44,32 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         found = self._c.table.find(role=request.role, status=request.status)
         return pb.ListInstancesResponse(instances=[instance_pb(i) for i in found])
 
-    # Later issues: the alarm store, the recovery service and the fault manager.
-
     async def ReportAlarms(
         self, request: pb.ReportAlarmsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportAlarmsResponse:
-        raise errors.unimplemented("alarm store (ReportAlarms)")
+        try:
+            stored = self._c.alarms.report(request.alarms)
+        except sqlite3.Error as err:
+            # Nothing was stored, so sending the same report again is safe: say so.
+            log.exception("alarm_write_failed", alarms=len(request.alarms))
+            raise errors.unavailable("the alarm store could not be written; nothing was stored") from err
+        return await self._c.recovery.after_report(stored)
 
     async def TerminateInstance(
         self, request: pb.TerminateInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.TerminateInstanceResponse:
-        raise errors.unimplemented("recovery service (TerminateInstance)")
+        return await self._c.recovery.terminate(request)
 
     async def ListAlarms(
         self, request: pb.ListAlarmsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListAlarmsResponse:
-        raise errors.unimplemented("alarm store (ListAlarms)")
+        return list_page(self._c.alarms, request)
 
     async def WatchAlarms(
         self, request: pb.WatchAlarmsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchAlarmsResponse]:
-        raise errors.unimplemented("alarm store (WatchAlarms)")
-        yield  # pragma: no cover - makes this an async generator, as a server-streaming handler is
+        async for alarm in self._c.alarm_watch.stream(request.after_sequence):
+            yield pb.WatchAlarmsResponse(alarm=alarm)
 
     async def GetFaultToleranceStatus(
         self, request: pb.GetFaultToleranceStatusRequest, context: grpc.aio.ServicerContext

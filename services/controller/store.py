@@ -2,14 +2,16 @@
 
 Holds the instance-id counter, every assembled instance (DELETED ones too, so an id is never
 handed out twice and operators can list what was removed), the pending assemblies, the node
-faults reported with ReportFaults and the fault manager's strategy history. Writes
-are small and synchronous: one row per registration, assembly or status transition, never one
-per heartbeat.
+faults reported with ReportFaults, the fault manager's strategy history, and the alarms (the
+active ones, and the bounded history with its sequence counter). Writes are small and
+synchronous: one row per registration, assembly or status transition, never one per heartbeat;
+one transaction per alarm report.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from services.common.enums import DELETED, InstanceStatus
@@ -32,6 +34,10 @@ CREATE TABLE IF NOT EXISTS node_faults (
 );
 CREATE TABLE IF NOT EXISTS fault_history (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, instance_id INTEGER NOT NULL, entry TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS alarm_history (seq INTEGER PRIMARY KEY, alarm BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS alarm_active (
+    key TEXT PRIMARY KEY, seq INTEGER NOT NULL, alarm BLOB NOT NULL
 );
 """
 
@@ -164,3 +170,45 @@ class Store:
 
     def forget_fault_history(self, instance_id: int) -> None:
         self._db.execute("DELETE FROM fault_history WHERE instance_id=?", (instance_id,))
+
+    def save_alarms(
+        self,
+        history: Sequence[tuple[int, bytes]],
+        active: Mapping[str, tuple[int, bytes] | None],
+        last_sequence: int,
+        keep: int,
+    ) -> None:
+        """One alarm report in one transaction: new history rows ``(sequence, alarm)``, active
+        rows by dedupe key (None: the key is no longer active), the sequence counter, and the
+        history trimmed to the newest ``keep`` sequences (the sequences are contiguous)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT INTO alarm_history(seq, alarm) VALUES(?,?)", history)
+            for key, row in active.items():
+                if row is None:
+                    self._db.execute("DELETE FROM alarm_active WHERE key=?", (key,))
+                else:
+                    self._db.execute(
+                        "INSERT INTO alarm_active(key, seq, alarm) VALUES(?,?,?) "
+                        "ON CONFLICT(key) DO UPDATE SET seq=excluded.seq, alarm=excluded.alarm",
+                        (key, *row),
+                    )
+            # The counter outlives the rows: trimming never lets a sequence come back.
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES('last_alarm_sequence', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (last_sequence,),
+            )
+            self._db.execute("DELETE FROM alarm_history WHERE seq <= ?", (last_sequence - keep,))
+
+    def load_alarms(self) -> tuple[list[bytes], list[bytes], int]:
+        """The history (oldest first), the active alarms (by sequence) and the last sequence
+        handed out."""
+        history = [b for (b,) in self._db.execute("SELECT alarm FROM alarm_history ORDER BY seq")]
+        active = [b for (b,) in self._db.execute("SELECT alarm FROM alarm_active ORDER BY seq")]
+        row = self._db.execute("SELECT value FROM meta WHERE key='last_alarm_sequence'").fetchone()
+        top = self._db.execute(
+            "SELECT MAX(m) FROM (SELECT MAX(seq) AS m FROM alarm_history "
+            "UNION ALL SELECT MAX(seq) FROM alarm_active)"
+        ).fetchone()[0]
+        return history, active, max(row[0] if row else 0, top or 0)

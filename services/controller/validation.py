@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from motor.v1 import common_pb2, controller_pb2
+from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 from services.common.config.checks import split_problem
+
+from .alarm_pages import BadToken, decode_token
+from .alarms import PRECISION
 
 _ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
 _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
@@ -86,8 +89,46 @@ def report_faults(req: controller_pb2.ReportFaultsRequest) -> list[tuple[str, st
     return bad
 
 
+_CATEGORIES = frozenset(alarm_pb2.AlarmCategory.values()) - {alarm_pb2.ALARM_CATEGORY_UNSPECIFIED}
+_SEVERITIES = frozenset(alarm_pb2.Severity.values())
+# One report is applied and announced at once; a bound keeps that burst well inside what a
+# watcher may have waiting (alarm_watch.WATCH_BUFFER).
+MAX_ALARMS_PER_REPORT = 1000
+
+
+def report_alarms(req: controller_pb2.ReportAlarmsRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if len(req.alarms) > MAX_ALARMS_PER_REPORT:
+        bad.append(("alarms", f"at most {MAX_ALARMS_PER_REPORT} alarms per request"))
+    for i, a in enumerate(req.alarms):
+        if not a.alarm_id:
+            bad.append((f"alarms[{i}].alarm_id", 'required, e.g. "0xFC001002"'))
+        if a.category == alarm_pb2.ALARM_CATEGORY_UNSPECIFIED:
+            bad.append((f"alarms[{i}].category", "required (ALARM, CLEAR or EVENT)"))
+        elif a.category not in _CATEGORIES:
+            bad.append((f"alarms[{i}].category", f"unknown category {a.category}"))
+        if a.severity not in _SEVERITIES:
+            bad.append((f"alarms[{i}].severity", f"unknown severity {a.severity}"))
+        if a.alarm_id == PRECISION and not a.moi:
+            bad.append((f"alarms[{i}].moi", "required for a precision alarm (it is the dedupe key)"))
+    return bad
+
+
+def list_alarms(req: controller_pb2.ListAlarmsRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if req.page_size < 0:
+        bad.append(("page_size", "must not be negative"))
+    try:
+        decode_token(req)
+    except BadToken as err:
+        bad.append(("page_token", str(err)))
+    return bad
+
+
 VALIDATORS = {
     "Register": register,
+    "ReportAlarms": report_alarms,
+    "ListAlarms": list_alarms,
     "TerminateInstance": terminate_instance,
     "ListInstances": list_instances,
     "ReportFaults": report_faults,

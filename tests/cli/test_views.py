@@ -1,11 +1,19 @@
-"""What ``motor instances`` prints: one row per instance, enum values without their prefixes."""
+"""What ``motor instances`` and ``motor alarms`` print: one row per instance or alarm, enum values
+without their prefixes; ``motor alarms`` pages through everything the Controller holds."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
 import pytest
-from motor.v1 import common_pb2
+from google.protobuf import timestamp_pb2
+from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 from services.cli import views
+from services.common import server
+from tests.controller.fakes import running_controller
 
 
 def test_instance_rows_spell_roles_and_statuses_short() -> None:
@@ -40,3 +48,66 @@ def test_instance_rows_spell_roles_and_statuses_short() -> None:
 def test_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
     views.print_table([["ID", "ROLE"], ["12", "DECODE"], ["3", "PREFILL"]])
     assert capsys.readouterr().out == "ID  ROLE\n12  DECODE\n3   PREFILL\n"
+
+
+# ---- motor alarms --------------------------------------------------------------------------------
+
+
+def test_alarm_rows_spell_enums_short_and_time_in_utc() -> None:
+    a = alarm_pb2.Alarm(
+        sequence=12,
+        alarm_id="0xFC001002",
+        category=alarm_pb2.ALARM_CATEGORY_ALARM,
+        severity=alarm_pb2.SEVERITY_MAJOR,
+        instance_id=3,
+        moi="service name=Controller, instanceId=3, role=prefill, job=p",
+        reason="instance 3 (p) INACTIVE: endpoint_abnormal",
+        occur_time=timestamp_pb2.Timestamp(seconds=1_700_000_000),
+    )
+    assert views.alarm_row(a) == [
+        "12",
+        "2023-11-14T22:13:20+00:00",
+        "ALARM",
+        "MAJOR",
+        "0xFC001002",
+        "3",
+        "service name=Controller, instanceId=3, role=prefill, job=p",
+        "instance 3 (p) INACTIVE: endpoint_abnormal",
+    ]
+    assert views.alarm_line(alarm_pb2.Alarm(sequence=1, category=alarm_pb2.ALARM_CATEGORY_EVENT)) == (
+        "1  -  EVENT  UNSPECIFIED  -  0  -  -"
+    )
+
+
+def test_after_needs_watch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        views.main(["alarms", "--after", "3"])
+    assert done.value.code == 2
+    assert "--after needs --watch" in capsys.readouterr().err
+
+
+async def test_motor_alarms_pages_through_active_and_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(server, "SHUTDOWN_DRAIN_S", 0.0)
+    monkeypatch.setattr(views, "PAGE_SIZE", 3)  # several pages from a few alarms
+    raised = [
+        alarm_pb2.Alarm(alarm_id="0xFC00AAAA", category=alarm_pb2.ALARM_CATEGORY_ALARM, instance_id=i)
+        for i in range(1, 8)
+    ]
+    cleared = alarm_pb2.Alarm(alarm_id="0xFC00AAAA", category=alarm_pb2.ALARM_CATEGORY_CLEAR, instance_id=2)
+    async with running_controller(tmp_path) as h:
+        await h.stub.ReportAlarms(controller_pb2.ReportAlarmsRequest(alarms=[*raised, cleared]), timeout=5)
+
+        def run(*flags: str) -> str:
+            assert views.main(["alarms", "--controller", h.target, *flags]) == 0
+            return capsys.readouterr().out
+
+        history = json.loads(await asyncio.to_thread(run, "--all", "-o", "json"))
+        assert [int(a["sequence"]) for a in history] == list(range(1, 9))  # oldest first
+        active = json.loads(await asyncio.to_thread(run, "-o", "json"))
+        assert [a["instance_id"] for a in active] == ["1", "3", "4", "5", "6", "7"]
+        assert json.loads(await asyncio.to_thread(run, "--active", "-o", "json")) == active
+        table = (await asyncio.to_thread(run)).splitlines()
+        assert table[0].split() == views.ALARM_HEADER
+        assert [line.split()[0] for line in table[1:]] == ["1", "3", "4", "5", "6", "7"]

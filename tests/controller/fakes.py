@@ -102,6 +102,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.restarts: list[int] = []  # RestartAction of every RestartEngines, in order
         self.restart_error: errors.MotorError | None = None  # answer every RESTART with it
         self.stops: list[str] = []  # reasons
+        self.stopped_at: list[float] = []  # monotonic, to tell which NodeManager stopped first
         self.ready = False
         self.status_error: errors.MotorError | None = None
         self.incarnation = 0  # what GetStatus says this process is
@@ -180,6 +181,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self, req: nodemanager_pb2.StopRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.StopResponse:
         self.stops.append(req.reason)
+        self.stopped_at.append(time.monotonic())
         return nodemanager_pb2.StopResponse()
 
     async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:
@@ -217,6 +219,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.health = health
         self.server: MotorServer | grpc.aio.Server | None = None
         self.port = 0
+        self.clears: list[tuple[int, int]] = []  # (p, d) of every ClearPrecisionAlarm taken
+        self.refuse_clears = 0  # answer the next N ClearPrecisionAlarm with UNAVAILABLE
 
     def restart_state(self) -> None:
         """What a restarted Coordinator looks like: empty table, new incarnation."""
@@ -309,7 +313,11 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def ClearPrecisionAlarm(
         self, req: coordinator_pb2.ClearPrecisionAlarmRequest, ctx: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ClearPrecisionAlarmResponse:
-        raise errors.unimplemented("test")
+        if self.refuse_clears > 0:
+            self.refuse_clears -= 1
+            raise errors.unavailable("test: refusing ClearPrecisionAlarm")
+        self.clears.append((req.p_instance_id, req.d_instance_id))
+        return coordinator_pb2.ClearPrecisionAlarmResponse(dismissed=True)
 
     async def start(self, port: int = 0) -> FakeCoordinator:
         descriptor = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
@@ -481,15 +489,18 @@ def controller_cfg(state_dir: Path, **overrides: Any) -> ControllerConfig:
 
 
 @asynccontextmanager
-async def running_controller(state_dir: Path, **overrides: Any) -> AsyncIterator[Harness]:
-    controller = Controller(controller_cfg(state_dir, **overrides))
+async def running_controller(
+    state_dir: Path, *, coordinator_alarm_after_s: float | None = None, **overrides: Any
+) -> AsyncIterator[Harness]:
+    kw = {} if coordinator_alarm_after_s is None else {"coordinator_alarm_after_s": coordinator_alarm_after_s}
+    controller = Controller(controller_cfg(state_dir, **overrides), **kw)
     server = MotorServer(
         "controller",
         controller.cfg,
         [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
         port=0,
     )
-    server.on_stop(controller.hub.cancel_streams)
+    server.on_stop(controller.end_streams)
     await server.start()
     await controller.start()
     h = Harness(controller, server)

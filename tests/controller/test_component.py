@@ -175,22 +175,6 @@ async def test_abnormal_beat_marks_instance_inactive(tmp_path, node_managers) ->
         await until(lambda: h.instances(status=INACTIVE))
 
 
-@pytest.mark.parametrize(
-    ("method", "request_", "capability"),
-    [
-        ("ReportAlarms", controller_pb2.ReportAlarmsRequest(), "alarm store"),
-        ("ListAlarms", controller_pb2.ListAlarmsRequest(), "alarm store"),
-        ("TerminateInstance", controller_pb2.TerminateInstanceRequest(instance_id=1), "recovery service"),
-    ],
-)
-async def test_later_capabilities_are_unimplemented(tmp_path, method, request_, capability) -> None:
-    async with running_controller(tmp_path) as h:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await getattr(h.stub, method)(request_, timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert capability in (err.value.details() or "")
-
-
 async def test_two_coordinators_each_get_the_change(tmp_path, node_managers, coordinator) -> None:
     other = await FakeCoordinator().start()
     nm = await node_managers()

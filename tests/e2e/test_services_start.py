@@ -85,11 +85,3 @@ def test_grpc_port_in_use_fails_with_a_clear_message(motor_proc) -> None:
         time.sleep(0.05)
     assert second.popen.returncode == 1
     assert "cannot bind" in second.output()
-
-
-def test_rpcs_of_later_capabilities_answer_unimplemented_with_the_capability(motor_proc) -> None:
-    proc = motor_proc("controller", "--port", "0")
-    addr, _ = proc.listening()
-    out = grpcurl("-d", "{}", addr, "motor.v1.Controller/ListAlarms")
-    assert out.returncode != 0
-    assert "Unimplemented" in out.stderr and "alarm" in out.stderr

@@ -594,19 +594,31 @@ class ListAlarmsRequest(_message.Message):
 
     ACTIVE_ONLY_FIELD_NUMBER: _builtins.int
     ALARM_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     active_only: _builtins.bool
     """Only alarms raised and not cleared yet; false = the whole (bounded) history."""
     alarm_id: _builtins.str
     """Only alarms with this alarm_id; "" = any."""
+    page_size: _builtins.int
+    """Most alarms in one page: 0 = 100; more than 1000 is taken as 1000. Negative is
+    INVALID_ARGUMENT.
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous page; "" = the first page. Valid only with the same
+    active_only and alarm_id.
+    """
     def __init__(
         self,
         *,
         active_only: _builtins.bool = ...,
         alarm_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_only", b"active_only", "alarm_id", b"alarm_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_only", b"active_only", "alarm_id", b"alarm_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -614,23 +626,27 @@ Global___ListAlarmsRequest: _TypeAlias = ListAlarmsRequest  # noqa: Y015
 
 @_typing.final
 class ListAlarmsResponse(_message.Message):
-    """The stored alarms that matched."""
+    """The stored alarms that matched, one page of them."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ALARMS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; "" = this was the last page."""
     @_builtins.property
     def alarms(self) -> _containers.RepeatedCompositeFieldContainer[_alarm_pb2.Alarm]:
-        """The alarms that matched."""
+        """The alarms of this page, newest first."""
 
     def __init__(
         self,
         *,
         alarms: _abc.Iterable[_alarm_pb2.Alarm] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -149,29 +149,32 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportAlarms(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED.
-
-        Contract: Coordinators and other reporters send alarms, clears and events. The Controller
-        stores them (active alarms deduplicated: instance and coordinator alarms by alarm_id and
-        instance_id, precision alarms by moi), gives each a sequence, and passes them on to
-        WatchAlarms subscribers and to controller.alarm_webhook_url. With
+        """Coordinators and other reporters send alarms, clears and events. The Controller stores
+        them all or none, and gives each a sequence; every one stored goes to WatchAlarms
+        subscribers and to controller.alarm_webhook_url. Active alarms are deduplicated by alarm_id
+        plus, for precision alarms (0xFC001009), their moi, and for the others their instance_id, or
+        their moi when instance_id is 0: an ALARM repeated while its key is active updates the active
+        one (reason, occur_time) and is not stored again. A CLEAR removes the active ALARM with its
+        key; it is stored (and passed on) even when nothing was active. With
         controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
         the PD group and clear the alarm.
+
+        Errors: INVALID_ARGUMENT (BadRequest field alarms[i].<field>) for an alarm without alarm_id
+        or category, an unknown enum value, a precision alarm without moi, or more than 1000 alarms
+        in one request; nothing of the request is stored then. UNAVAILABLE when the store could not
+        be written (nothing was stored; send it again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TerminateInstance(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
-        instance_id).
-
-        Contract: takes the instance out of routing and sends Stop to every one of its
-        NodeManagers (each stops its engines and exits, so its pod restarts). With p_instance_id
-        it terminates the PD group, decode first, then prefill. With precision_alarm_clear it then
+        """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
+        stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
+        group, decode first, then prefill. With precision_alarm_clear it then
         clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
-        Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. An unknown
-        instance gets NOT_FOUND.
+        Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. INVALID_ARGUMENT for
+        a zero instance_id; an unknown instance gets NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,20 +189,25 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAlarms(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED.
-
-        Contract: the stored alarms (the bounded history, or only the active ones), optionally of
-        one alarm_id.
+        """The stored alarms, newest first (by sequence): the bounded history (the newest 10,000
+        alarms, clears and events) or only the active alarms, optionally of one alarm_id. Paged:
+        pass next_page_token back as page_token, with the same filters, for the next page.
+        INVALID_ARGUMENT for a negative page_size or a page_token this server did not hand out for
+        these filters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchAlarms(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED.
+        """Streams every alarm, clear and event as the store accepts it, in sequence order; with
+        after_sequence N > 0 it first replays the stored history after N, then follows with no gap
+        and no repeat, so a client that resumes from the last sequence it received misses nothing
+        (as long as that is still within the kept history). No deadline.
 
-        Contract: streams every alarm, clear and event as the store accepts it; with
-        after_sequence N > 0 it first replays the history after N. No deadline.
+        A subscriber that falls too far behind is ended with RESOURCE_EXHAUSTED, and every stream
+        with UNAVAILABLE when the Controller stops: resume with after_sequence. OUT_OF_RANGE for an
+        after_sequence beyond the last stored one (the client followed another Controller's store).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

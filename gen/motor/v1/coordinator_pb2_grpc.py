@@ -173,12 +173,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearPrecisionAlarm(self, request, context):
-        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
-        d_instance_id).
-
-        Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
-        recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
-        precision-detection state for the group and samples it afresh.
+        """The Controller calls it once a PD group's precision alarm is cleared (automatic recovery,
+        TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
+        Coordinator drops its precision-detection state for the group and samples it afresh.
+        INVALID_ARGUMENT for a zero d_instance_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -92,12 +92,10 @@ class CoordinatorStub:
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ClearPrecisionAlarm: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ClearPrecisionAlarmRequest, _coordinator_pb2.ClearPrecisionAlarmResponse]
-    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
-    d_instance_id).
-
-    Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
-    recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
-    precision-detection state for the group and samples it afresh.
+    """The Controller calls it once a PD group's precision alarm is cleared (automatic recovery,
+    TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
+    Coordinator drops its precision-detection state for the group and samples it afresh.
+    INVALID_ARGUMENT for a zero d_instance_id.
     """
 
 @_typing.type_check_only
@@ -164,12 +162,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ClearPrecisionAlarm: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ClearPrecisionAlarmRequest, _coordinator_pb2.ClearPrecisionAlarmResponse]  # type: ignore[assignment]
-    """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
-    d_instance_id).
-
-    Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
-    recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
-    precision-detection state for the group and samples it afresh.
+    """The Controller calls it once a PD group's precision alarm is cleared (automatic recovery,
+    TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
+    Coordinator drops its precision-detection state for the group and samples it afresh.
+    INVALID_ARGUMENT for a zero d_instance_id.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -275,12 +271,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ClearPrecisionAlarmRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ClearPrecisionAlarmResponse, _abc.Awaitable[_coordinator_pb2.ClearPrecisionAlarmResponse]]:
-        """Not built yet: currently answers UNIMPLEMENTED (after INVALID_ARGUMENT for a zero
-        d_instance_id).
-
-        Contract: the Controller calls it once a PD group's precision alarm is cleared (automatic
-        recovery, or TerminateInstance with precision_alarm_clear); the Coordinator drops its
-        precision-detection state for the group and samples it afresh.
+        """The Controller calls it once a PD group's precision alarm is cleared (automatic recovery,
+        TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
+        Coordinator drops its precision-detection state for the group and samples it afresh.
+        INVALID_ARGUMENT for a zero d_instance_id.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -132,11 +132,11 @@ class ControllerConfig(ServerConfig):
     engine_relaunch_nm_unreachable_threshold: int = setting(3, c.integer(1, 10))
     """Consecutive unreachable polls of one NodeManager after which a relaunch fails."""
     precision_auto_recovery_enabled: bool = setting(False, c.BOOLEAN)
-    """Terminate a prefill/decode group whose output precision alarm fired, and clear the alarm
-    (precision detection is not built yet)."""
+    """When a Coordinator reports a precision alarm, terminate its prefill/decode group at once
+    (decode first; the NodeManagers stop and their pods restart) and clear the alarm."""
     alarm_webhook_url: str = setting("", c.URL)
-    """Alertmanager-compatible URL (`…/api/v2/alerts`) alarms are posted to; "" = none (alarms
-    are not built yet)."""
+    """Alertmanager-compatible URL (`…/api/v2/alerts`) alarms are posted to; "" = none. An ALARM
+    is a firing alert (re-sent while active), its CLEAR resolves it."""
     coordinator_key_file: str = setting("", c.FILE)
     """Management key presented to the Coordinators."""
     nodemanager_key_file: str = setting("", c.FILE)
@@ -168,11 +168,13 @@ class CoordinatorConfig(ServerConfig):
     which is warned about at start (`api_keys_in_clear`); without this file there,
     `inference_api_open` is."""
     controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
-    """The Controller's address, where precision alarms are reported (not built yet)."""
+    """The Controller's address, where precision alarms and their clears are reported."""
     controller_key_file: str = setting("", c.FILE)
-    """Management key presented to the Controller (not used until precision alarms are built)."""
+    """Management key presented to the Controller when reporting precision alarms."""
     precision_check_enabled: bool = setting(False, c.BOOLEAN)
-    """Sample decode output for precision problems (not built yet)."""
+    """Sample the output of every prefill/decode group for precision problems (a shadow request
+    off the client's path, at most one per group per `precision_interval_s`) and report an alarm
+    to the Controller when a confirmed problem appears."""
     precision_interval_s: float = setting(30, c.DURATION)
     """At most one precision sample per prefill/decode group per this many seconds."""
     precision_logprobs: int = setting(5, c.integer(1, 20))  # engines cap top_logprobs at 20
