@@ -152,7 +152,7 @@ class Cluster:
                     "--http-port",
                     str(self.http_port),
                 ],
-                dict(env, MOTOR_COORDINATOR_CONTROLLER=self.controller_addr),
+                dict(env, **self._coordinator_env()),
             )
         )
         nm_cfg = self.cfg.nodemanager
@@ -189,6 +189,16 @@ class Cluster:
                     state_dir=state_dir,
                 )
             )
+
+    def _coordinator_env(self) -> dict[str, str]:
+        """Where the Coordinator reports precision alarms: this cluster's Controller (its port
+        moves with --port-offset), with the key that Controller requires unless the
+        configuration names another."""
+        env = {"MOTOR_COORDINATOR_CONTROLLER": self.controller_addr}
+        co, ctl = self.cfg.coordinator, self.cfg.controller
+        if not co.controller_key_file and ctl.management_key_file:
+            env["MOTOR_COORDINATOR_CONTROLLER_KEY_FILE"] = ctl.management_key_file
+        return env
 
     # -- running children ----------------------------------------------------------------------
     async def spawn(self, child: Child) -> None:

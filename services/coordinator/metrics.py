@@ -56,6 +56,33 @@ class Metrics:
         self.instances = Gauge(
             "motor_coordinator_routable_instances", "Routable instances by role.", ["role"], registry=r
         )
+        self._precision_samples = Counter(
+            "motor_coordinator_precision_samples",
+            "Precision samples (shadow requests) by verdict: normal, anomalous, or error (no verdict).",
+            ["result"],
+            registry=r,
+        )
+        self._precision_probes = Counter(
+            "motor_coordinator_precision_probes",
+            "Probe questions asked of suspect groups, by outcome (pass, fail, error).",
+            ["result"],
+            registry=r,
+        )
+        self.precision_alarms_active = Gauge(
+            "motor_coordinator_precision_alarms_active",
+            "PD groups with an active precision alarm.",
+            registry=r,
+        )
+        self.precision_reports_pending = Gauge(
+            "motor_coordinator_precision_reports_pending",
+            "Precision alarms and clears not yet accepted by the Controller.",
+            registry=r,
+        )
+        # Every result from the start, so a dashboard sees 0 rather than no series.
+        for result in ("normal", "anomalous", "error"):
+            self._precision_samples.labels(result)
+        for result in ("pass", "fail", "error"):
+            self._precision_probes.labels(result)
         # labels() costs a dict lookup under a lock; cache the children the hot path uses.
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._lat_children: dict[str, Histogram] = {}
@@ -85,6 +112,12 @@ class Metrics:
         if c is None:
             c = self._leg_children[mode] = self._legs.labels(mode)
         c.inc()
+
+    def precision_sample(self, result: str) -> None:
+        self._precision_samples.labels(result).inc()
+
+    def precision_probe(self, result: str) -> None:
+        self._precision_probes.labels(result).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

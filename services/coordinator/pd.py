@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +21,11 @@ import aiohttp
 from aiohttp import web
 
 from services.common import log
-from services.common.enums import PD_SGLANG
+from services.common.enums import PD_SGLANG, ROLE_NAMES
 from services.common.http_errors import OpenAIError
-from services.coordinator.bodies import KV, kv_params_of, prefill_body, with_fields
+from services.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
 from services.coordinator.policies import Policy
+from services.coordinator.precision.groups import Completed
 from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
 from services.coordinator.upstream import (
     DECODE_TIMEOUT,
@@ -57,11 +58,17 @@ class NoUpstream(Exception):
         self.role = role
 
 
+# Told (p, d, what was asked) of every request a group answered successfully: precision
+# detection's sampler (p = 0 for an instance that served the whole request). It must return at once.
+CompletedSink = Callable[[int, int, Completed], None]
+
+
 class Router:
     def __init__(self, engines: Engines, prefill_policy: Policy, decode_policy: Policy) -> None:
         self.engines = engines
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
+        self.completed: CompletedSink | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     async def route(self, call: Call, routes: ModelRoutes) -> web.StreamResponse:
@@ -93,11 +100,13 @@ class Router:
         tried: set[int] = set()
         last: BaseException | None = None
         answer: Answer | None = None
+        p_id = 0
         while answer is None:
             p = self.prefill_policy(group.prefill, tried)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             tried.add(p.id)
+            p_id = p.id
             p.load += call.prompt_tokens
             try:
                 answer = await self.engines.call(
@@ -109,9 +118,8 @@ class Router:
                 p.load -= call.prompt_tokens
         if answer.status >= 400:
             return answer.response()  # the engine's own status and error body
-        kv = kv_params_of(answer.body)
-        decode_body = with_fields(call.raw, call.req, {KV: kv}) if kv is not None else call.raw
-        return await self._whole(call, group.decode, self.decode_policy, "decode", decode_body)
+        decode_body = _vllm_decode_body(call.raw, call.req, answer)
+        return await self._whole(call, group.decode, self.decode_policy, "decode", decode_body, p_id)
 
     # -- whole request on one instance (decode leg, union, prefill-only degraded mode) --------
 
@@ -122,6 +130,7 @@ class Router:
         policy: Policy,
         role: str,
         body: bytes | None = None,
+        p_id: int = 0,
     ) -> web.StreamResponse:
         data = call.raw if body is None else body
         tried: set[int] = set()
@@ -139,9 +148,12 @@ class Router:
                     last = exc
                     continue
                 try:
-                    return await self.engines.relay(call.request, resp, role)
+                    out = await self.engines.relay(call.request, resp, role)
                 finally:
                     _done_with(resp)
+                if resp.status < 400 and out.status < 400:
+                    self._completed(call, p_id, t.id)
+                return out
             finally:
                 t.load -= call.total_tokens
 
@@ -169,8 +181,7 @@ class Router:
 
     async def _sglang_pair(self, call: Call, p: Target, d: Target) -> web.StreamResponse:
         pep = p.pick_endpoint()
-        extra = {"bootstrap_host": pep.host, "bootstrap_port": pep.bootstrap_port, "bootstrap_room": _room()}
-        body = with_fields(call.raw, call.req, extra)
+        body = with_fields(call.raw, call.req, _bootstrap(pep))
         prefill = asyncio.create_task(self._sglang_prefill(call, p, pep, body))
         d.load += call.total_tokens
         resp: aiohttp.ClientResponse | None = None
@@ -197,6 +208,8 @@ class Router:
                     _done_with(decode.result())  # answered, but the prefill failed first
             out = await self.engines.relay(call.request, resp, "decode")
             answered = resp.status < 400
+            if answered and out.status < 400:
+                self._completed(call, p.id, d.id)
             return out
         finally:
             d.load -= call.total_tokens
@@ -204,9 +217,7 @@ class Router:
                 _done_with(resp)
             if answered and not prefill.done():
                 # The decode has its KV: the prefill leg finishes on its own, off the client's path.
-                self._background.add(prefill)
-                prefill.add_done_callback(self._background.discard)
-                prefill.add_done_callback(discard)
+                self._keep(prefill)
             elif not prefill.done():
                 prefill.cancel()
             elif not prefill.cancelled():
@@ -218,6 +229,102 @@ class Router:
             return await self.engines.call(ep, call.path, body, PREFILL_TIMEOUT, "prefill")
         finally:
             p.load -= call.prompt_tokens
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        """Let a leg finish on its own; close() still cancels it."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(discard)
+
+    def _completed(self, call: Call, p: int, d: int) -> None:
+        sink = self.completed
+        if sink is None:
+            return
+        try:
+            sink(p, d, Completed(call.path, call.model, call.req))
+        except Exception:  # detection fails open: the client's answer is already made
+            log.exception("precision_record_failed", p=p, d=d)
+
+    # -- one request pinned to a pair, read whole, never relayed (precision samples) ---------
+
+    async def exchange(
+        self,
+        path: str,
+        raw: bytes,
+        req: dict[str, Any],
+        p: Target | None,
+        d: Target,
+        deadline: aiohttp.ClientTimeout,
+    ) -> Answer:
+        """Send ``req`` (``raw`` its bytes) to the pair (p, d) with the same hand-off a client's
+        request gets (p None: d serves it whole), no retry on another instance, and return the
+        decode's (or the prefill's error) answer. Raises Unreachable / PhaseTimeout."""
+        prompt_tokens, total_tokens = estimate_tokens(req)
+        if p is None:
+            role = ROLE_NAMES.get(d.role, "decode")
+            return await self._pinned(d, d.pick_endpoint(), total_tokens, path, raw, deadline, role)
+        if p.protocol == PD_SGLANG:
+            return await self._sglang_exchange(path, raw, req, p, d, deadline, prompt_tokens, total_tokens)
+        pep = p.pick_endpoint()
+        answer = await self._pinned(p, pep, prompt_tokens, path, prefill_body(req), deadline, "prefill")
+        if answer.status >= 400:
+            return answer
+        body = _vllm_decode_body(raw, req, answer)
+        return await self._pinned(d, d.pick_endpoint(), total_tokens, path, body, deadline, "decode")
+
+    async def _pinned(
+        self,
+        t: Target,
+        ep: Upstream,
+        tokens: int,
+        path: str,
+        body: bytes,
+        deadline: aiohttp.ClientTimeout,
+        role: str,
+    ) -> Answer:
+        t.load += tokens  # the policies see this work like any other
+        try:
+            return await self.engines.call(ep, path, body, deadline, role)
+        finally:
+            t.load -= tokens
+
+    async def _sglang_exchange(
+        self,
+        path: str,
+        raw: bytes,
+        req: dict[str, Any],
+        p: Target,
+        d: Target,
+        deadline: aiohttp.ClientTimeout,
+        prompt_tokens: int,
+        total_tokens: int,
+    ) -> Answer:
+        pep = p.pick_endpoint()
+        body = with_fields(raw, req, _bootstrap(pep))
+        prefill = asyncio.ensure_future(self._pinned(p, pep, prompt_tokens, path, body, deadline, "prefill"))
+        decode = asyncio.ensure_future(
+            self._pinned(d, d.pick_endpoint(), total_tokens, path, body, deadline, "decode")
+        )
+        try:
+            # As for a client's request: a prefill that fails first ends the decode's wait.
+            done, _ = await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done:
+                failed = _prefill_failure(prefill)
+                if isinstance(failed, Answer):
+                    return failed
+                if failed is not None:
+                    raise failed
+            return await decode
+        finally:
+            answered = decode.done() and not decode.cancelled() and decode.exception() is None
+            if not decode.done():
+                decode.cancel()
+            if answered and not prefill.done():
+                self._keep(prefill)
+            elif not prefill.done():
+                prefill.cancel()
+            elif not prefill.cancelled():
+                prefill.exception()  # already acted on (or moot): mark it retrieved
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -236,6 +343,17 @@ def _done_with(resp: aiohttp.ClientResponse) -> None:
 
 def _room() -> int:
     return random.getrandbits(63)
+
+
+def _bootstrap(pep: Upstream) -> dict[str, Any]:
+    """The SGLang rendezvous both legs carry: the prefill endpoint's bootstrap server, a new room."""
+    return {"bootstrap_host": pep.host, "bootstrap_port": pep.bootstrap_port, "bootstrap_room": _room()}
+
+
+def _vllm_decode_body(raw: bytes, req: dict[str, Any], prefill: Answer) -> bytes:
+    """The vLLM decode leg: the request with the prefill's kv_transfer_params spliced in."""
+    kv = kv_params_of(prefill.body)
+    return with_fields(raw, req, {KV: kv}) if kv is not None else raw
 
 
 def _prefill_failure(task: asyncio.Task[Answer]) -> BaseException | Answer | None:

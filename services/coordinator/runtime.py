@@ -4,13 +4,16 @@ one routing table, one routing view and one upstream connection pool."""
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 from motor.v1 import coordinator_pb2
 
 from services.common import exposure, log
-from services.common.config import Config, ConfigError, CoordinatorConfig
+from services.common.config import Config, ConfigError, CoordinatorConfig, read_key_file
 from services.common.enums import ROLE_NAMES
 from services.common.server import MotorServer
 from services.coordinator.health import Breaker
@@ -18,10 +21,12 @@ from services.coordinator.http_app import ApiKeys, InferenceApp
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import Router
 from services.coordinator.policies import make_policy
+from services.coordinator.precision.reporter import AlarmReporter, service_ip
+from services.coordinator.precision.sampler import GroupGone, PrecisionMonitor
 from services.coordinator.routes import RoutingView, build_view, netloc
 from services.coordinator.service import CoordinatorService
 from services.coordinator.table import RoutingTable
-from services.coordinator.upstream import Engines
+from services.coordinator.upstream import CONNECT_S, Engines
 
 HTTP_SHUTDOWN_S = 3.0
 
@@ -35,6 +40,16 @@ def _api_keys(path: str) -> ApiKeys | None:
         raise ConfigError([f"coordinator.api_keys_file: {e}" for e in err.errors]) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"coordinator.api_keys_file: cannot use {path}: {exc}") from None
+
+
+def _controller_key(cfg: CoordinatorConfig) -> str | None:
+    """The key precision alarms are reported with; only read when detection is on."""
+    if not (cfg.precision_check_enabled and cfg.controller_key_file):
+        return None
+    try:
+        return read_key_file(cfg.controller_key_file)
+    except ConfigError as err:
+        raise ConfigError([f"coordinator.controller_key_file: {e}" for e in err.errors]) from None
 
 
 def _https(cfg: CoordinatorConfig) -> ssl.SSLContext | None:
@@ -62,8 +77,9 @@ class Coordinator:
         self.metrics = Metrics()
         # Files are read here, not in start(): a bad one must stop the process before any port binds.
         self._keys = _api_keys(cfg.api_keys_file)
+        self._controller_key = _controller_key(cfg)
         self._ready_lock = asyncio.Lock()
-        self.service = CoordinatorService(self.table, self._on_change)
+        self.service = CoordinatorService(self.table, self._on_change, self._dismiss_precision)
         self.server = MotorServer(
             "coordinator",
             cfg,
@@ -79,6 +95,9 @@ class Coordinator:
         self._router: Router | None = None
         self._http_stop: asyncio.Task[None] | None = None
         self.inference: InferenceApp | None = None
+        # Precision detection (coordinator.precision_check_enabled); None while it is off.
+        self.precision: PrecisionMonitor | None = None
+        self._alarms: AlarmReporter | None = None
 
     @property
     def grpc_address(self) -> str:
@@ -114,16 +133,55 @@ class Coordinator:
         exposure.check_inference(self.cfg, self.http_address)
         await self.server.start()
         self.breaker.start(self._engines.session)
+        if self.cfg.precision_check_enabled:
+            await self._start_precision()
         self.server.on_stop(self._begin_http_stop)
         # http= stays host:port whatever the scheme, so the line parses the same with TLS on.
         tls = {"https": "true"} if self._ssl is not None else {}
         self.server.announce(http=self.http_address, **tls)
+
+    async def _start_precision(self) -> None:
+        cfg = self.cfg
+        m = self.metrics
+        self._alarms = AlarmReporter(cfg, self._controller_key, m.precision_reports_pending.set)
+        self._alarms.start()
+        ip = await service_ip(cfg.host, cfg.controller)
+        self.precision = PrecisionMonitor(cfg, self._exchange, self._alarms, m, ip)
+        assert self._router is not None
+        self._router.completed = self.precision.record
+        log.event(
+            "precision_check_enabled",
+            interval_s=cfg.precision_interval_s,
+            issue_threshold=cfg.precision_issue_threshold,
+            clear_threshold=cfg.precision_clear_threshold,
+            controller=cfg.controller,
+            service_ip=ip,
+        )
+
+    async def _exchange(
+        self, p: int, d: int, path: str, body: dict[str, Any], timeout_s: float
+    ) -> tuple[int, bytes]:
+        """Precision samples and probes: one request to the pair (p, d) of the current view."""
+        by_id = {t.id: t for t in self.view.targets}
+        dt = by_id.get(d)
+        pt = by_id.get(p) if p else None
+        if dt is None or (p and pt is None) or self._router is None:
+            raise GroupGone(f"group p={p} d={d} is not routable")
+        deadline = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(CONNECT_S, timeout_s))
+        raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        answer = await self._router.exchange(path, raw, body, pt, dt, deadline)
+        return answer.status, answer.body
+
+    def _dismiss_precision(self, p: int, d: int) -> bool:
+        return self.precision.dismiss(p, d) if self.precision is not None else False
 
     async def _on_change(self) -> None:
         """Swap in the routing view of the accepted table, then publish readiness."""
         state = self.table.state
         view = build_view(state, self.view.targets)
         self.view = view
+        if self.precision is not None:
+            self.precision.retain(set(state.instances))
         m = self.metrics
         m.revision.set(state.revision)
         m.routable.set(1 if view.routable else 0)
@@ -147,6 +205,10 @@ class Coordinator:
         elif self._runner is not None:
             await self._runner.cleanup()
         await self.breaker.stop()
+        if self.precision is not None:
+            await self.precision.close()
+        if self._alarms is not None:
+            await self._alarms.close()
         for target in self.view.targets:
             target.retire()
         if self._router is not None:

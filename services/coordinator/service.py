@@ -13,7 +13,7 @@ import grpc
 from motor.v1 import coordinator_pb2 as pb
 from motor.v1 import coordinator_pb2_grpc
 
-from services.common import errors, log
+from services.common import log
 from services.coordinator import validation
 from services.coordinator.table import RoutingTable
 
@@ -23,9 +23,16 @@ R = TypeVar("R")
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     VALIDATORS = validation.VALIDATORS
 
-    def __init__(self, table: RoutingTable, on_change: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        on_change: Callable[[], Awaitable[None]],
+        dismiss_precision: Callable[[int, int], bool] = lambda p, d: False,
+    ) -> None:
         self.table = table
         self._on_change = on_change
+        # Drops the precision-detection state of group (p, d); True when there was some.
+        self._dismiss_precision = dismiss_precision
 
     async def _applied(self, rpc: str, changed: bool, resp_cls: Callable[..., R]) -> R:
         state = self.table.state
@@ -80,6 +87,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ClearPrecisionAlarm(
         self, request: pb.ClearPrecisionAlarmRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearPrecisionAlarmResponse:
-        raise errors.unimplemented(
-            "precision detection (ClearPrecisionAlarm): output-precision checking is not built yet"
-        )
+        """The Controller cleared the group's alarm (recovery or an operator): forget what the
+        group's samples said, so it is judged afresh. p = 0 names every group of decode instance
+        d. Idempotent: a second call finds nothing and answers dismissed = false."""
+        p, d = request.p_instance_id, request.d_instance_id
+        dismissed = self._dismiss_precision(p, d)
+        log.event("precision_alarm_dismissed", p=p, d=d, dismissed=dismissed)
+        return pb.ClearPrecisionAlarmResponse(dismissed=dismissed)

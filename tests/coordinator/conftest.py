@@ -1,18 +1,20 @@
 """Fixtures for Coordinator tests: an in-process Coordinator (real gRPC + HTTP servers on port 0),
-instance builders, and real simulated-engine processes."""
+instance builders, real simulated-engine processes, and a fake Controller that records alarms."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
+from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2_grpc
 from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2_grpc
 
 from services.common import server as common_server
 from services.common.config import load
@@ -135,26 +137,116 @@ ENGINE_ARGS: dict[str, list[str]] = {
 }
 
 
+def _start_engines(args_by_name: dict[str, list[str]], procs: list[Proc]) -> dict[str, Engine]:
+    """Start one engine per entry (all at once), then wait until each listens. Every process
+    started is appended to ``procs``, for the caller to kill."""
+    started = {}
+    for name, args in args_by_name.items():
+        proc = Proc(motor_argv("engine-sim", "serve", MODEL, "--host", "127.0.0.1", "--port", "0", *args))
+        procs.append(proc)
+        started[name] = proc
+    out: dict[str, Engine] = {}
+    for name, proc in started.items():
+        line = proc.wait_line("event=listening", timeout=30)
+        http = _HTTP.search(line)
+        assert http is not None, line
+        boot = _BOOT.search(line)
+        out[name] = Engine(
+            proc,
+            int(http.group(1).rsplit(":", 1)[1]),
+            int(boot.group(1).rsplit(":", 1)[1]) if boot else 0,
+        )
+    return out
+
+
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
     """One simulated engine per kind, shared by the module (tests compare counter deltas)."""
-    procs = {
-        name: Proc(motor_argv("engine-sim", "serve", MODEL, "--host", "127.0.0.1", "--port", "0", *args))
-        for name, args in ENGINE_ARGS.items()
-    }
+    procs: list[Proc] = []
     try:
-        out: dict[str, Engine] = {}
-        for name, proc in procs.items():
-            line = proc.wait_line("event=listening", timeout=30)
-            http = _HTTP.search(line)
-            assert http is not None, line
-            boot = _BOOT.search(line)
-            out[name] = Engine(
-                proc,
-                int(http.group(1).rsplit(":", 1)[1]),
-                int(boot.group(1).rsplit(":", 1)[1]) if boot else 0,
-            )
-        yield out
+        yield _start_engines(ENGINE_ARGS, procs)
     finally:
-        for proc in procs.values():
+        for proc in procs:
             proc.kill()
+
+
+SpawnEngines = Callable[..., dict[str, Engine]]
+
+
+@pytest.fixture
+def spawn_engines() -> Iterator[SpawnEngines]:
+    """``spawn_engines(name=[flags...], ...)``: engines of the test's own (to arm faults on, or
+    slow down), killed at teardown."""
+    procs: list[Proc] = []
+
+    def spawn(**args_by_name: list[str]) -> dict[str, Engine]:
+        return _start_engines(args_by_name, procs)
+
+    try:
+        yield spawn
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+# -- a fake Controller (precision alarms) -------------------------------------------------------
+
+
+class FakeController(controller_pb2_grpc.ControllerServicer):
+    """Records every ReportAlarms; refuses with UNAVAILABLE while ``refuse`` is set."""
+
+    def __init__(self) -> None:
+        self.alarms: list[alarm_pb2.Alarm] = []
+        self.calls = 0
+        self.refused = 0
+        self.refuse = False
+        self.metadata: list[dict[str, str]] = []
+        self.address = ""
+
+    async def ReportAlarms(
+        self, request: controller_pb2.ReportAlarmsRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.ReportAlarmsResponse:
+        self.calls += 1
+        self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+        if self.refuse:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "controller restarting")
+        self.alarms.extend(request.alarms)
+        return controller_pb2.ReportAlarmsResponse()
+
+    def of(self, category: int) -> list[alarm_pb2.Alarm]:
+        return [a for a in self.alarms if a.category == category]
+
+
+async def serve_controller(fake: FakeController, port: int = 0) -> grpc.aio.Server:
+    """Serve ``fake`` on 127.0.0.1:``port`` (0: any free port); sets ``fake.address``."""
+    server = grpc.aio.server()
+    controller_pb2_grpc.add_ControllerServicer_to_server(fake, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    fake.address = f"127.0.0.1:{bound}"
+    return server
+
+
+@pytest.fixture
+async def fake_controller() -> AsyncIterator[FakeController]:
+    fake = FakeController()
+    server = await serve_controller(fake)
+    try:
+        yield fake
+    finally:
+        await server.stop(None)
+
+
+async def until(check: Callable[[], Any], within: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``check`` (a function, sync or async) until it returns something true; returns it."""
+    deadline = time.monotonic() + within
+    while True:
+        got = check()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.02)

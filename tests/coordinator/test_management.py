@@ -12,7 +12,8 @@ from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import DECODE, PREFILL, UNION
 from services.common.errors import details_of
-from tests.coordinator.conftest import Running, endpoint, instance
+from services.coordinator.precision.groups import Completed
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, endpoint, instance
 
 T = 5.0
 
@@ -231,8 +232,35 @@ async def test_health_follows_routability(coord: Running) -> None:
     assert await status() == not_serving
 
 
-async def test_clear_precision_alarm_is_unimplemented(coord: Running) -> None:
+async def _clear_alarm(r: Running, d: int, p: int = 0) -> bool:
+    req = pb.ClearPrecisionAlarmRequest(d_instance_id=d, p_instance_id=p)
+    return (await r.stub.ClearPrecisionAlarm(req, timeout=T)).dismissed
+
+
+async def test_clear_precision_alarm_needs_a_decode_instance_and_holds_nothing_with_detection_off(
+    coord: Running,
+) -> None:
     err = await _error(
-        coord.stub.ClearPrecisionAlarm(pb.ClearPrecisionAlarmRequest(d_instance_id=1), timeout=T)
+        coord.stub.ClearPrecisionAlarm(pb.ClearPrecisionAlarmRequest(p_instance_id=1), timeout=T)
     )
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "precision" in err.details()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = _detail(err, error_details_pb2.BadRequest)
+    assert [v.field for v in bad.field_violations] == ["d_instance_id"]  # type: ignore[attr-defined]
+    # Detection off: no state, nothing to dismiss, every time.
+    assert await _clear_alarm(coord, d=2, p=1) is False
+    assert await _clear_alarm(coord, d=2) is False
+
+
+async def test_clear_precision_alarm_drops_the_group_state_once(start_coordinator: StartCoordinator) -> None:
+    # The Controller is never reached here: nothing is sampled (no instance is routable).
+    r = await start_coordinator(precision_check_enabled=True, controller=f"127.0.0.1:{dead_port()}")
+    monitor = r.co.precision
+    assert monitor is not None
+    asked = Completed("/v1/chat/completions", MODEL, {"messages": [{"role": "user", "content": "hi"}]})
+    for p, d in [(1, 2), (0, 5), (1, 5), (3, 5)]:
+        monitor.record(p, d, asked)  # what the inference path does for an answered request
+    assert await _clear_alarm(r, d=2, p=1) is True
+    assert await _clear_alarm(r, d=2, p=1) is False  # idempotent
+    assert await _clear_alarm(r, d=5) is True  # p = 0: every group of decode instance 5
+    assert await _clear_alarm(r, d=5, p=3) is False
+    assert len(monitor.groups) == 0

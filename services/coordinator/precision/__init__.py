@@ -1,0 +1,3 @@
+"""Precision detection: shadow samples of each PD group's output, a checker for garbled answers,
+a probe question to confirm, and precision alarms reported to the Controller
+(docs/architecture.md, "Precision detection")."""

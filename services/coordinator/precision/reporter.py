@@ -1,0 +1,188 @@
+"""Precision alarms: the ``Alarm`` messages and their delivery to the Controller (``ReportAlarms``).
+
+Delivery is retried until the Controller accepts it: alarms wait in an in-memory queue, in the
+order they were raised, and one supervised task sends them (exponential backoff with jitter
+between failures). The queue outlives any Controller outage; it does not outlive this process:
+an alarm not yet accepted when the Coordinator stops is lost (logged as
+``precision_reports_lost``), and the group is sampled afresh by the next Coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import time
+from collections.abc import Callable, Mapping
+
+import grpc
+from google.protobuf import timestamp_pb2
+from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc
+
+from services.common import errors, log, retry, tasks
+from services.common.channel import open_channel
+from services.common.config import CoordinatorConfig
+
+ALARM_ID = "0xFC001009"
+ALARM_NAME = "Precision issue"
+PROBABLE_CAUSE = (
+    "The engines of a prefill/decode group answer, but their output is garbled: usually a faulty "
+    "accelerator (memory errors, a broken link between devices) or numerical errors in the engine "
+    "(overflow, a wrong kernel or precision setting)."
+)
+# MAJOR, not CRITICAL: the alarm is about one group. The Coordinator keeps routing to it (it does
+# not judge fast enough to take a group out safely), and the other groups keep answering
+# correctly, so the service is degraded rather than lost; the Controller decides the recovery.
+SEVERITY = alarm_pb2.SEVERITY_MAJOR
+ALARM = alarm_pb2.ALARM_CATEGORY_ALARM
+CLEAR = alarm_pb2.ALARM_CATEGORY_CLEAR
+
+REPORT_TIMEOUT_S = 5.0
+MAX_BATCH = 100
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def moi_of(ip: str, p: int, d: int) -> str:
+    return f"service name=Coordinator, service ip={ip}, pId={p}, instanceId={d}"
+
+
+def _split(hostport: str) -> tuple[str, str]:
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), port
+
+
+async def service_ip(host: str, controller: str) -> str:
+    """The Coordinator's address for its alarms' moi: ``host`` as it serves, unless that is a
+    wildcard (0.0.0.0, ::), which names no one. Then the local address this machine uses to
+    reach the Controller: the address the Controller sees the Coordinator at, chosen by the
+    kernel's routing (a UDP connect sends nothing). The host name when even that fails."""
+    if host not in _WILDCARDS:
+        return host
+    try:
+        chost, cport = _split(controller)
+        infos = await asyncio.get_running_loop().getaddrinfo(chost, cport, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except (OSError, IndexError, ValueError):
+        return socket.gethostname()
+
+
+def precision_alarm(
+    category: alarm_pb2.AlarmCategory.ValueType,
+    moi: str,
+    p: int,
+    d: int,
+    reason: str,
+    info: Mapping[str, str],
+    now_ns: int | None = None,
+) -> alarm_pb2.Alarm:
+    occur = timestamp_pb2.Timestamp()
+    occur.FromNanoseconds(time.time_ns() if now_ns is None else now_ns)
+    return alarm_pb2.Alarm(
+        alarm_id=ALARM_ID,
+        category=category,
+        severity=SEVERITY,
+        moi=moi,
+        alarm_name=ALARM_NAME,
+        probable_cause=PROBABLE_CAUSE,
+        reason=reason,
+        instance_id=d,
+        p_instance_id=p,
+        occur_time=occur,
+        additional_info=dict(info),
+    )
+
+
+class AlarmReporter:
+    """The queue of alarms not yet accepted by the Controller, and the task that sends them."""
+
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        key: str | None,
+        on_pending: Callable[[int], None] = lambda n: None,
+        backoff: retry.Backoff | None = None,
+    ) -> None:
+        self._target = cfg.controller
+        self._channel = open_channel(
+            cfg.controller,
+            key=key,
+            tls=cfg,
+            max_message_bytes=cfg.max_message_bytes,
+            service="coordinator",
+        )
+        stub: controller_pb2_grpc.ControllerAsyncStub = controller_pb2_grpc.ControllerStub(self._channel)
+        self._stub = stub
+        self._queue: collections.deque[alarm_pb2.Alarm] = collections.deque()
+        self._wake = asyncio.Event()
+        self._on_pending = on_pending
+        self._backoff = backoff or retry.Backoff(initial=0.2, maximum=30.0)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = tasks.spawn("precision_alarm_reporter", self._run)
+
+    def submit(self, alarm: alarm_pb2.Alarm) -> None:
+        self._queue.append(alarm)
+        self._on_pending(len(self._queue))
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            while not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            # The head of the queue, in order: an ALARM always reaches the Controller before
+            # its CLEAR.
+            batch = [self._queue[i] for i in range(min(MAX_BATCH, len(self._queue)))]
+            try:
+                resp = await self._stub.ReportAlarms(
+                    controller_pb2.ReportAlarmsRequest(alarms=batch), timeout=REPORT_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as err:
+                failure = errors.RpcFailure.of(err)
+                delay = max(self._backoff.next(), failure.retry_after or 0.0)
+                # Every code is retried: the alarm must get through, and a Controller that is
+                # down, restarting or not yet upgraded all heal on their own. A code that only
+                # an operator can fix (a wrong key) is logged as an error.
+                logger = log.error if failure.code in retry.TERMINAL_CODES else log.warn
+                logger(
+                    "precision_report_failed",
+                    controller=self._target,
+                    code=failure.code.name,
+                    message=failure.message,
+                    pending=len(self._queue),
+                    retry_in_s=round(delay, 3),
+                )
+                await asyncio.sleep(delay)
+                continue
+            for _ in batch:
+                self._queue.popleft()
+            self._on_pending(len(self._queue))
+            self._backoff.reset()
+            for a in batch:
+                log.event(
+                    "precision_report_accepted",
+                    category=alarm_pb2.AlarmCategory.Name(a.category),
+                    p=a.p_instance_id,
+                    d=a.instance_id,
+                    moi=a.moi,
+                    # The Controller may have recovered the group and cleared the alarm itself
+                    # (it then calls ClearPrecisionAlarm): nothing to do here but say so.
+                    cleared=resp.precision_alarm_cleared,
+                    cleared_by_auto_recovery=resp.precision_alarm_cleared_by_auto_recovery,
+                    scheduler_state_cleared=resp.scheduler_state_cleared,
+                )
+
+    async def close(self) -> None:
+        await tasks.cancel_quietly(self._task)
+        self._task = None
+        if self._queue:
+            log.warn("precision_reports_lost", pending=len(self._queue), controller=self._target)
+        await self._channel.close()
