@@ -215,13 +215,7 @@ class Router:
             d.load -= call.total_tokens
             if resp is not None:
                 _done_with(resp)
-            if answered and not prefill.done():
-                # The decode has its KV: the prefill leg finishes on its own, off the client's path.
-                self._keep(prefill)
-            elif not prefill.done():
-                prefill.cancel()
-            elif not prefill.cancelled():
-                prefill.exception()  # already acted on (or moot): mark it retrieved
+            self._settle_prefill(prefill, answered)
 
     async def _sglang_prefill(self, call: Call, p: Target, ep: Upstream, body: bytes) -> Answer:
         p.load += call.prompt_tokens
@@ -229,6 +223,15 @@ class Router:
             return await self.engines.call(ep, call.path, body, PREFILL_TIMEOUT, "prefill")
         finally:
             p.load -= call.prompt_tokens
+
+    def _settle_prefill(self, prefill: asyncio.Task[Any], answered: bool) -> None:
+        if answered and not prefill.done():
+            # The decode has its KV: the prefill leg finishes on its own, off the client's path.
+            self._keep(prefill)
+        elif not prefill.done():
+            prefill.cancel()
+        elif not prefill.cancelled():
+            prefill.exception()  # already acted on (or moot): mark it retrieved
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         """Let a leg finish on its own; close() still cancels it."""
@@ -319,12 +322,7 @@ class Router:
             answered = decode.done() and not decode.cancelled() and decode.exception() is None
             if not decode.done():
                 decode.cancel()
-            if answered and not prefill.done():
-                self._keep(prefill)
-            elif not prefill.done():
-                prefill.cancel()
-            elif not prefill.cancelled():
-                prefill.exception()  # already acted on (or moot): mark it retrieved
+            self._settle_prefill(prefill, answered)
 
     async def close(self) -> None:
         for task in list(self._background):
