@@ -135,14 +135,14 @@ class Reconciler(Generic[K]):
         except Terminal as exc:
             stats.terminal += 1
             queue.forget(key)
-            log.error("reconcile_terminal", reconciler=self.name, key=key, reason=str(exc))
+            log.error("reconcile_terminal", reconciler=self.name, item=key, reason=str(exc))
         except Retry as exc:
             stats.errors += 1
             delay = queue.add_rate_limited(key)
             log.warn(
                 "reconcile_retry",
                 reconciler=self.name,
-                key=key,
+                item=key,
                 reason=str(exc),
                 attempt=queue.failures(key),
                 in_s=round(delay, 3),
@@ -174,7 +174,7 @@ class Reconciler(Generic[K]):
         log.exception(
             "reconcile_failed",
             reconciler=self.name,
-            key=key,
+            item=key,
             kind=kind,
             attempt=self.queue.failures(key),
             in_s=round(delay, 3),
