@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test gen docs lint bench proto-baseline venv clean engines-check system-deps
+.PHONY: up test gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -81,7 +81,24 @@ lint: $(STAMP)
 proto-baseline: $(STAMP)
 	$(BIN)/buf build -o protos/baseline.binpb
 
-bench: $(STAMP)
+# wrk, the load generator of bench/bench_router.py (Debian package). Installed when this is root
+# with apt-get; elsewhere one line says so and that bench reports it cannot run. The peer routers
+# it compares with go into .bench-venv/, which the bench itself creates.
+BENCH_DEBS := wrk
+
+bench-deps:
+	@command -v wrk >/dev/null 2>&1 && exit 0; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "bench-deps: not root with apt-get, so $(BENCH_DEBS) is not installed here: the router bench will not run"; \
+		exit 0; \
+	fi; \
+	echo "bench-deps: installing $(BENCH_DEBS)"; \
+	{ $(APT) install -y --no-install-recommends $(BENCH_DEBS) || \
+		{ $(APT) update && $(APT) install -y --no-install-recommends $(BENCH_DEBS); }; } >/dev/null 2>&1 || \
+		echo "bench-deps: could not install $(BENCH_DEBS) (apt-get failed): the router bench will not run"; \
+	exit 0
+
+bench: bench-deps $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
 
 # Motor's launch lines fed through the real engines' argument parsing and config resolution, on
