@@ -40,8 +40,14 @@ PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
 DELETED = common_pb2.INSTANCE_STATUS_DELETED
 
 
-async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:  # noqa: ASYNC109
-    """Poll ``fn`` (sync or async) until it returns something truthy; fail after ``timeout``."""
+async def until(
+    fn: Callable[[], Any],
+    timeout: float = 30.0,  # noqa: ASYNC109  (a poll's bound, not an operation's deadline)
+    every: float = 0.02,
+    what: str = "condition",
+) -> Any:
+    """Poll ``fn`` (sync or async) until it returns something truthy; fail after ``timeout``
+    naming ``what`` was waited for."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
@@ -55,7 +61,7 @@ async def until(fn: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
         except (AssertionError, grpc.aio.AioRpcError) as exc:
             last = exc
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+            raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
         await asyncio.sleep(every)
 
 

@@ -3,10 +3,8 @@ instance builders, real simulated-engine processes, and a fake Controller that r
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +17,7 @@ from motor.v1 import common_pb2 as c
 from services.common import server as common_server
 from services.common.config import load
 from services.coordinator.runtime import Coordinator
+from tests.controller.fakes import until  # noqa: F401  (the one poll helper, re-exported)
 from tests.procs import Proc, motor_argv
 
 MODEL = "motor-sim"
@@ -236,17 +235,3 @@ async def fake_controller() -> AsyncIterator[FakeController]:
         yield fake
     finally:
         await server.stop(None)
-
-
-async def until(check: Callable[[], Any], within: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``check`` (a function, sync or async) until it returns something true; returns it."""
-    deadline = time.monotonic() + within
-    while True:
-        got = check()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within} s waiting for {what}")
-        await asyncio.sleep(0.02)
