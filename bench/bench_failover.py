@@ -40,6 +40,7 @@ from pathlib import Path
 import grpc
 import openai
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from openai.types.chat import ChatCompletionMessageParam
 
 from bench.loadgen.harness import machine
 from services.cli.up import HEALTHY_RUN_S
@@ -70,7 +71,7 @@ class Load:
 
     def run(self) -> None:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30)
-        messages = [{"role": "user", "content": "failover"}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "failover"}]
         while not self.stop.is_set():
             try:
                 client.chat.completions.create(model="motor-sim", messages=messages, max_tokens=4)

@@ -64,7 +64,7 @@ async def serving_at(addr: str) -> tuple[float, float]:
         await asyncio.sleep(0.003)
 
 
-async def coordinator_table(stub: coordinator_pb2_grpc.CoordinatorStub) -> tuple[set[int], str]:
+async def coordinator_table(stub: coordinator_pb2_grpc.CoordinatorAsyncStub) -> tuple[set[int], str]:
     r = await stub.ListInstances(coordinator_pb2.CoordinatorListInstancesRequest(), timeout=2)
     return {i.id for group in (r.available, r.unavailable, r.paused) for i in group}, r.incarnation
 
@@ -101,13 +101,13 @@ async def first_chat_at(http: aiohttp.ClientSession, url: str) -> float:
         await asyncio.sleep(0.005)
 
 
-async def routable_ids(ctrl: controller_pb2_grpc.ControllerStub) -> set[int]:
+async def routable_ids(ctrl: controller_pb2_grpc.ControllerAsyncStub) -> set[int]:
     resp = await ctrl.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
     return {i.id for i in resp.instances if i.status in ROUTABLE}
 
 
 async def restart_round(
-    up: Proc, ctrl: controller_pb2_grpc.ControllerStub, http: aiohttp.ClientSession, off: int
+    up: Proc, ctrl: controller_pb2_grpc.ControllerAsyncStub, http: aiohttp.ClientSession, off: int
 ) -> RestartRound:
     addr, url = f"127.0.0.1:{COORDINATOR + off}", f"http://127.0.0.1:{HTTP + off}/v1/chat/completions"
     want = await routable_ids(ctrl)

@@ -126,6 +126,7 @@ async def measure_sets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http,
         ):
             # Raw bytes in: the request is encoded once, outside the timing.
+            call: grpc.aio.UnaryUnaryMultiCallable[bytes, coordinator_pb2.SetInstancesResponse]
             call = ch.unary_unary(
                 SET_METHOD,
                 request_serializer=None,
