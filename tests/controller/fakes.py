@@ -479,6 +479,15 @@ class Harness:
         self.agents.append(a)
         return a
 
+    async def start_node(self, nm: FakeNodeManager, status: int = NORMAL, **kw: Any) -> NodeAgent:
+        """An agent for ``nm`` registered, its engines started, and one beat with ``status``."""
+        agent = self.agent(nm=nm, **kw)
+        seen = len(nm.starts)
+        await agent.register()
+        await until(lambda: len(nm.starts) > seen)
+        await agent.beat(status)
+        return agent
+
     async def instances(self, **kw: Any) -> list[common_pb2.Instance]:
         resp = await self.stub.ListInstances(controller_pb2.ListInstancesRequest(**kw), timeout=5)
         return list(resp.instances)

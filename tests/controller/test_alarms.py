@@ -387,10 +387,7 @@ async def test_instance_alarm_raised_when_inactive_and_cleared_when_active_again
 ) -> None:
     nm = await node_managers()
     async with running_controller(tmp_path) as h:
-        agent = h.agent(job="p", nm=nm)
-        await agent.register()
-        await until(lambda: nm.starts)
-        await agent.beat(NORMAL)
+        agent = await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
         assert await active_of(h, INSTANCE_FAULT) == []
 
@@ -417,10 +414,7 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
     a, b = await node_managers(), await node_managers()
     async with running_controller(tmp_path) as h:
         for nm, job, port in ((a, "a", 10000), (b, "b", 10002)):
-            agent = h.agent(job=job, nm=nm, ports=(port,))
-            await agent.register()
-            await until(lambda nm=nm: nm.starts)  # type: ignore[misc]
-            await agent.beat(NORMAL)
+            await h.start_node(nm, job=job, ports=(port,))
         await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
         table = h.controller.table
         table.delete(table.by_job["a"], "heartbeat_timeout")
@@ -431,10 +425,7 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
 
         # Cleared on purpose when it was alarmed: an INACTIVE instance terminated by the operator.
         c = await node_managers()
-        agent = h.agent(job="c", nm=c, ports=(10004,))
-        await agent.register()
-        await until(lambda: c.starts)
-        await agent.beat(ABNORMAL)
+        await h.start_node(c, ABNORMAL, job="c", ports=(10004,))
         await until(lambda: h.controller.alarms.find_active(alarm(alarm_id=INSTANCE_FAULT, instance_id=3)))
         table.delete(table.by_job["c"], "terminated: operator request")
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
@@ -443,10 +434,7 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
 async def test_instance_alarms_are_level_triggered(tmp_path: Path, node_managers, monkeypatch) -> None:
     nm = await node_managers()
     async with running_controller(tmp_path) as h:
-        agent = h.agent(job="p", nm=nm)
-        await agent.register()
-        await until(lambda: nm.starts)
-        await agent.beat(NORMAL)
+        agent = await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
 
         # The transition's alarm is lost (a failed write): the next resync raises it.
@@ -473,18 +461,12 @@ async def test_instance_alarm_of_a_deleted_instance_clears_when_its_job_is_serve
 ) -> None:
     nm = await node_managers()
     async with running_controller(tmp_path) as h:
-        agent = h.agent(job="p", nm=nm)
-        await agent.register()
-        await until(lambda: nm.starts)
-        await agent.beat(NORMAL)
+        agent = await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
         h.controller.table.delete(h.controller.table.by_job["p"], "heartbeat_timeout")
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
         agent.drop_stream()
-        again = h.agent(job="p", nm=nm)
-        await again.register()
-        await until(lambda: len(nm.starts) == 2)
-        await again.beat(NORMAL)
+        await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
         await until(lambda: not h.controller.alarms.active(INSTANCE_FAULT))
 

@@ -10,21 +10,15 @@ from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 from services.controller import recovery
 from services.controller.alarms import INSTANCE_FAULT, PRECISION, precision_moi
-from tests.controller.fakes import ACTIVE, NORMAL, running_controller, until
+from tests.controller.fakes import ACTIVE, running_controller, until
 
 MOI = precision_moi("127.0.0.1", 1, 2)
 
 
 async def pd_group(h, p_nm, d_nm):
     """A prefill instance (id 1) and a decode instance (id 2), both ACTIVE."""
-    p = h.agent(job="p", nm=p_nm, role=common_pb2.ROLE_PREFILL)
-    d = h.agent(job="d", nm=d_nm, role=common_pb2.ROLE_DECODE, ports=(10002,))
-    await p.register()
-    await until(lambda: p_nm.starts)
-    await d.register()
-    await until(lambda: d_nm.starts)
-    await p.beat(NORMAL)
-    await d.beat(NORMAL)
+    p = await h.start_node(p_nm, job="p", role=common_pb2.ROLE_PREFILL)
+    d = await h.start_node(d_nm, job="d", role=common_pb2.ROLE_DECODE, ports=(10002,))
     await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
     return p, d
 
