@@ -24,6 +24,8 @@ def service_main(
     argv: list[str],
     serve: Serve,
     flags: dict[str, tuple[str, type]] | None = None,
+    *,
+    fast_loop: bool = False,
 ) -> int:
     """``flags`` maps extra CLI flags to config keys: ``{"--port": ("port", int)}``."""
     parser = argparse.ArgumentParser(prog=f"motor {section}", description=f"Run the Motor {section}.")
@@ -42,7 +44,7 @@ def service_main(
         return 1
     log.setup(section, cfg.section(section).log_format)
     try:
-        return run(lambda stop: serve(cfg, stop))
+        return run(lambda stop: serve(cfg, stop), fast_loop=fast_loop)
     except (OSError, ConfigError) as err:
         msg = "; ".join(err.errors) if isinstance(err, ConfigError) else str(err)
         log.error("start_failed", reason=msg)

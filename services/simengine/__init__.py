@@ -16,6 +16,7 @@ PD hand-off:
          registers the room on its bootstrap port, a decode-role engine long-polls
          `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py).
 
-Modules: cli (argv), server (process runtime), app (routes), openai_api (bodies), generation
-(deterministic text), latency, faults, pd, metrics, worker (child processes).
+Modules: cli (argv), server (process runtime: uvloop, services.common.httpserver), app (routes),
+completion (the completion routes), openai_api (bodies), generation (deterministic text), latency,
+faults, pd, metrics, worker (child processes).
 """

@@ -30,11 +30,6 @@ class LatencyModel:
         return self.tpot_s * max(0, tokens - 1)
 
 
-async def pause(seconds: float) -> None:
-    if seconds > 0:
-        await asyncio.sleep(seconds)
-
-
 class Slots:
     """At most `limit` running sequences (0 = unlimited); the rest wait in FIFO order."""
 
@@ -47,9 +42,15 @@ class Slots:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free right now (no coroutine, no future: the common case)."""
         if self.limit <= 0 or (self.running < self.limit and not self._waiters):
             self.running += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)

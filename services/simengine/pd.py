@@ -17,15 +17,17 @@ arrive first. Protocol (bootstrap port):
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
 from typing import Any
+from urllib.parse import parse_qs, unquote
 
 import aiohttp
-from aiohttp import web
 
-from services.common.http_errors import OpenAIError, error_middleware
+from services.common.http_errors import OpenAIError
+from services.common.httpserver import Handler, Request, Responder, method_not_allowed, not_found
 
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0
@@ -109,49 +111,59 @@ class Rendezvous:
                 if not waiters:
                     del self._waiters[room]
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware])
-        app.router.add_get("/room/{room}", self._get_room)
-        app.router.add_post("/room/{room}", self._post_room)
-        app.router.add_get("/health", _ok)
-        return app
+    def handler(self) -> Handler:
+        """The bootstrap port's routes (see the module docstring)."""
 
-    async def _get_room(self, request: web.Request) -> web.Response:
-        room = _room_of(request)
+        async def dispatch(req: Request, out: Responder) -> None:
+            path = req.path
+            if path == "/health":
+                if req.method != "GET":
+                    raise method_not_allowed(req, "GET")
+                out.send(200, b"", b"text/plain; charset=utf-8")
+                return
+            name = path[len("/room/") :]
+            if not path.startswith("/room/") or not name or "/" in name:
+                raise not_found(req)
+            room = parse_room(unquote(name))
+            if req.method not in ("GET", "POST"):
+                raise method_not_allowed(req, "GET, POST")
+            if room is None:
+                raise _room_error(400, "room must be an integer", "invalid_room")
+            if req.method == "GET":
+                await self._get_room(room, req, out)
+            else:
+                self._post_room(room, req, out)
+
+        return dispatch
+
+    async def _get_room(self, room: int, req: Request, out: Responder) -> None:
+        query = parse_qs(req.query, keep_blank_values=True)
         try:
-            timeout_s = min(MAX_POLL_S, max(0.0, float(request.query.get("timeout_s", "30"))))
+            timeout_s = min(MAX_POLL_S, max(0.0, float(query.get("timeout_s", ["30"])[0])))
         except ValueError:
             raise _room_error(400, "timeout_s must be a number", "invalid_timeout") from None
         try:
             info = await self.wait(room, timeout_s)
         except RoomTimeout as exc:
             raise _room_error(408, str(exc), "bootstrap_timeout") from None
-        return web.json_response(info)
+        out.send(200, json.dumps(info).encode())
 
-    async def _post_room(self, request: web.Request) -> web.Response:
-        room = _room_of(request)
+    def _post_room(self, room: int, req: Request, out: Responder) -> None:
         info: Any = {}
-        if request.can_read_body:
+        if req.body:
             try:
-                info = await request.json()
+                info = json.loads(req.body)
             except ValueError:
                 raise _room_error(400, "body must be JSON", "invalid_json") from None
             if not isinstance(info, dict):
                 raise _room_error(400, "body must be a JSON object", "invalid_json")
         self.register(room, info)
-        return web.json_response({"room": room})
+        out.send(200, json.dumps({"room": room}).encode())
 
 
 def _room_error(status: int, message: str, code: str) -> OpenAIError:
     """Every error of the bootstrap server is the caller's: a bad room or one never filled."""
     return OpenAIError(status, message, "invalid_request_error", code)
-
-
-def _room_of(request: web.Request) -> int:
-    room = parse_room(request.match_info["room"])
-    if room is None:
-        raise _room_error(400, "room must be an integer", "invalid_room")
-    return room
 
 
 def parse_room(value: object) -> int | None:
@@ -204,7 +216,3 @@ async def wait_for_room(
         f"bootstrap room {room} was not filled by the prefill engine at {netloc} "
         f"within {timeout_s:g} s{detail}"
     )
-
-
-async def _ok(_: web.Request) -> web.Response:
-    return web.Response()

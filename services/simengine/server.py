@@ -1,4 +1,8 @@
-"""Process runtime: workers, listeners, signals and shutdown of one simulated engine."""
+"""Process runtime: workers, listeners, signals and shutdown of one simulated engine.
+
+The process runs on uvloop and serves HTTP with services.common.httpserver: with every latency
+at zero the engine must answer far faster than any router put in front of it.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,15 @@ import contextlib
 import signal
 import sys
 
-from aiohttp import web
-
 from services.common import log
+from services.common.httpserver import Handler, HttpServer
+from services.simengine import app
 from services.simengine.app import Engine
 from services.simengine.config import EngineConfig
 
 # In-flight requests get this long to finish on SIGTERM; hung ones are then cancelled.
 DRAIN_S = 1.0
+BOOTSTRAP_MAX_BODY_BYTES = 1024 * 1024
 
 
 def _netloc(host: str, port: int) -> str:
@@ -53,13 +58,9 @@ async def stop_workers(procs: list[asyncio.subprocess.Process]) -> None:
             await proc.wait()
 
 
-async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=DRAIN_S, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
-    await site.start()
-    bound = runner.addresses[0][1] if runner.addresses else port
-    return runner, int(bound)
+async def _listen(handler: Handler, host: str, port: int, max_body: int) -> tuple[HttpServer, int]:
+    server = HttpServer(handler, max_body_bytes=max_body)
+    return server, await server.listen(host, port)
 
 
 async def serve(cfg: EngineConfig) -> int:
@@ -68,7 +69,7 @@ async def serve(cfg: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine = Engine(cfg)
-    runners: list[web.AppRunner] = []
+    servers: list[HttpServer] = []
     workers = await start_workers(cfg.workers)
     try:
         if cfg.fault != "none":
@@ -88,21 +89,21 @@ async def serve(cfg: EngineConfig) -> int:
         if cfg.headless:
             log.event("headless", **fields)
         else:
-            runner, engine.port = await _listen(engine.make_app(), cfg.host, cfg.port)
-            runners.append(runner)
+            server, engine.port = await _listen(engine.handler(), cfg.host, cfg.port, app.MAX_BODY_BYTES)
+            servers.append(server)
             fields = {"http": _netloc(cfg.host, engine.port), **fields}
             if engine.rendezvous is not None:
-                boot_runner, boot_port = await _listen(
-                    engine.rendezvous.app(), cfg.host, cfg.bootstrap_port or 0
+                boot, boot_port = await _listen(
+                    engine.rendezvous.handler(), cfg.host, cfg.bootstrap_port or 0, BOOTSTRAP_MAX_BODY_BYTES
                 )
-                runners.append(boot_runner)
+                servers.append(boot)
                 fields["bootstrap"] = _netloc(cfg.host, boot_port)
             log.event("listening", **fields)
         await stop.wait()
         log.event("stopping")
     finally:
-        for runner in reversed(runners):
-            await runner.cleanup()
+        # Both ports drain at once: stop accepting, let requests in flight finish, cut the rest.
+        await asyncio.gather(*(s.close(DRAIN_S) for s in servers))
         await engine.close()
         await stop_workers(workers)
     log.event("stopped")
@@ -110,8 +111,11 @@ async def serve(cfg: EngineConfig) -> int:
 
 
 def run(cfg: EngineConfig) -> int:
+    import uvloop
+
     try:
-        return asyncio.run(serve(cfg))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(cfg))
     except OSError as exc:
         log.error("bind_failed", error=str(exc), host=cfg.host, port=cfg.port)
         return 1

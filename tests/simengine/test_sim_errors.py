@@ -1,4 +1,4 @@
-"""Every error of the simulated engine has the OpenAI shape: a handler's bug, aiohttp's own errors.
+"""Every error of the simulated engine has the OpenAI shape: a handler's bug, the server's own errors.
 
 The engine runs in this process so that a failure can be injected into what a handler calls.
 """
@@ -11,9 +11,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
+from services.common.httpserver import HttpServer
 from services.simengine import app as sim_app
+from services.simengine import completion
 from services.simengine.config import EngineConfig
 from tests.http import ERROR_FIELDS, json_request
 
@@ -26,10 +27,11 @@ async def engine() -> AsyncIterator[sim_app.Engine]:
 
 
 @pytest.fixture
-async def base(engine: sim_app.Engine, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
-    monkeypatch.setattr(sim_app, "MAX_BODY_BYTES", 1024)
-    async with TestServer(engine.make_app()) as server:
-        yield str(server.make_url("")).rstrip("/")
+async def base(engine: sim_app.Engine) -> AsyncIterator[str]:
+    server = HttpServer(engine.handler(), max_body_bytes=1024)
+    port = await server.listen("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}"
+    await server.close(1.0)
 
 
 async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback(
@@ -38,7 +40,7 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
     def broken_response(*args: Any, **kwargs: Any) -> bytes:
         raise RuntimeError("response builder broke reading /etc/motor/secret")
 
-    monkeypatch.setattr(sim_app, "full_response", broken_response)
+    monkeypatch.setattr(completion, "full_response", broken_response)
     request = {"model": "motor-sim", "prompt": "x", "max_tokens": 1}
     status, _, body = await json_request("POST", base + "/v1/completions", json=request)
     assert status == 500

@@ -1,0 +1,368 @@
+"""A lean HTTP/1.1 client on asyncio protocols with the httptools (llhttp) parser, and a
+keep-alive pool per upstream endpoint.
+
+Used on the inference path, where every request makes one or two upstream calls: a pooled
+connection is reused LIFO (the warmest socket), a request goes out in one write, and a response
+body is handed over as the parser produces it (streams pass through without re-framing of
+their content). Deadlines are absolute loop times checked by one sweep per pool every
+``SWEEP_S`` instead of a timer per call: a deadline fires up to that much late, and the hot
+path allocates no timer at all.
+
+A pooled connection that the engine closed while idle fails before any byte of an answer; that
+request is sent once more on a fresh connection, so a keep-alive race never reaches the caller
+as an engine failure. A fresh connection that fails is the caller's signal (:class:`Refused`,
+:class:`Disconnected`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from typing import Any, cast
+
+import httptools
+
+from services.common import log
+
+PAUSE_AT_BYTES = 1 << 20  # buffered upstream bytes the consumer has not taken yet
+MAX_IDLE_PER_ENDPOINT = 256
+SWEEP_S = 0.05
+NEVER = math.inf
+
+
+class Refused(Exception):
+    """No connection could be made (refused, unreachable, or the connect timed out)."""
+
+
+class UpstreamTimeout(TimeoutError):
+    """A deadline passed while waiting on the engine."""
+
+
+class Disconnected(Exception):
+    """The connection ended before the answer was complete. ``answered``: a response head
+    had arrived (so the request reached the engine)."""
+
+    def __init__(self, message: str, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = (
+        "_buffered",
+        "_paused",
+        "_waiter",
+        "chunks",
+        "complete",
+        "deadline",
+        "error",
+        "head_seen",
+        "headers",
+        "keep_alive",
+        "key",
+        "parser",
+        "pool",
+        "status",
+        "transport",
+    )
+
+    def __init__(self, pool: Pool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._buffered = 0
+        self._paused = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.headers: dict[bytes, bytes] = {}
+        self.status = 0
+        self.head_seen = False
+        self.complete = False
+        self.keep_alive = False
+        self.error: Exception | None = None
+        self.deadline = NEVER
+
+    def reset(self) -> None:
+        self.chunks.clear()
+        self.headers = {}
+        self.status = 0
+        self.head_seen = False
+        self.complete = False
+        self.keep_alive = False
+        self.error = None
+        self._buffered = 0
+
+    # -- transport callbacks -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = Disconnected(f"malformed HTTP response: {exc}", self.head_seen)
+            self._wake()
+            if self.transport is not None:
+                self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.pool.discard(self)
+        if not self.complete and self.error is None:
+            why = f": {exc}" if exc else ""
+            self.error = Disconnected(f"connection closed by the engine{why}", self.head_seen)
+        self._wake()
+
+    # -- parser callbacks --------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.head_seen = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > PAUSE_AT_BYTES and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def expire(self) -> None:
+        if self.complete:
+            return
+        self.error = UpstreamTimeout("the engine did not answer in time")
+        self.deadline = NEVER
+        self._wake()
+
+    async def wait(self) -> None:
+        """Until the parser or the transport has news, or the deadline passes."""
+        self._waiter = w = asyncio.get_running_loop().create_future()
+        try:
+            await w
+        finally:
+            self._waiter = None
+
+    def take(self) -> bytes:
+        data = self.chunks.popleft()
+        self._buffered -= len(data)
+        if self._paused and self._buffered < PAUSE_AT_BYTES // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+
+class Response:
+    """An answer whose head has arrived; the body follows through :meth:`read` or
+    :meth:`next_chunk`. Give it back with :meth:`release` (reuse if complete) or :meth:`close`."""
+
+    __slots__ = ("_conn", "_done", "headers", "status")
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        self._done = False
+
+    def header(self, name: bytes, default: bytes = b"") -> bytes:
+        return self.headers.get(name, default)
+
+    @property
+    def at_eof(self) -> bool:
+        c = self._conn
+        return c.complete and not c.chunks
+
+    async def read(self, deadline: float = NEVER) -> bytes:
+        """The whole body, by loop time ``deadline``."""
+        c = self._conn
+        c.deadline = deadline
+        while not c.complete:
+            if c.error is not None:
+                raise c.error
+            await c.wait()
+        data = b"".join(c.chunks)
+        c.chunks.clear()
+        return data
+
+    async def next_chunk(self, deadline: float = NEVER) -> bytes | None:
+        """The next piece of the body as it arrived, by loop time ``deadline``; None at its end."""
+        c = self._conn
+        c.deadline = deadline
+        while True:
+            if c.chunks:
+                return c.take()
+            if c.complete:
+                return None
+            if c.error is not None:
+                raise c.error
+            await c.wait()
+
+    def release(self) -> None:
+        """Back to the pool when the answer was read to its end, else closed."""
+        if self._done:
+            return
+        self._done = True
+        c = self._conn
+        c.pool.active.discard(c)
+        if c.complete and c.keep_alive and not c.chunks and c.transport is not None:
+            c.pool.put(c)
+        elif c.transport is not None:
+            c.transport.close()
+
+    def close(self) -> None:
+        """Close the connection (the engine sees the client leave)."""
+        if not self._done:
+            self._done = True
+            self._conn.pool.active.discard(self._conn)
+            if self._conn.transport is not None:
+                self._conn.transport.abort()
+
+
+class Pool:
+    """Keep-alive connections per (host, port), reused last-in first-out."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._heads: dict[tuple[str, int], bytes] = {}
+        self._closed = False
+        self.active: set[_Conn] = set()  # exchanges under way, whose deadlines the sweep checks
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = loop.time()
+            try:
+                for c in [c for c in self.active if c.deadline <= now]:
+                    c.expire()
+            except Exception:  # a deadline that never fires is a hang: keep sweeping
+                log.exception("http_client_sweep_failed")
+
+    def put(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if self._closed or len(idle) >= MAX_IDLE_PER_ENDPOINT:
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        idle.append(conn)
+
+    def discard(self, conn: _Conn) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def _connect(self, key: tuple[str, int], deadline: float) -> _Conn:
+        """A new connection (rare: the pool keeps them), bounded by the connect timeout and
+        the caller's deadline, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        try:
+            async with asyncio.timeout(min(remaining, self.connect_timeout_s)):
+                _, proto = await loop.create_connection(lambda: _Conn(self, key), key[0], key[1])
+        except TimeoutError:
+            if remaining < self.connect_timeout_s:
+                raise UpstreamTimeout("the deadline passed while connecting") from None
+            raise Refused(f"connect to {key[0]}:{key[1]} timed out") from None
+        except OSError as exc:
+            raise Refused(f"connect to {key[0]}:{key[1]} failed: {exc.strerror or exc}") from None
+        return proto
+
+    def _head(self, key: tuple[str, int]) -> bytes:
+        host = self._heads.get(key)
+        if host is None:
+            h, p = key
+            netloc = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+            host = self._heads[key] = f"Host: {netloc}\r\n".encode()
+        return host
+
+    async def request(
+        self,
+        host: str,
+        port: int,
+        method: bytes,
+        path: bytes,
+        body: bytes = b"",
+        headers: bytes = b"Content-Type: application/json\r\n",
+        deadline: float = NEVER,
+    ) -> Response:
+        """Send one request and wait for its response head until loop time ``deadline``.
+        Raises Refused / Disconnected / UpstreamTimeout."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        key = (host, port)
+        data = b"%s %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+            method, path, self._head(key), headers, len(body), body,
+        )  # fmt: skip
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if conn.transport is None or conn.transport.is_closing():
+                continue
+            try:
+                return await self._exchange(conn, data, deadline)
+            except Disconnected as exc:
+                if exc.answered:
+                    raise
+                # The engine had closed this idle connection: try a fresh one.
+                break
+        return await self._exchange(await self._connect(key, deadline), data, deadline)
+
+    async def _exchange(self, conn: _Conn, data: bytes, deadline: float) -> Response:
+        conn.reset()
+        conn.deadline = deadline
+        assert conn.transport is not None
+        conn.transport.write(data)
+        self.active.add(conn)
+        try:
+            while not conn.head_seen:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        except BaseException:
+            self.active.discard(conn)
+            if conn.transport is not None:
+                conn.transport.abort()
+            raise
+        return Response(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for idle in self._idle.values():
+            for c in idle:
+                if c.transport is not None:
+                    c.transport.close()
+        self._idle.clear()
+
+
+def header_block(headers: dict[str, str] | list[tuple[str, str]] | Any) -> bytes:
+    """Extra request headers as the bytes :meth:`Pool.request` takes."""
+    items = headers.items() if isinstance(headers, dict) else headers
+    return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in items)

@@ -1,0 +1,489 @@
+"""A lean HTTP/1.1 server on asyncio protocols with the httptools (llhttp) parser.
+
+The inference port pays for every byte of framework it runs, so this is all it does: parse
+with llhttp, hand a complete :class:`Request` to a handler task, and write each answer with as
+few ``transport.write`` calls as possible (a non-streamed answer is one write). Keep-alive and
+pipelined requests are served in order on one connection; a client that goes away cancels its
+handler task, which closes whatever the handler had open upstream.
+
+Limits are enforced before a handler runs: ``max_body_bytes`` (413), header bytes (431), and an
+idle timeout for connections that send nothing. Errors are OpenAI-style JSON bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import cast
+
+import httptools
+
+from services.common import log
+from services.common.http_errors import INTERNAL_MESSAGE, OpenAIError
+
+MAX_HEADER_BYTES = 64 * 1024
+IDLE_TIMEOUT_S = 75.0  # keep-alive connections with nothing in flight (nginx's default)
+READ_TIMEOUT_S = 60.0  # a request whose head or body does not arrive (slowloris)
+SWEEP_S = 5.0
+PIPELINE_MAX = 16  # parsed requests waiting behind the current one before reading pauses
+
+JSON_CT = b"application/json"
+
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+
+def status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+
+
+_STATUS_LINES = {s: status_line(s) for s in _REASONS}
+
+
+class Request:
+    """One complete request. Header names are lower-case bytes, values bytes."""
+
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "peer", "query")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        keep_alive: bool,
+        peer: str,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.peer = peer
+
+    def header(self, name: bytes) -> str | None:
+        value = self.headers.get(name)
+        return value.decode("latin-1") if value is not None else None
+
+
+Headers = list[tuple[str, str]] | None
+
+
+def _head(status: int, headers: Headers, extra: bytes) -> bytes:
+    line = _STATUS_LINES.get(status) or status_line(status)
+    if headers:
+        extra += b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+    return line + extra
+
+
+class Responder:
+    """How a handler answers: :meth:`send` once, or :meth:`start` then :meth:`write`..."""
+
+    __slots__ = ("_conn", "close_after", "finished", "started", "status")
+
+    def __init__(self, conn: _Connection, close: bool) -> None:
+        self._conn = conn
+        self.close_after = close
+        self.started = False
+        self.finished = False
+        self.status = 0
+
+    def send(self, status: int, body: bytes, content_type: bytes = JSON_CT, headers: Headers = None) -> None:
+        """The whole answer in one write."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = self.finished = True
+        self.status = status
+        conn = b"Connection: close\r\n" if self.close_after else b""
+        extra = b"Content-Type: %s\r\nContent-Length: %d\r\n%s" % (content_type, len(body), conn)
+        self._conn.write(_head(status, headers, extra) + b"\r\n" + body)
+
+    def error(self, err: OpenAIError) -> None:
+        headers = list(err.headers.items()) if err.headers else None
+        self.send(err.status, err.body(), JSON_CT, headers)
+
+    def start(self, status: int, content_type: bytes, headers: Headers = None) -> None:
+        """Begin a chunked answer; the head goes out with the first chunk."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        self.status = status
+        conn = b"Connection: close\r\n" if self.close_after else b""
+        extra = b"Content-Type: %s\r\nTransfer-Encoding: chunked\r\n%s" % (content_type, conn)
+        self._conn.pending_head = _head(status, headers, extra) + b"\r\n"
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await self._conn.drain()
+
+    def abort(self) -> None:
+        """Drop the connection without finishing the answer (the client sees it cut)."""
+        self.finished = True
+        self.close_after = True
+        self._conn.abort()
+
+    def end(self, data: bytes = b"") -> None:
+        """Finish a chunked answer, with its last ``data`` in the same write."""
+        if not self.finished:
+            self.finished = True
+            last = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+            self._conn.write(last + b"0\r\n\r\n")
+
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "_body",
+        "_body_bytes",
+        "_busy",
+        "_header_bytes",
+        "_headers",
+        "_in_message",
+        "_name",
+        "_parser",
+        "_paused_reading",
+        "_peer",
+        "_queue",
+        "_task",
+        "_url",
+        "_write_ready",
+        "last_active",
+        "pending_head",
+        "server",
+        "transport",
+    )
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._header_bytes = 0
+        self._name = b""
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._queue: collections.deque[Request] = collections.deque()
+        self._busy = False
+        self._task: asyncio.Task[None] | None = None
+        self._write_ready: asyncio.Future[None] | None = None
+        self._paused_reading = False
+        self._in_message = False
+        self._peer = ""
+        self.pending_head = b""
+        self.last_active = time.monotonic()
+
+    # -- transport callbacks ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        self._peer = str(peer[0]) if peer else ""
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        self._queue.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client left: its upstream legs close with the handler
+        if self._write_ready is not None and not self._write_ready.done():
+            self._write_ready.set_exception(ConnectionResetError("client went away"))
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not supported", "bad_request")
+        except httptools.HttpParserError as exc:
+            self._reject(400, f"malformed HTTP request: {exc}", "bad_request")
+        except _Rejected:
+            pass
+
+    def pause_writing(self) -> None:
+        if self._write_ready is None or self._write_ready.done():
+            self._write_ready = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._write_ready is not None and not self._write_ready.done():
+            self._write_ready.set_result(None)
+
+    # -- parser callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._url = b""
+        self._headers = {}
+        self._header_bytes = 0
+        self._body = []
+        self._body_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        self._headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+            self._too_large()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._body_bytes += len(body)
+        if self._body_bytes > self.server.max_body_bytes:
+            self._too_large()
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        parser = self._parser
+        url = self._url
+        q = url.find(b"?")
+        path, query = (url, b"") if q < 0 else (url[:q], url[q + 1 :])
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        req = Request(
+            parser.get_method().decode("ascii", "replace"),
+            path.decode("utf-8", "replace"),
+            query.decode("utf-8", "replace"),
+            self._headers,
+            body,
+            parser.should_keep_alive(),
+            self._peer,
+        )
+        if self._busy:
+            self._queue.append(req)
+            if len(self._queue) >= PIPELINE_MAX and self.transport is not None and not self._paused_reading:
+                self._paused_reading = True
+                self.transport.pause_reading()
+        else:
+            self._dispatch(req)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def _count(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._reject(431, "request headers too large", "request_header_fields_too_large")
+            raise _Rejected
+
+    def _too_large(self) -> None:
+        limit = self.server.max_body_bytes
+        self._reject(413, f"request body larger than {limit} bytes", "request_too_large")
+        raise _Rejected
+
+    def _reject(self, status: int, message: str, code: str) -> None:
+        """Answer an unparseable or over-limit request and close: the rest of the stream cannot
+        be trusted to start at a request boundary."""
+        hook = self.server.on_reject
+        if hook is not None:
+            hook(self._url.split(b"?", 1)[0].decode("utf-8", "replace"), status)
+        if self.transport is None or self._busy:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        r = Responder(self, True)
+        r.error(OpenAIError(status, message, "invalid_request_error", code))
+        self.transport.close()
+
+    def _dispatch(self, req: Request) -> None:
+        self._busy = True
+        close = not req.keep_alive or self.server.closing
+        self._task = self.server.loop.create_task(self._serve(req, Responder(self, close)))
+
+    async def _serve(self, req: Request, resp: Responder) -> None:
+        server = self.server
+        server.in_flight += 1
+        try:
+            await server.handler(req, resp)
+        except asyncio.CancelledError:
+            resp.finished = True
+            raise
+        except OpenAIError as err:
+            if not resp.started:
+                resp.error(err)
+            else:
+                self.abort()
+        except Exception:
+            log.exception("http_handler_failed", method=req.method, path=req.path)
+            if not resp.started:
+                resp.error(OpenAIError(500, INTERNAL_MESSAGE, "server_error", "internal_error"))
+            else:
+                self.abort()  # a second answer cannot follow the first one's bytes
+        finally:
+            server.in_flight -= 1
+            if server.closing and not server.in_flight:
+                server.drained.set()
+        if not resp.finished:
+            if resp.started:
+                resp.end()
+            else:
+                resp.error(OpenAIError(500, INTERNAL_MESSAGE, "server_error", "internal_error"))
+        self.last_active = time.monotonic()
+        self._busy = False
+        self._task = None
+        if resp.close_after:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        if self._queue:
+            self._dispatch(self._queue.popleft())
+        if self._paused_reading and len(self._queue) < PIPELINE_MAX and self.transport is not None:
+            self._paused_reading = False
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def write(self, data: bytes) -> None:
+        t = self.transport
+        if t is None:
+            raise ConnectionResetError("client went away")
+        if self.pending_head:
+            data = self.pending_head + data
+            self.pending_head = b""
+        t.write(data)
+
+    async def drain(self) -> None:
+        w = self._write_ready
+        if w is not None and not w.done():
+            await w
+        if self.transport is None:
+            raise ConnectionResetError("client went away")
+
+    @property
+    def idle(self) -> bool:
+        return not self._busy
+
+    @property
+    def receiving(self) -> bool:
+        """A request has begun arriving but is not complete."""
+        return self._in_message
+
+
+class _Rejected(Exception):
+    """Raised out of a parser callback to stop parsing a connection already answered."""
+
+
+class HttpServer:
+    """Serves one ``handler`` on any number of listeners."""
+
+    def __init__(self, handler: Handler, *, max_body_bytes: int) -> None:
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[_Connection] = set()
+        self.in_flight = 0
+        self.closing = False
+        self.drained = asyncio.Event()
+        # Told (path, status) of requests refused before any handler ran (413, 431, 400).
+        self.on_reject: Callable[[str, int], None] | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def listen(
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
+        backlog: int = 2048,
+    ) -> int:
+        """Bind and start serving; returns the bound port (useful with port 0)."""
+        server = await self.loop.create_server(
+            lambda: _Connection(self),
+            host,
+            port,
+            ssl=ssl_context,
+            reuse_port=reuse_port or None,
+            backlog=backlog,
+        )
+        self._servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep())
+        sock = server.sockets[0]
+        return int(sock.getsockname()[1])
+
+    async def _sweep(self) -> None:
+        """Close connections that went quiet: idle keep-alives and requests that never finish
+        arriving. One pass every few seconds costs less than a timer per request."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                now = time.monotonic()
+                for c in list(self.connections):
+                    quiet = now - c.last_active
+                    if c.idle and quiet > (READ_TIMEOUT_S if c.receiving else IDLE_TIMEOUT_S):
+                        if c.transport is not None:
+                            c.transport.close()
+            except Exception:  # never let one bad connection end the sweeping
+                log.exception("http_sweep_failed")
+
+    async def close(self, grace_s: float) -> None:
+        """Stop accepting; let requests in flight finish for up to ``grace_s``; then close
+        every connection (handlers still running are cancelled)."""
+        self.closing = True
+        for s in self._servers:
+            s.close()
+        for c in list(self.connections):
+            if c.idle and c.transport is not None:
+                c.transport.close()
+        if self.in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), grace_s)
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for s in self._servers:
+            await s.wait_closed()
+        await asyncio.sleep(0)  # connection_lost callbacks run, handler tasks see their cancel
+
+
+def not_found(req: Request) -> OpenAIError:
+    return OpenAIError(404, f"no route {req.method} {req.path}", "invalid_request_error", "unknown_route")
+
+
+def method_not_allowed(req: Request, allow: str) -> OpenAIError:
+    return OpenAIError(
+        405,
+        f"method {req.method} is not allowed on {req.path}",
+        "invalid_request_error",
+        "method_not_allowed",
+        headers={"Allow": allow},
+    )
+
+
+def route_table(routes: dict[tuple[str, str], Handler]) -> Handler:
+    """One handler dispatching on (method, path): 404 for an unknown path, 405 for a method
+    the path does not take (with ``Allow``)."""
+    by_path: dict[str, dict[str, Handler]] = {}
+    for (method, path), h in routes.items():
+        by_path.setdefault(path, {})[method] = h
+
+    async def dispatch(req: Request, resp: Responder) -> None:
+        methods = by_path.get(req.path)
+        if methods is None:
+            raise not_found(req)
+        h = methods.get(req.method)
+        if h is None:
+            raise method_not_allowed(req, ", ".join(sorted(methods)))
+        await h(req, resp)
+
+    return dispatch
