@@ -54,6 +54,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=10.0, help="measured time per cell")
     p.add_argument("--warmup", type=float, default=2.0, help="warm-up wrk run before each cell")
     p.add_argument("--connections", default="1,32,128")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma list of direct,motor,motor1,vllm,sglang: a quick partial run, printed and not "
+        "written to bench/results (the results file only ever holds a whole run)",
+    )
     return p.parse_args(argv)
 
 
@@ -125,11 +131,13 @@ async def run_target(
             await router.stop()
 
 
-async def start_motor(prefill: str, decode: str, tmp: Path) -> tuple[Proc, str]:
+async def start_motor(prefill: str, decode: str, tmp: Path, workers: int = 0) -> tuple[Proc, str]:
+    cfg = tmp / f"coordinator-{workers}.json"
+    cfg.write_text(json.dumps({"coordinator": {"workers": workers}}))
     coord = await Proc.start(
         "coordinator",
-        ["-m", "services.cli", "coordinator", "--port", "0", "--http-port", "0"],
-        tmp / "coordinator.log",
+        ["-m", "services.cli", "coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0"],
+        tmp / f"coordinator-{workers}.log",
     )
     try:
         where = await coord.listening()
@@ -165,11 +173,14 @@ async def amain(args: argparse.Namespace) -> int:
         RESULTS.write_text("# Router benchmark\n\nNot run: `wrk` is not on PATH (`make bench-deps`).\n")
         print("wrk not found; run `make bench-deps` as root", file=sys.stderr)
         return 1
-    try:
-        versions: str | None = await asyncio.to_thread(peers.ensure_venv)
-        venv_error = None
-    except Exception as exc:
-        versions, venv_error = None, f"could not install {' '.join(peers.PINS)}: {exc}"
+    only = set(filter(None, args.only.split(",")))
+    versions: str | None = None
+    venv_error = None
+    if not only or only & {"vllm", "sglang"}:
+        try:
+            versions = await asyncio.to_thread(peers.ensure_venv)
+        except Exception as exc:
+            venv_error = f"could not install {' '.join(peers.PINS)}: {exc}"
     targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="bench-router-") as d:
         tmp = Path(d)
@@ -193,19 +204,29 @@ async def amain(args: argparse.Namespace) -> int:
             pair = {"prefill": pf, "decode": de}
             sg_pair = {"prefill": spf, "decode": sde}
 
+            def wanted(key: str) -> bool:
+                return not only or key in only
+
             direct = Target("direct to decode", "the decode sim engine itself, no router (the floor)")
-            targets.append(direct)
-            await run_target(direct, nothing(f"{de_url}/v1/chat/completions"), pair, pf_url, args, tmp)
+            if wanted("direct"):
+                targets.append(direct)
+                await run_target(direct, nothing(f"{de_url}/v1/chat/completions"), pair, pf_url, args, tmp)
 
             motor = Target(
-                "Motor", "`motor coordinator --port 0 --http-port 0`, engines added via gRPC AddInstances"
+                "Motor",
+                "`motor coordinator --port 0 --http-port 0` with the default `workers = 0` (one "
+                "inference worker per core), engines added via gRPC AddInstances",
             )
-            targets.append(motor)
-            await run_target(motor, start_motor(pf_url, de_url, tmp), pair, pf_url, args, tmp)
+            if wanted("motor"):
+                targets.append(motor)
+                await run_target(motor, start_motor(pf_url, de_url, tmp), pair, pf_url, args, tmp)
+            motor1 = Target("Motor, 1 worker", "the same with `workers = 1` (one process serves everything)")
+            if wanted("motor1"):
+                targets.append(motor1)
+                await run_target(motor1, start_motor(pf_url, de_url, tmp, 1), pair, pf_url, args, tmp)
 
             vr_argv = peers.vllm_router_argv("PORT", "http://PREFILL", "http://DECODE")
             vr = Target("vllm-router", _shown(f"`vllm-router {' '.join(vr_argv[1:])}`"))
-            targets.append(vr)
             sr_argv = peers.sglang_router_argv(
                 "PORT", "http://SG_PREFILL", "BOOTSTRAP_PORT", "http://SG_DECODE"
             )
@@ -213,22 +234,29 @@ async def amain(args: argparse.Namespace) -> int:
                 "sglang-router",
                 _shown(f"`python {' '.join(sr_argv[1:])}` (second sim pair, SGLang protocol)"),
             )
-            targets.append(sr)
+            targets += [t for t, key in ((vr, "vllm"), (sr, "sglang")) if wanted(key)]
             if venv_error:
                 vr.error = sr.error = venv_error
             else:
-                vr_start = start_peer("vllm-router", lambda p: peers.vllm_router_argv(p, pf_url, de_url), tmp)
-                await run_target(vr, vr_start, pair, pf_url, args, tmp)
-                sr_start = start_peer(
-                    "sglang-router", lambda p: peers.sglang_router_argv(p, spf_url, str(boot), sde_url), tmp
-                )
-                await run_target(sr, sr_start, sg_pair, spf_url, args, tmp)
+                if wanted("vllm"):
+                    vr_start = start_peer(
+                        "vllm-router", lambda p: peers.vllm_router_argv(p, pf_url, de_url), tmp
+                    )
+                    await run_target(vr, vr_start, pair, pf_url, args, tmp)
+                if wanted("sglang"):
+                    sr_start = start_peer(
+                        "sglang-router",
+                        lambda p: peers.sglang_router_argv(p, spf_url, str(boot), sde_url),
+                        tmp,
+                    )
+                    await run_target(sr, sr_start, sg_pair, spf_url, args, tmp)
         finally:
             for e in engines:
                 await e.stop()
     text = render(targets, args, versions or venv_error or "")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    if not args.only:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text)
     print(text)
     return 0
 
@@ -249,13 +277,15 @@ def _fmt_cell(t: Target, c: Cell) -> str:
 
 def verdicts(targets: list[Target], conns: list[int]) -> list[str]:
     by = {t.name: t for t in targets}
-    motor = by["Motor"]
+    motor = by.get("Motor")
+    if motor is None:
+        return ["- no comparison: Motor was not measured in this run."]
     out = []
     for stream in (False, True):
         mode = "streaming" if stream else "non-streaming"
         for c in conns:
             m = motor.cell(stream, c)
-            rivals = [(n, by[n].cell(stream, c)) for n in PEERS]
+            rivals = [(n, by[n].cell(stream, c)) for n in PEERS if n in by]
             got = [(n, x) for n, x in rivals if x is not None and x.r.rps > 0]
             if m is None or not got:
                 out.append(f"- {mode}, {c} conn: no comparison (Motor or both peers have no result).")
@@ -316,6 +346,7 @@ def render(targets: list[Target], args: argparse.Namespace, versions: str) -> st
         ratios = [
             x.r.rps / y.r.rps
             for s in (False, True)
+            if "Motor" in by and "direct to decode" in by
             if (x := by["Motor"].cell(s, c)) and (y := by["direct to decode"].cell(s, c)) and y.r.rps
         ]
         if ratios:

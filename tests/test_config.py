@@ -37,7 +37,9 @@ CONTRACT_KEYS = {
         enable_engine_relaunch engine_relaunch_complete_timeout_s engine_relaunch_poll_interval_s
         engine_relaunch_dispatch_retries engine_relaunch_nm_unreachable_threshold
         precision_auto_recovery_enabled alarm_webhook_url coordinator_key_file nodemanager_key_file""",
-    "coordinator": """port http_port workers prefill_policy decode_policy api_keys_file controller
+    "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
+        prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
+        max_json_depth prefill_policy decode_policy api_keys_file controller
         controller_key_file precision_check_enabled precision_interval_s precision_logprobs
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s""",
@@ -82,6 +84,26 @@ def test_contract_defaults() -> None:
     assert DEFAULTS["controller"]["coordinators"] == ["127.0.0.1:7200"]
     assert DEFAULTS["controller"]["enable_engine_relaunch"] is True
     assert DEFAULTS["coordinator"]["http_port"] == 8000
+    assert {
+        k: DEFAULTS["coordinator"][k] for k in ("workers", "max_concurrent_requests", "max_queued_requests")
+    } == {
+        "workers": 0,
+        "max_concurrent_requests": 4096,
+        "max_queued_requests": 4096,
+    }
+    assert [
+        DEFAULTS["coordinator"][k]
+        for k in (
+            "queue_timeout_s",
+            "prefill_timeout_s",
+            "decode_first_byte_timeout_s",
+            "decode_idle_timeout_s",
+        )
+    ] == [30, 300, 300, 120]
+    assert (DEFAULTS["coordinator"]["max_body_bytes"], DEFAULTS["coordinator"]["max_json_depth"]) == (
+        1 << 26,
+        64,
+    )
     assert (
         DEFAULTS["coordinator"]["prefill_policy"] == DEFAULTS["coordinator"]["decode_policy"] == "least_load"
     )
@@ -271,7 +293,9 @@ BAD_VALUES = [
     ("controller", "alarm_webhook_url", "ftp://x", None),
     ("controller", "coordinator_key_file", 5, "expected string, got integer 5"),
     ("coordinator", "http_port", 65536, "must be between 0 and 65535, got 65536"),
-    ("coordinator", "workers", 0, "must be between 1 and 256, got 0"),
+    ("coordinator", "workers", 257, "must be between 0 and 256, got 257"),
+    ("coordinator", "max_json_depth", 0, "must be between 1 and 512, got 0"),
+    ("coordinator", "max_body_bytes", 10, "must be between 1024 and 2147483648, got 10"),
     ("coordinator", "prefill_policy", "random", None),
     ("coordinator", "decode_policy", "LEAST_LOAD", None),
     ("coordinator", "controller", "127.0.0.1", None),
@@ -414,9 +438,9 @@ def test_env_values_parse_as_json_else_string() -> None:
 
 
 def test_env_values_are_checked() -> None:
-    assert errors_of(env={"MOTOR_CONTROLLER_PORT": "x", "MOTOR_COORDINATOR_WORKERS": "0"}) == [
+    assert errors_of(env={"MOTOR_CONTROLLER_PORT": "x", "MOTOR_COORDINATOR_WORKERS": "-1"}) == [
         'env MOTOR_CONTROLLER_PORT: expected integer, got string "x"',
-        "env MOTOR_COORDINATOR_WORKERS: must be between 1 and 256, got 0",
+        "env MOTOR_COORDINATOR_WORKERS: must be between 0 and 256, got -1",
     ]
 
 
@@ -488,7 +512,7 @@ def test_unknown_section_argument() -> None:
 
 
 def test_all_errors_are_reported_together(tmp_path: Path) -> None:
-    path = write(tmp_path, {"controller": {"portt": 1, "workers": 2}, "coordinator": {"workers": 0}})
+    path = write(tmp_path, {"controller": {"portt": 1, "workers": 2}, "coordinator": {"workers": 300}})
     errors = errors_of(
         path,
         env={"MOTOR_NODEMANAGER_ROLE": "both", "MOTOR_ENGINE_ARG": "{}"},
@@ -497,7 +521,7 @@ def test_all_errors_are_reported_together(tmp_path: Path) -> None:
     assert errors == [
         f"{path}: controller.portt: unknown key; did you mean 'port'?",
         f"{path}: controller.workers: unknown key; did you mean '{nearest('workers', 'controller')}'?",
-        f"{path}: coordinator.workers: must be between 1 and 256, got 0",
+        f"{path}: coordinator.workers: must be between 0 and 256, got 300",
         "env MOTOR_ENGINE_ARG: unknown key; did you mean 'MOTOR_ENGINE_ARGS'?",
         "env MOTOR_NODEMANAGER_ROLE: must be one of 'prefill', 'decode', 'union', got \"both\"",
         "command line: coordinator.http_port: must be between 0 and 65535, got -1",

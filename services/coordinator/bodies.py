@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 KV = "kv_transfer_params"
 _KV_B = KV.encode()
 DEFAULT_MAX_TOKENS = 128  # only for the load estimate of requests that set no limit
@@ -27,8 +29,74 @@ PREFILL_KV: dict[str, Any] = {
 }
 
 
+# Fields only the Coordinator may set: they tell an engine where to pull KV from (or which room
+# to wait in), so a client's own values would let it point an engine at any host.
+# Looked up in the parsed object, never searched for in the bytes: JSON may spell a key with
+# \u escapes ("kv\u005ftransfer_params"), which every engine's parser reads as the same key.
+HANDOFF_FIELDS = (KV, "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class BadBody(ValueError):
+    """The body is not a JSON object within the limits; the message says why."""
+
+
+def parse_request(raw: bytes, max_depth: int) -> tuple[dict[str, Any], bytes]:
+    """The client's JSON object and the bytes to send on, without the hand-off fields.
+
+    Nesting deeper than ``max_depth`` is refused. Counting brackets is a C-speed upper bound on
+    the depth, so the exact walk only runs for bodies with many arrays or objects."""
+    try:
+        req = loads(raw)
+    except RecursionError:
+        raise BadBody(f"JSON nested deeper than max_json_depth ({max_depth})") from None
+    except ValueError as exc:
+        raise BadBody(f"invalid JSON body: {exc}") from None
+    if not isinstance(req, dict):
+        raise BadBody("request body must be a JSON object")
+    if raw.count(b"{") + raw.count(b"[") > max_depth and _depth(req, max_depth) > max_depth:
+        raise BadBody(f"JSON nested deeper than max_json_depth ({max_depth})")
+    present = [f for f in HANDOFF_FIELDS if f in req]  # four dict lookups
+    if present:
+        for f in present:
+            del req[f]
+        raw = _dumps(req)  # every copy of the key goes, duplicates included
+    return req, raw
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of ``obj`` (a scalar is 0), giving up as soon as it passes ``limit``."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > deepest:
+            deepest = d
+            if deepest > limit:
+                return deepest
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, d + 1))
+    return deepest
+
+
+def loads(raw: bytes) -> Any:
+    """orjson, or the standard library for what orjson refuses and Python's json takes (NaN,
+    lone surrogates, numbers past a double): the engine judges those, not the router."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "recursion" in str(exc) or "depth limit" in str(exc):  # orjson stops at 1024 levels
+            raise RecursionError(str(exc)) from None
+        return json.loads(raw)
+
+
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # an integer past 64 bits, a lone surrogate ("\ud800") json.loads let in
+        # ASCII: a lone surrogate goes on as the escape the client sent, not as bytes that are
+        # not UTF-8 (encoding it would raise).
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def estimate_tokens(req: dict[str, Any]) -> tuple[int, int]:
@@ -101,8 +169,8 @@ def strip_kv(body: bytes) -> bytes:
     if _KV_B not in body:
         return body
     try:
-        obj = json.loads(body)
-    except ValueError:
+        obj = loads(body)
+    except (ValueError, RecursionError):
         return body
     return _dumps(obj) if _drop_kv(obj) else body
 
@@ -110,8 +178,8 @@ def strip_kv(body: bytes) -> bytes:
 def kv_params_of(body: bytes) -> dict[str, Any] | None:
     """The kv_transfer_params a vLLM prefill engine answered, if any."""
     try:
-        obj = json.loads(body)
-    except ValueError:
+        obj = loads(body)
+    except (ValueError, RecursionError):
         return None
     kv = obj.get(KV) if isinstance(obj, dict) else None
     return kv if isinstance(kv, dict) else None
@@ -151,8 +219,8 @@ class SseFilter:
             return line
         payload = line[5:].strip()
         try:
-            obj = json.loads(payload)
-        except ValueError:
+            obj = loads(payload)
+        except (ValueError, RecursionError):
             return line
         if not _drop_kv(obj):
             return line

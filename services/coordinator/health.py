@@ -11,20 +11,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import aiohttp
-
 from services.common import log
 from services.common.enums import ROLE_NAMES
+from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
+from services.common.tasks import supervise
 from services.coordinator.routes import RoutingView, Target, Upstream
 
 PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+PROBE_TIMEOUT_S = 2.0
 
 
 class Breaker:
-    def __init__(self, view: Callable[[], RoutingView]) -> None:
+    def __init__(
+        self, view: Callable[[], RoutingView], on_count: Callable[[int], None] = lambda n: None
+    ) -> None:
         self._view = view
+        self._on_count = on_count  # told how many endpoints are out, after every change
         self._task: asyncio.Task[None] | None = None
+        self._pool = Pool(PROBE_TIMEOUT_S)  # probes never take a connection from the hot path
 
     def refused(self, ep: Upstream, role: str) -> None:
         if ep.down:
@@ -42,30 +46,35 @@ class Breaker:
                 return
         target.set_down(ep, True)
         log.warn("endpoint_out_of_rotation", instance=target.id, endpoint=ep.base, role=role)
+        self._on_count(Target.down_total)
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._task = asyncio.create_task(self._probe_loop(session))
+    def start(self) -> None:
+        self._task = asyncio.create_task(supervise("breaker_probes", self._probe_loop))
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._pool.close()
 
-    async def _probe_loop(self, session: aiohttp.ClientSession) -> None:
+    async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             if not Target.down_total:
                 continue
             down = [ep for t in self._view().targets for ep in t.endpoints if ep.down]
             if down:
-                await asyncio.gather(*(self._probe(session, ep) for ep in down))
+                await asyncio.gather(*(self._probe(ep) for ep in down))
+            self._on_count(Target.down_total)
 
-    @staticmethod
-    async def _probe(session: aiohttp.ClientSession, ep: Upstream) -> None:
+    async def _probe(self, ep: Upstream) -> None:
+        deadline = asyncio.get_running_loop().time() + PROBE_TIMEOUT_S
         try:
-            async with session.get(ep.base + "/health", timeout=PROBE_TIMEOUT) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            resp = await self._pool.request(ep.host, ep.port, b"GET", b"/health", b"", b"", deadline=deadline)
+            await resp.read(deadline)
+            resp.release()
+            ok = resp.status == 200
+        except (Refused, Disconnected, UpstreamTimeout):
             ok = False
         if ok and ep.down:
             ep.owner.set_down(ep, False)

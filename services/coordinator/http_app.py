@@ -1,9 +1,9 @@
 """The OpenAI-compatible inference server: the ``/v1`` API, probes and metrics
 (docs/architecture.md, "The flow of a request").
 
-Errors are :class:`OpenAIError` bodies, raised by the handlers and answered by the shared error
-middleware; while nothing is routable, the API answers 503 ``no_routable_instance`` with
-``Retry-After: 1`` (docs/operations.md, "Health and readiness").
+Runs on :mod:`services.common.httpserver`. Errors are :class:`OpenAIError` bodies raised by the
+handlers and answered by the server; while nothing is routable, the API answers 503
+``no_routable_instance`` with ``Retry-After: 1`` (docs/operations.md, "Health and readiness").
 """
 
 from __future__ import annotations
@@ -11,21 +11,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
-from aiohttp import web
-
-from services.common.config import read_private_file
-from services.common.http_errors import JSON_CT, OpenAIError, error_middleware, model_not_found
-from services.coordinator.bodies import estimate_tokens
+from services.common.config import CoordinatorConfig, read_private_file
+from services.common.http_errors import OpenAIError, model_not_found
+from services.common.httpserver import Handler, Request, Responder, route_table
+from services.coordinator.admission import Admission
+from services.coordinator.bodies import BadBody, estimate_tokens, parse_request
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import Call, Router
 from services.coordinator.routes import RoutingView
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_API_KEYS_BYTES = 1024 * 1024
+OFF_LOOP_BYTES = 1 << 20
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+_PATHS = {CHAT: CHAT.encode(), COMPLETIONS: COMPLETIONS.encode()}
 
 
 def _not_routable() -> OpenAIError:
@@ -58,10 +59,10 @@ class ApiKeys:
             raise ValueError(f"{path}: no API key in the file")
         return cls(keys)
 
-    def allows(self, header: str | None) -> bool:
-        if not header or not header.startswith("Bearer "):
+    def allows(self, header: bytes | None) -> bool:
+        if not header or not header.startswith(b"Bearer "):
             return False
-        given = header[7:].strip().encode()
+        given = header[7:].strip()
         ok = False
         for key in self._keys:  # every key is compared: the time does not tell which one matched
             ok |= hmac.compare_digest(given, key)
@@ -69,108 +70,143 @@ class ApiKeys:
 
 
 class InferenceApp:
+    """The request handlers. One per process serving HTTP (the management process with
+    ``workers = 1``, else each worker)."""
+
     def __init__(
-        self, view: Callable[[], RoutingView], router: Router, metrics: Metrics, keys: ApiKeys | None
+        self,
+        cfg: CoordinatorConfig,
+        view: Callable[[], RoutingView],
+        router: Router,
+        metrics: Metrics,
+        keys: ApiKeys | None,
+        admission: Admission,
+        worker: int | None = None,
     ) -> None:
         self._view = view
+        # Which inference worker answered (``workers > 1``): tells an operator, and a test,
+        # that a connection reached each of them.
+        status: dict[str, object] = {"status": "ok"}
+        if worker is not None:
+            status["worker"] = worker
+        self._health = json.dumps(status).encode()
         self._router = router
         self._metrics = metrics
         self._keys = keys
+        self._admission = admission
+        self._max_depth = cfg.max_json_depth
         # Set when the process starts stopping: readiness fails so load balancers move away,
         # while requests already here (and late ones) are still served during the drain.
         self.draining = False
 
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
-        r = app.router
-        r.add_post("/v1/chat/completions", self.chat)
-        r.add_post("/v1/completions", self.completions)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_get("/readiness", self.readiness)
-        r.add_get("/metrics", self.prom)
-        return app
+    def handler(self) -> Handler:
+        return route_table(
+            {
+                ("POST", CHAT): self.completion,
+                ("POST", COMPLETIONS): self.completion,
+                ("GET", "/v1/models"): self.models,
+                ("GET", "/health"): self.health,
+                ("GET", "/readiness"): self.readiness,
+                ("GET", "/metrics"): self.prom,
+            }
+        )
+
+    def rejected(self, path: str, status: int) -> None:
+        """A request the server refused before it reached a handler (too large, malformed)."""
+        if path in _PATHS:
+            self._metrics.observe(path, status, 0.0)
 
     # -- probes and metrics (never need a key) --------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(body=b'{"status":"ok"}', content_type=JSON_CT)
+    async def health(self, req: Request, out: Responder) -> None:
+        out.send(200, self._health)
 
-    async def readiness(self, request: web.Request) -> web.Response:
+    async def readiness(self, req: Request, out: Responder) -> None:
         if self._view().routable and not self.draining:
-            return web.Response(body=b'{"status":"ready"}', content_type=JSON_CT)
-        return web.Response(
-            status=503, body=b'{"status":"not ready"}', headers={"Content-Type": JSON_CT, "Retry-After": "1"}
-        )
+            out.send(200, b'{"status":"ready"}')
+        else:
+            out.send(503, b'{"status":"not ready"}', headers=[("Retry-After", "1")])
 
-    async def prom(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self._metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
-        )
+    async def prom(self, req: Request, out: Responder) -> None:
+        body = await self._metrics.render()
+        out.send(200, body, b"text/plain; version=0.0.4; charset=utf-8")
 
     # -- OpenAI API -----------------------------------------------------------------------
 
-    def _check_key(self, request: web.Request) -> None:
-        if self._keys is not None and not self._keys.allows(request.headers.get("Authorization")):
+    def _check_key(self, req: Request) -> None:
+        if self._keys is not None and not self._keys.allows(req.headers.get(b"authorization")):
             raise OpenAIError(
                 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
 
-    async def _observed(self, route: str, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse:
-        """Await the answer to one API request; count it by route and the status the client got."""
-        t0 = time.monotonic()
-        status = 500  # a bug: the error middleware answers it 500
+    async def models(self, req: Request, out: Responder) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
-            resp = await answer
-            status = resp.status
-            return resp
-        except (OpenAIError, web.HTTPError) as err:  # answered with this status by the middleware
-            status = err.status
-            raise
+            self._check_key(req)
+            view = self._view()
+            if not view.routable:
+                raise _not_routable()
+            data = [
+                {"id": m, "object": "model", "created": 0, "owned_by": "motor"} for m in view.model_names()
+            ]
+            out.send(200, json.dumps({"object": "list", "data": data}).encode())
+        except OpenAIError as err:
+            out.error(err)
+        finally:
+            self._metrics.observe("/v1/models", out.status or 499, loop.time() - t0)
+
+    async def completion(self, req: Request, out: Responder) -> None:
+        """Count the request by route and the status the client got, whatever happens."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        metrics = self._metrics
+        metrics.in_flight.inc()
+        unanswered = 500  # a bug: the server answers it 500
+        try:
+            await self._admitted(req, out, t0)
+        except OpenAIError as err:
+            if not out.started:
+                out.error(err)
         except asyncio.CancelledError:
-            status = 499  # the client went away
+            unanswered = 499  # the client went away before an answer began (nginx's convention)
             raise
         finally:
-            self._metrics.observe(route, status, time.monotonic() - t0)
+            metrics.in_flight.dec()
+            metrics.observe(req.path, out.status or unanswered, loop.time() - t0)
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
-        return await self._observed("/v1/models", self._models(request))
-
-    async def _models(self, request: web.Request) -> web.Response:
-        self._check_key(request)
+    async def _admitted(self, req: Request, out: Responder, t0: float) -> None:
+        self._check_key(req)
         view = self._view()
         if not view.routable:
             raise _not_routable()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "motor"} for m in view.model_names()]
-        return web.Response(body=json.dumps({"object": "list", "data": data}).encode(), content_type=JSON_CT)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "/v1/chat/completions")
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, "/v1/completions")
-
-    async def _completion(self, request: web.Request, path: str) -> web.StreamResponse:
-        in_flight = self._metrics.in_flight
-        in_flight.inc()
+        admission = self._admission
+        if admission.active >= admission.max_concurrent:
+            self._metrics.queued(1)
+            try:
+                await admission.acquire()
+            finally:
+                self._metrics.queued(-1)
+        else:
+            await admission.acquire()
         try:
-            return await self._observed(path, self._serve(request, path))
+            await self._serve(req, out, t0)
         finally:
-            in_flight.dec()
+            admission.release()
 
-    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        self._check_key(request)
-        view = self._view()
+    async def _serve(self, request: Request, out: Responder, t0: float) -> None:
+        try:
+            body = request.body
+            if len(body) < OFF_LOOP_BYTES:
+                req, raw = parse_request(body, self._max_depth)
+            else:  # seconds of parsing for the largest bodies: let the loop serve meanwhile
+                req, raw = await asyncio.to_thread(parse_request, body, self._max_depth)
+        except BadBody as exc:
+            raise _bad_request(str(exc), "invalid_json") from None
+        view = self._view()  # the newest view: the wait in the queue may have been long
         if not view.routable:
             raise _not_routable()
-        raw = await request.read()
-        try:
-            req: Any = json.loads(raw)
-        except ValueError as exc:
-            raise _bad_request(f"invalid JSON body: {exc}", "invalid_json") from None
-        if not isinstance(req, dict):
-            raise _bad_request("request body must be a JSON object", "invalid_json")
         model = req.get("model")
         if model is None and len(view.models) == 1:
             model = next(iter(view.models))  # the engine fills in its default the same way
@@ -180,5 +216,6 @@ class InferenceApp:
         if routes is None:
             raise model_not_found(model)
         prompt_tokens, total_tokens = estimate_tokens(req)
-        call = Call(request, path, raw, req, model, prompt_tokens, total_tokens)
-        return await self._router.route(call, routes)
+        path = request.path
+        call = Call(out, path, _PATHS[path], raw, req, model, prompt_tokens, total_tokens, t0)
+        await self._router.route(call, routes)

@@ -7,4 +7,4 @@ from services.coordinator.runtime import serve
 
 
 def main(argv: list[str]) -> int:
-    return service_main("coordinator", argv, serve, flags={"--http-port": ("http_port", int)})
+    return service_main("coordinator", argv, serve, flags={"--http-port": ("http_port", int)}, fast_loop=True)

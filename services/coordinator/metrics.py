@@ -1,8 +1,29 @@
-"""Prometheus metrics of the inference server, in a per-process registry."""
+"""Prometheus metrics of the Coordinator.
+
+With one process they live in a per-process registry. With inference workers
+(``coordinator.workers > 1``) every process of the Coordinator writes its values to files in one
+shared directory (prometheus_client's multiprocess mode) and whichever worker answers
+``/metrics`` renders the sum: counters and histograms add up across workers, gauges are
+summed or the maximum of the live processes as each one's meaning asks.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+import os
+from typing import Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (
     0.001,
@@ -24,15 +45,64 @@ LATENCY_BUCKETS = (
 )
 
 
+def use_shared_dir(path: str) -> None:
+    """Write every metric created from now on to files in ``path`` (call before Metrics())."""
+    os.environ[MULTIPROC_ENV] = path
+    values.ValueClass = values.MultiProcessValue()
+
+
+def forget_process(pid: int) -> None:
+    """A worker died: its live gauges (in flight, queue) stop counting; its counters stay."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
+        multiprocess.mark_process_dead(pid, path)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self._shared = os.environ.get(MULTIPROC_ENV)
         self._requests = Counter(
             "motor_coordinator_requests", "Inference requests answered, by route and HTTP status.",
             ["route", "status"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(
-            "motor_coordinator_requests_in_flight", "Inference requests being served.", registry=r
+            "motor_coordinator_requests_in_flight", "Inference requests being served.", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
+        self._queued = Gauge(
+            "motor_coordinator_queue_depth",
+            "Completion requests waiting for a slot (max_concurrent_requests reached).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self._ttft = Histogram(
+            "motor_coordinator_time_to_first_byte_seconds",
+            "Time from a completion request to the first byte of its answer (for a stream, the "
+            "first event: time to first token).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._phase = Histogram(
+            "motor_coordinator_phase_duration_seconds",
+            "Duration of one leg: prefill (the vLLM hand-off's prefill request), decode (the leg "
+            "that answers the client, to its last byte), whole (union / prefill-only).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._retries = Counter(
+            "motor_coordinator_retries",
+            "Legs retried on another instance (or pair) after the first could not be reached, by role.",
+            ["role"],
+            registry=r,
+        )
+        self.endpoints_down = Gauge(
+            "motor_coordinator_endpoints_out_of_rotation",
+            "Engine endpoints the circuit breaker took out of rotation (refused connections), "
+            "the most any worker has.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self._latency = Histogram(
             "motor_coordinator_request_duration_seconds",
@@ -51,10 +121,27 @@ class Metrics:
             "motor_coordinator_routed", "Requests routed, by mode (vllm_pd, sglang_pd, union, prefill_only).",
             ["mode"], registry=r,
         )  # fmt: skip
-        self.revision = Gauge("motor_coordinator_table_revision", "Instance table revision.", registry=r)
-        self.routable = Gauge("motor_coordinator_routable", "1 when a request can be routed.", registry=r)
+        # Set by the process that owns the table (the management process).
+        mode: Final = "livemax"
+        self.revision = Gauge(
+            "motor_coordinator_table_revision", "Instance table revision.", registry=r, multiprocess_mode=mode
+        )
+        self.routable = Gauge(
+            "motor_coordinator_routable",
+            "1 when a request can be routed.",
+            registry=r,
+            multiprocess_mode=mode,
+        )
         self.instances = Gauge(
-            "motor_coordinator_routable_instances", "Routable instances by role.", ["role"], registry=r
+            "motor_coordinator_routable_instances", "Routable instances by role.", ["role"], registry=r,
+            multiprocess_mode=mode,
+        )  # fmt: skip
+        self.table_instances = Gauge(
+            "motor_coordinator_instances",
+            "Instances in the table by role and state (available, unavailable, paused).",
+            ["role", "state"],
+            registry=r,
+            multiprocess_mode=mode,
         )
         self._precision_samples = Counter(
             "motor_coordinator_precision_samples",
@@ -72,11 +159,13 @@ class Metrics:
             "motor_coordinator_precision_alarms_active",
             "PD groups with an active precision alarm.",
             registry=r,
+            multiprocess_mode=mode,
         )
         self.precision_reports_pending = Gauge(
             "motor_coordinator_precision_reports_pending",
             "Precision alarms and clears not yet accepted by the Controller.",
             registry=r,
+            multiprocess_mode=mode,
         )
         # Every result from the start, so a dashboard sees 0 rather than no series.
         for result in ("normal", "anomalous", "error"):
@@ -88,6 +177,8 @@ class Metrics:
         self._lat_children: dict[str, Histogram] = {}
         self._err_children: dict[tuple[str, str], Counter] = {}
         self._leg_children: dict[str, Counter] = {}
+        self._phase_children: dict[str, Histogram] = {}
+        self._retry_children: dict[str, Counter] = {}
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         key = (route, status)
@@ -113,11 +204,38 @@ class Metrics:
             c = self._leg_children[mode] = self._legs.labels(mode)
         c.inc()
 
+    def first_byte(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def phase(self, name: str, seconds: float) -> None:
+        h = self._phase_children.get(name)
+        if h is None:
+            h = self._phase_children[name] = self._phase.labels(name)
+        h.observe(seconds)
+
+    def retry(self, role: str) -> None:
+        c = self._retry_children.get(role)
+        if c is None:
+            c = self._retry_children[role] = self._retries.labels(role)
+        c.inc()
+
+    def queued(self, step: int) -> None:
+        self._queued.inc(step)
+
     def precision_sample(self, result: str) -> None:
         self._precision_samples.labels(result).inc()
 
     def precision_probe(self, result: str) -> None:
         self._precision_probes.labels(result).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    async def render(self) -> bytes:
+        if self._shared is None:
+            return generate_latest(self.registry)
+        # Reading every process's files is disk I/O: off the event loop.
+        return await asyncio.to_thread(_render_shared, self._shared)
+
+
+def _render_shared(path: str) -> bytes:
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path)
+    return generate_latest(registry)

@@ -41,7 +41,7 @@ class Upstream:
 class Target:
     """One routable instance and its runtime state."""
 
-    __slots__ = ("_rr", "endpoints", "id", "key", "load", "model", "n_down", "protocol", "role")
+    __slots__ = ("_rr", "endpoints", "id", "key", "load", "model", "n_down", "protocol", "remote", "role")
 
     # Endpoints out of rotation in this process. Zero almost always, and then the policies skip
     # the health filter entirely: a routing decision stays O(1) in the common case.
@@ -56,9 +56,20 @@ class Target:
             Upstream(self, ep.host, ep.port, ep.bootstrap_port) for ep in inst.endpoints if not ep.headless
         )
         self.key = _runtime_key(inst)
-        self.load = 0  # in-flight token estimate
+        # In-flight token estimate the policies compare: this process's own plus ``remote``,
+        # the other inference workers' (their load broadcast), so one add per request suffices.
+        self.load = 0
+        self.remote = 0
         self.n_down = 0
         self._rr = 0
+
+    @property
+    def local_load(self) -> int:
+        return self.load - self.remote
+
+    def set_remote(self, remote: int) -> None:
+        self.load += remote - self.remote
+        self.remote = remote
 
     @property
     def healthy(self) -> bool:

@@ -38,8 +38,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         state = self.table.state
         if changed:
             log.event("table_changed", rpc=rpc, revision=state.revision, instances=len(state.instances))
-            # Routing and readiness follow before the caller hears "done".
-            await self._on_change()
+        # Routing and readiness follow before the caller hears "done". Called for an unchanged
+        # table too: a retried write must still wait for inference workers that missed it.
+        await self._on_change()
         return resp_cls(
             revision=state.revision, instance_count=len(state.instances), incarnation=self.table.incarnation
         )

@@ -1,5 +1,10 @@
-"""Talking to engines: one shared aiohttp session, per-phase deadlines, the circuit breaker's
+"""Talking to engines: the keep-alive pool, per-phase deadlines, the circuit breaker's
 "refused connection" signal, and relaying an engine's answer to the client.
+
+Deadlines (docs/configuration.md): a prefill leg is bounded as a whole
+(``prefill_timeout_s``); a decode leg (or a whole request on one instance) must begin answering
+within ``decode_first_byte_timeout_s`` and may then go quiet for at most
+``decode_idle_timeout_s`` between two reads, so a long stream that keeps producing is never cut.
 """
 
 from __future__ import annotations
@@ -7,39 +12,39 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import aiohttp
-from aiohttp import web
 
 from services.common import log
-from services.common.http_errors import JSON_CT, OpenAIError
+from services.common.http_errors import OpenAIError
+from services.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
+from services.common.httpserver import JSON_CT, Responder
 from services.coordinator.bodies import SseFilter, strip_kv
 from services.coordinator.metrics import Metrics
 from services.coordinator.routes import Upstream
 
-JSON_HEADERS = {"Content-Type": JSON_CT}
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-# Each phase has its own deadline. A prefill is bounded as a whole; a decode may stream for as
-# long as it keeps producing, so only the gap between two reads is bounded.
 CONNECT_S = 5.0
-PREFILL_TIMEOUT = aiohttp.ClientTimeout(total=600.0, sock_connect=CONNECT_S)
-DECODE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=600.0)
+SSE_CT = b"text/event-stream"
+SSE_HEADERS = [("Cache-Control", "no-cache")]
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    prefill_s: float
+    first_byte_s: float
+    idle_s: float
 
 
 class Unreachable(Exception):
-    """The engine could not be reached (or dropped the connection before answering)."""
+    """The engine could not be reached, or dropped the connection before answering."""
 
     def __init__(self, role: str, ep: Upstream, cause: BaseException) -> None:
-        super().__init__(f"{role} engine {ep.base} unreachable: {type(cause).__name__}: {cause}")
+        super().__init__(f"{role} engine {ep.base} unreachable: {cause}")
         self.role = role
         self.ep = ep
 
 
 class PhaseTimeout(Exception):
-    def __init__(self, role: str, ep: Upstream) -> None:
-        super().__init__(f"{role} engine {ep.base} did not answer in time")
+    def __init__(self, role: str, ep: Upstream, setting: str, seconds: float) -> None:
+        super().__init__(f"the {role} engine {ep.base} did not answer within {setting} ({seconds:g} s)")
         self.role = role
 
 
@@ -49,115 +54,138 @@ class Answer:
 
     status: int
     body: bytes
-    content_type: str
+    content_type: bytes
 
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=strip_kv(self.body), headers={"Content-Type": self.content_type}
-        )
+    def send(self, out: Responder) -> None:
+        out.send(self.status, strip_kv(self.body), self.content_type)
+
+
+def _ctype(resp: Response) -> bytes:
+    return resp.headers.get(b"content-type", JSON_CT)
 
 
 class Engines:
-    """The shared client session plus the breaker hook (``on_refused`` takes an endpoint out)."""
+    """The shared pool plus the breaker hook (``on_refused`` takes an endpoint out)."""
 
-    def __init__(self, metrics: Metrics, on_refused: Callable[[Upstream, str], None]) -> None:
+    def __init__(
+        self, metrics: Metrics, on_refused: Callable[[Upstream, str], None], deadlines: Deadlines
+    ) -> None:
         self.metrics = metrics
         self.on_refused = on_refused
-        self.session = aiohttp.ClientSession(
-            # Keep-alive pool shared by every request; no per-host cap (the clients bound it).
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        self.deadlines = deadlines
+        self.pool = Pool(CONNECT_S)
 
-    async def close(self) -> None:
-        await self.session.close()
+    def close(self) -> None:
+        self.pool.close()
 
-    async def open(
-        self, ep: Upstream, path: str, body: bytes, deadline: aiohttp.ClientTimeout, role: str
-    ) -> aiohttp.ClientResponse:
-        """POST and wait for the response head. Raises Unreachable / PhaseTimeout."""
-        try:
-            return await self.session.post(ep.base + path, data=body, headers=JSON_HEADERS, timeout=deadline)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+    def _unreachable(self, role: str, ep: Upstream, exc: Exception) -> Unreachable:
+        if isinstance(exc, Refused):
             self.metrics.upstream_error(role, "connect")
             self.on_refused(ep, role)
-            raise Unreachable(role, ep, exc) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # A pooled keep-alive connection the engine had closed, or an engine that died on
-            # this request: nothing reached the client, so another instance may take it.
+        else:
             self.metrics.upstream_error(role, "disconnect")
-            raise Unreachable(role, ep, exc) from exc
-        except TimeoutError as exc:
-            self.metrics.upstream_error(role, "timeout")
-            raise PhaseTimeout(role, ep) from exc
+        return Unreachable(role, ep, exc)
+
+    def _timeout(self, role: str, ep: Upstream, setting: str, seconds: float) -> PhaseTimeout:
+        self.metrics.upstream_error(role, "timeout")
+        return PhaseTimeout(role, ep, setting, seconds)
+
+    async def open(self, ep: Upstream, path: bytes, body: bytes, role: str) -> Response:
+        """POST and wait for the response head, within ``decode_first_byte_timeout_s``.
+        Raises Unreachable / PhaseTimeout."""
+        limit = self.deadlines.first_byte_s
+        deadline = asyncio.get_running_loop().time() + limit
+        try:
+            return await self.pool.request(ep.host, ep.port, b"POST", path, body, deadline=deadline)
+        except (Refused, Disconnected) as exc:
+            raise self._unreachable(role, ep, exc) from None
+        except UpstreamTimeout:
+            raise self._timeout(role, ep, "decode_first_byte_timeout_s", limit) from None
 
     async def call(
-        self, ep: Upstream, path: str, body: bytes, deadline: aiohttp.ClientTimeout, role: str
+        self, ep: Upstream, path: bytes, body: bytes, role: str, limit: float | None = None
     ) -> Answer:
-        """POST and read the whole answer."""
-        resp = await self.open(ep, path, body, deadline, role)
+        """POST and read the whole answer within ``limit`` (default ``prefill_timeout_s``)."""
+        if limit is None:
+            limit = self.deadlines.prefill_s
+        setting = "prefill_timeout_s" if limit == self.deadlines.prefill_s else "the request's deadline"
+        resp: Response | None = None
+        deadline = asyncio.get_running_loop().time() + limit
         try:
-            data = await resp.read()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            self.metrics.upstream_error(role, "disconnect")
-            raise Unreachable(role, ep, exc) from exc
-        except TimeoutError as exc:
-            self.metrics.upstream_error(role, "timeout")
-            raise PhaseTimeout(role, ep) from exc
-        finally:
-            resp.release()
+            resp = await self.pool.request(ep.host, ep.port, b"POST", path, body, deadline=deadline)
+            data = await resp.read(deadline)
+        except (Refused, Disconnected) as exc:
+            if resp is not None:
+                resp.close()
+            raise self._unreachable(role, ep, exc) from None
+        except UpstreamTimeout:
+            if resp is not None:
+                resp.close()
+            raise self._timeout(role, ep, setting, limit) from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        resp.release()
         if resp.status >= 400:
             self.metrics.upstream_error(role, "status")
-        return Answer(resp.status, data, resp.headers.get("Content-Type", JSON_CT))
+        return Answer(resp.status, data, _ctype(resp))
 
-    async def relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, role: str
-    ) -> web.StreamResponse:
-        """Send an engine's answer to the client: streamed through chunk by chunk when it is an
-        event stream, otherwise read whole. kv_transfer_params are removed either way."""
-        ctype = resp.headers.get("Content-Type", JSON_CT)
-        if resp.status >= 400 or not ctype.startswith("text/event-stream"):
+    async def relay(self, out: Responder, resp: Response, role: str, t0: float) -> None:
+        """Send an engine's answer to the client: an event stream chunk by chunk as it arrives,
+        anything else read whole. kv_transfer_params are removed either way. ``t0`` is when the
+        client's request arrived (time to first byte is measured from it)."""
+        ctype = _ctype(resp)
+        idle = self.deadlines.idle_s
+        loop = asyncio.get_running_loop()
+        if resp.status >= 400 or not ctype.startswith(SSE_CT):
             try:
-                data = await resp.read()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-                self.metrics.upstream_error(role, "disconnect")
-                log.warn("upstream_broken", role=role, error=type(exc).__name__)
-                msg = f"the {role} engine dropped the connection mid-answer"
-                # Returned, not raised: the caller's bookkeeping follows what the engine
-                # answered (an SGLang prefill leg is left to finish, as for any answer).
-                return OpenAIError(502, msg, "server_error", "upstream_disconnected").response()
+                data = await resp.read(loop.time() + idle)
+            except (Disconnected, UpstreamTimeout) as exc:
+                kind = "timeout" if isinstance(exc, UpstreamTimeout) else "disconnect"
+                self.metrics.upstream_error(role, kind)
+                log.warn("upstream_broken", role=role, error=kind)
+                if kind == "timeout":
+                    msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
+                    out.error(OpenAIError(504, msg, "server_error", "upstream_timeout"))
+                else:
+                    msg = f"the {role} engine dropped the connection mid-answer"
+                    out.error(OpenAIError(502, msg, "server_error", "upstream_disconnected"))
+                return
             if resp.status >= 400:
                 self.metrics.upstream_error(role, "status")
-            return Answer(resp.status, data, ctype).response()
-        out = web.StreamResponse(status=resp.status, headers=SSE_HEADERS)
-        await out.prepare(request)
+            self.metrics.first_byte(loop.time() - t0)
+            Answer(resp.status, data, ctype).send(out)
+            return
+        await self._stream(out, resp, role, t0, idle)
+
+    async def _stream(self, out: Responder, resp: Response, role: str, t0: float, idle: float) -> None:
+        loop = asyncio.get_running_loop()
+        out.start(resp.status, SSE_CT, SSE_HEADERS)
         filt = SseFilter()
+        first = True
         try:
-            async for chunk in resp.content.iter_any():
+            while (chunk := await resp.next_chunk(loop.time() + idle)) is not None:
                 data = filt.feed(chunk)
                 if data:
+                    if first:
+                        first = False
+                        self.metrics.first_byte(loop.time() - t0)
                     await out.write(data)
             rest = filt.flush()
             if rest:
                 await out.write(rest)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            # Headers are gone: the only way left to tell the client is an error event.
-            self.metrics.upstream_error(role, "disconnect")
-            log.warn("upstream_broken", role=role, error=type(exc).__name__, streaming=True)
-            err = OpenAIError(
-                502, f"the {role} engine dropped the stream", "server_error", "upstream_disconnected"
-            )
+        except (Disconnected, UpstreamTimeout) as exc:
+            # The head is gone: the only way left to tell the client is an error event.
+            kind = "timeout" if isinstance(exc, UpstreamTimeout) else "disconnect"
+            self.metrics.upstream_error(role, kind)
+            log.warn("upstream_broken", role=role, error=kind, streaming=True)
+            if kind == "timeout":
+                msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
+                err = OpenAIError(504, msg, "server_error", "upstream_timeout")
+            else:
+                err = OpenAIError(
+                    502, f"the {role} engine dropped the stream", "server_error", "upstream_disconnected"
+                )
             await out.write(b"data: " + err.body() + b"\n\n")
-        await out.write_eof()
-        return out
-
-
-def discard(task: asyncio.Task[Any]) -> None:
-    """Done-callback for legs left to finish on their own: retrieve the outcome so a failure is
-    logged once instead of as 'Task exception was never retrieved'."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.warn("background_leg_failed", error=str(exc))
+        out.end()

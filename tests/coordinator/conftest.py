@@ -80,7 +80,9 @@ async def start_coordinator(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[St
     started: list[Running] = []
 
     async def start(**overrides: Any) -> Running:
-        cfg = load(None, env={}, overrides={"coordinator": {"port": 0, "http_port": 0, **overrides}})
+        cfg = load(
+            None, env={}, overrides={"coordinator": {"port": 0, "http_port": 0, "workers": 1, **overrides}}
+        )
         co = Coordinator(cfg.coordinator)
         await co.start()
         channel = grpc.aio.insecure_channel(co.grpc_address)

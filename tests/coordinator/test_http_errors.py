@@ -57,10 +57,9 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
 
 
 async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_shape(
-    start_coordinator: StartCoordinator, monkeypatch: pytest.MonkeyPatch
+    start_coordinator: StartCoordinator,
 ) -> None:
-    monkeypatch.setattr(http_app, "MAX_BODY_BYTES", 1024)
-    coord = await start_coordinator()
+    coord = await start_coordinator(max_body_bytes=1024)
     await _routable(coord)
     base = f"http://{coord.http}"
 

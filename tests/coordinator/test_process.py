@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -87,17 +86,6 @@ def test_grpcurl_list_instances_and_readiness(motor_proc: Callable[..., Proc]) -
     described = grpcurl(addr, "describe", "motor.v1.Coordinator")
     assert described.returncode == 0 and "ListInstances" in described.stdout
     assert proc.stop() == 0
-
-
-def test_workers_above_one_warn_and_serve(motor_proc: Callable[..., Proc], tmp_path: Path) -> None:
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"coordinator": {"workers": 2}}))
-    proc = motor_proc("coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0")
-    _, http = proc.listening()
-    assert "event=workers_not_supported" in proc.output()
-    assert _get(f"http://{http}/health")[0] == 200
-    proc.signal(signal.SIGTERM)
-    assert proc.popen.wait(10) == 0
 
 
 def test_bad_api_keys_file_exits_before_binding(motor_proc: Callable[..., Proc], tmp_path: Path) -> None:

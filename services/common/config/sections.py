@@ -153,8 +153,31 @@ class CoordinatorConfig(ServerConfig):
     http_port: int = setting(8000, c.PORT)
     """HTTP port of the OpenAI-compatible API, `/health`, `/readiness` and `/metrics`; HTTPS
     when `tls_cert_file` and `tls_key_file` are set (`event=listening` then adds `https=true`)."""
-    workers: int = setting(1, c.integer(1, 256))
-    """Inference worker processes (only 1 is supported today; more logs `workers_not_supported`)."""
+    workers: int = setting(0, c.integer(0, 256))
+    """Inference worker processes sharing `http_port` (`SO_REUSEPORT`); 0 = one per CPU core.
+    With 1, the inference server runs in the management process; with more, each worker is its
+    own process, restarted if it dies, holding a copy of the table that every management write
+    reaches before it answers."""
+    max_concurrent_requests: int = setting(4096, c.COUNT)
+    """Completion requests served at once by this Coordinator (all workers together; each
+    worker takes its share). More wait in a queue."""
+    max_queued_requests: int = setting(4096, c.integer(0, 1_000_000))
+    """Completion requests that may wait for a slot; past it the answer is 429 with
+    `Retry-After` at once."""
+    queue_timeout_s: float = setting(30, c.DURATION)
+    """Longest wait in the queue; then 503 with `Retry-After`."""
+    prefill_timeout_s: float = setting(300, c.DURATION)
+    """Deadline of a whole prefill leg (vLLM hand-off, SGLang prefill); past it, 504."""
+    decode_first_byte_timeout_s: float = setting(300, c.DURATION)
+    """Deadline for the decode leg's (or a whole request's) answer to begin; past it, 504."""
+    decode_idle_timeout_s: float = setting(120, c.DURATION)
+    """Longest silence while an answer is being read; past it, 504 before any byte reached the
+    client, or an error event ending a stream."""
+    max_body_bytes: int = setting(67108864, c.integer(1024, 1 << 31))
+    """Largest request body accepted; larger ones are answered 413."""
+    max_json_depth: int = setting(64, c.integer(1, 512))  # the JSON parsers stop near 1000
+    """Deepest nesting of arrays and objects accepted in a request body; deeper ones are
+    answered 400."""
     prefill_policy: str = setting("least_load", c.POLICY)
     """How a prefill instance is chosen: `least_load` (fewest in-flight tokens), `round_robin`,
     or `power_of_two` (the less loaded of two random ones)."""

@@ -1,0 +1,119 @@
+"""The inference server of one process: HTTP listener, handlers, router, upstream pool,
+circuit breaker and admission, reading whatever routing view its owner holds.
+
+The management process runs one with ``workers = 1``; with more, each worker process runs one
+on the shared port (``SO_REUSEPORT``: the kernel spreads connections over the workers).
+"""
+
+from __future__ import annotations
+
+import gc
+import ssl
+from collections.abc import Callable
+
+from services.common.config import ConfigError, CoordinatorConfig
+from services.common.httpserver import HttpServer
+from services.coordinator.admission import Admission
+from services.coordinator.health import Breaker
+from services.coordinator.http_app import ApiKeys, InferenceApp
+from services.coordinator.metrics import Metrics
+from services.coordinator.pd import CompletedSink, Router
+from services.coordinator.policies import make_policy
+from services.coordinator.routes import RoutingView, netloc
+from services.coordinator.upstream import Deadlines, Engines
+
+HTTP_SHUTDOWN_S = 3.0
+
+
+def api_keys(path: str) -> ApiKeys | None:
+    if not path:
+        return None
+    try:
+        return ApiKeys.from_file(path)
+    except ConfigError as err:
+        raise ConfigError([f"coordinator.api_keys_file: {e}" for e in err.errors]) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"coordinator.api_keys_file: cannot use {path}: {exc}") from None
+
+
+def https(cfg: CoordinatorConfig) -> ssl.SSLContext | None:
+    """The inference port's TLS: the same certificate and key as the gRPC port.
+
+    Client certificates are never asked for, even with ``tls_ca_file``: OpenAI SDK clients and
+    load-balancer probes do not carry them. The API is guarded by ``api_keys_file`` instead."""
+    if not (cfg.tls_cert_file and cfg.tls_key_file):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except OSError as exc:  # ssl.SSLError included: not PEM, or a key that does not match
+        files = f"{cfg.tls_cert_file}, {cfg.tls_key_file}"
+        raise ConfigError(f"{files}: cannot load TLS certificate and key: {exc.strerror or exc}") from None
+    return ctx
+
+
+def deadlines(cfg: CoordinatorConfig) -> Deadlines:
+    return Deadlines(cfg.prefill_timeout_s, cfg.decode_first_byte_timeout_s, cfg.decode_idle_timeout_s)
+
+
+def make_router(cfg: CoordinatorConfig, metrics: Metrics, breaker: Breaker) -> Router:
+    engines = Engines(metrics, breaker.refused, deadlines(cfg))
+    return Router(engines, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy))
+
+
+class InferenceServer:
+    """Must be created inside the running loop. Files (API keys, TLS) are read by the caller
+    first, so a bad one stops the process before any port binds."""
+
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        view: Callable[[], RoutingView],
+        metrics: Metrics,
+        keys: ApiKeys | None,
+        ssl_context: ssl.SSLContext | None,
+        *,
+        workers: int = 1,
+        worker: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self._ssl = ssl_context
+        self._workers = workers
+        self.breaker = Breaker(view, metrics.endpoints_down.set)
+        self.router = make_router(cfg, metrics, self.breaker)
+        self.admission = Admission.share(
+            cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
+        )
+        self.app = InferenceApp(cfg, view, self.router, metrics, keys, self.admission, worker)
+        self.http = HttpServer(self.app.handler(), max_body_bytes=cfg.max_body_bytes)
+        self.http.on_reject = self.app.rejected
+        self.address = ""
+
+    def set_completed(self, sink: CompletedSink | None) -> None:
+        self.router.completed = sink
+
+    async def start(self) -> str:
+        """Bind the HTTP port; returns its ``host:port``."""
+        host, port = self.cfg.host, self.cfg.http_port
+        try:
+            bound = await self.http.listen(host, port, ssl_context=self._ssl, reuse_port=self._workers > 1)
+        except OSError as exc:
+            raise OSError(f"cannot bind HTTP {netloc(host, port)}: address in use or not available") from exc
+        self.address = netloc(host, bound)
+        self.breaker.start()
+        # Everything alive now (modules, config, the server) lives as long as the process: out
+        # of the collector's sight, a full collection walks only what requests allocate, which
+        # keeps its pauses off the latency tail.
+        gc.collect()
+        gc.freeze()
+        return self.address
+
+    async def stop(self, grace_s: float = HTTP_SHUTDOWN_S) -> None:
+        """Let requests in flight finish (up to ``grace_s``), then close everything."""
+        self.app.draining = True
+        await self.http.close(grace_s)
+        await self.breaker.stop()
+        await self.router.close()
+        self.router.engines.close()
