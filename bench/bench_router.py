@@ -31,7 +31,7 @@ import grpc
 from motor.v1 import coordinator_pb2_grpc
 
 from bench.bench_precision import table
-from bench.loadgen import peers, wrk
+from bench.loadgen import peers, profile, wrk
 from bench.loadgen.harness import Proc, machine, system_cpu, wait_quiet
 
 RESULTS = Path(__file__).parent / "results" / "router.md"
@@ -79,6 +79,8 @@ class Target:
     how: str
     cells: list[Cell] = field(default_factory=list)
     error: str | None = None
+    hot: list[profile.Hot] = field(default_factory=list)  # py-spy, 32 connections, plain
+    samples: int = 0
 
     def cell(self, stream: bool, conns: int) -> Cell | None:
         return next((c for c in self.cells if c.stream == stream and c.conns == conns), None)
@@ -116,19 +118,34 @@ async def run_target(
     prefill_base: str,
     args: argparse.Namespace,
     tmp: Path,
+    profiled: bool = False,
 ) -> None:
-    """``start`` gives the router (None for the direct target) and the URL to load."""
+    """``start`` gives the router (None for the direct target) and the URL to load.
+    ``profiled``: then sample where the router's CPU goes, under load at 32 connections."""
     router: Proc | None = None
     try:
         router, url = await start
         procs = {**pair, **({"router": router} if router else {})}
         await measure(target, url, procs, prefill_base, args, tmp)
+        if profiled and router is not None:
+            await profile_under_load(target, url, router, args, tmp)
     except Exception as exc:  # recorded in the results; the run goes on
         target.error = f"{type(exc).__name__}: {exc}".strip()
         print(f"  {target.name}: {target.error}", file=sys.stderr)
     finally:
         if router:
             await router.stop()
+
+
+async def profile_under_load(
+    target: Target, url: str, router: Proc, args: argparse.Namespace, tmp: Path
+) -> None:
+    script = wrk.write_script(tmp, "chat-profile", body(False))
+    load = asyncio.create_task(wrk.run(url, script, 32, args.seconds + 1))
+    await asyncio.sleep(0.5)
+    files = await profile.record(profile.session_pids(router.pid), args.seconds, tmp)
+    await load
+    target.hot, target.samples = profile.hottest(files)
 
 
 async def start_motor(prefill: str, decode: str, tmp: Path, workers: int = 0) -> tuple[Proc, str]:
@@ -219,7 +236,7 @@ async def amain(args: argparse.Namespace) -> int:
             )
             if wanted("motor"):
                 targets.append(motor)
-                await run_target(motor, start_motor(pf_url, de_url, tmp), pair, pf_url, args, tmp)
+                await run_target(motor, start_motor(pf_url, de_url, tmp), pair, pf_url, args, tmp, True)
             motor1 = Target("Motor, 1 worker", "the same with `workers = 1` (one process serves everything)")
             if wanted("motor1"):
                 targets.append(motor1)
@@ -328,6 +345,26 @@ def _odd(targets: list[Target]) -> list[str]:
     ]
 
 
+def hot_section(targets: list[Target]) -> list[str]:
+    motor = next((t for t in targets if t.name == "Motor"), None)
+    if motor is None or not motor.hot:
+        why = "py-spy not found (`pip install -e '.[bench]'`)" if profile.py_spy() is None else "no samples"
+        return ["## Where Motor's CPU goes", "", f"Not profiled: {why}.", ""]
+    rows = [f"| {h.share:.1%} | `{h.where}` | `{h.code}` |" for h in motor.hot]
+    return [
+        "## Where Motor's CPU goes",
+        "",
+        f"py-spy, 250 samples/s, over every Coordinator process while wrk ran 32 connections "
+        f"non-streaming ({motor.samples:,} samples). Self time per Python line: time inside a C "
+        "call (a socket write, the event loop's poll) counts against the line that made the call.",
+        "",
+        "| share | where | line |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def render(targets: list[Target], args: argparse.Namespace, versions: str) -> str:
     conns = [int(c) for c in args.connections.split(",")]
     head = (
@@ -388,6 +425,7 @@ def render(targets: list[Target], args: argparse.Namespace, versions: str) -> st
             "",
             f"Motor / direct-to-decode req/s (median over both modes): {floor or 'n/a'}.",
             "",
+            *hot_section(targets),
             *(["## Missing rows", "", *missing, ""] if missing else []),
             *_odd(targets),
             "Everything shares the machine's two cores (wrk, the router, two or four engines), so "

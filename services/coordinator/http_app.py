@@ -162,7 +162,7 @@ class InferenceApp:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         metrics = self._metrics
-        metrics.in_flight.inc()
+        metrics.in_flight_now += 1
         unanswered = 500  # a bug: the server answers it 500
         try:
             await self._admitted(req, out, t0)
@@ -173,7 +173,7 @@ class InferenceApp:
             unanswered = 499  # the client went away before an answer began (nginx's convention)
             raise
         finally:
-            metrics.in_flight.dec()
+            metrics.in_flight_now -= 1
             metrics.observe(req.path, out.status or unanswered, loop.time() - t0)
 
     async def _admitted(self, req: Request, out: Responder, t0: float) -> None:

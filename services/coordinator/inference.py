@@ -103,6 +103,7 @@ class InferenceServer:
             raise OSError(f"cannot bind HTTP {netloc(host, port)}: address in use or not available") from exc
         self.address = netloc(host, bound)
         self.breaker.start()
+        self.metrics.start_flushing()
         # Everything alive now (modules, config, the server) lives as long as the process: out
         # of the collector's sight, a full collection walks only what requests allocate, which
         # keeps its pauses off the latency tail.
@@ -117,3 +118,4 @@ class InferenceServer:
         await self.breaker.stop()
         await self.router.close()
         self.router.engines.close()
+        await self.metrics.stop_flushing()

@@ -23,7 +23,11 @@ from prometheus_client import (
     values,
 )
 
+from services.common.tasks import supervise
+from services.coordinator.tally import CounterTally, HistogramTally, Tallies
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+FLUSH_S = 1.0
 
 LATENCY_BUCKETS = (
     0.001,
@@ -172,23 +176,32 @@ class Metrics:
             self._precision_samples.labels(result)
         for result in ("pass", "fail", "error"):
             self._precision_probes.labels(result)
-        # labels() costs a dict lookup under a lock; cache the children the hot path uses.
-        self._req_children: dict[tuple[str, int], Counter] = {}
-        self._lat_children: dict[str, Histogram] = {}
+        # The request path counts in plain integers (tally.py); flush() publishes them.
+        self._tallies = Tallies()
+        self._requests_t: dict[tuple[str, int], CounterTally] = {}
+        self._latency_t: dict[str, HistogramTally] = {}
+        self._routed_t: dict[str, CounterTally] = {}
+        self._phase_t: dict[str, HistogramTally] = {}
+        self._ttft_t = self._tallies.histogram(lambda: self._ttft, LATENCY_BUCKETS)
+        self.in_flight_now = 0
+        self.queued_now = 0
         self._err_children: dict[tuple[str, str], Counter] = {}
-        self._leg_children: dict[str, Counter] = {}
-        self._phase_children: dict[str, Histogram] = {}
         self._retry_children: dict[str, Counter] = {}
+        self._flusher: asyncio.Task[None] | None = None
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         key = (route, status)
-        c = self._req_children.get(key)
+        c = self._requests_t.get(key)
         if c is None:
-            c = self._req_children[key] = self._requests.labels(route, str(status))
-        c.inc()
-        h = self._lat_children.get(route)
+            c = self._requests_t[key] = self._tallies.counter(
+                lambda: self._requests.labels(route, str(status))
+            )
+        c.n += 1
+        h = self._latency_t.get(route)
         if h is None:
-            h = self._lat_children[route] = self._latency.labels(route)
+            h = self._latency_t[route] = self._tallies.histogram(
+                lambda: self._latency.labels(route), LATENCY_BUCKETS
+            )
         h.observe(seconds)
 
     def upstream_error(self, role: str, kind: str) -> None:
@@ -199,18 +212,20 @@ class Metrics:
         c.inc()
 
     def routed(self, mode: str) -> None:
-        c = self._leg_children.get(mode)
+        c = self._routed_t.get(mode)
         if c is None:
-            c = self._leg_children[mode] = self._legs.labels(mode)
-        c.inc()
+            c = self._routed_t[mode] = self._tallies.counter(lambda: self._legs.labels(mode))
+        c.n += 1
 
     def first_byte(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+        self._ttft_t.observe(seconds)
 
     def phase(self, name: str, seconds: float) -> None:
-        h = self._phase_children.get(name)
+        h = self._phase_t.get(name)
         if h is None:
-            h = self._phase_children[name] = self._phase.labels(name)
+            h = self._phase_t[name] = self._tallies.histogram(
+                lambda: self._phase.labels(name), LATENCY_BUCKETS
+            )
         h.observe(seconds)
 
     def retry(self, role: str) -> None:
@@ -220,7 +235,29 @@ class Metrics:
         c.inc()
 
     def queued(self, step: int) -> None:
-        self._queued.inc(step)
+        self.queued_now += step
+
+    def flush(self) -> None:
+        """Publish what the request path counted since the last flush."""
+        self._tallies.flush()
+        self.in_flight.set(self.in_flight_now)
+        self._queued.set(self.queued_now)
+
+    def start_flushing(self, every_s: float = FLUSH_S) -> None:
+        """Flush every ``every_s`` (other workers' scrapes read the shared files meanwhile)."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                self.flush()
+
+        self._flusher = asyncio.create_task(supervise("metrics_flush", loop))
+
+    async def stop_flushing(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        self.flush()
 
     def precision_sample(self, result: str) -> None:
         self._precision_samples.labels(result).inc()
@@ -229,6 +266,7 @@ class Metrics:
         self._precision_probes.labels(result).inc()
 
     async def render(self) -> bytes:
+        self.flush()
         if self._shared is None:
             return generate_latest(self.registry)
         # Reading every process's files is disk I/O: off the event loop.

@@ -107,13 +107,21 @@ async def test_metrics_add_up_across_workers(
                 assert r.status == 200, await r.text()
         n += 1
         assert n < 400
-    # Whichever worker answers /metrics counts what both served.
-    for _ in range(4):
+    # Whichever worker answers /metrics counts what both served (each publishes its own counts
+    # at least once a second).
+    line = 'motor_coordinator_requests_total{route="/v1/chat/completions",status="200"} '
+
+    async def counted() -> list[float]:
         async with aiohttp.ClientSession() as s, s.get(f"http://{http}/metrics") as r:
             text = await r.text()
-        line = 'motor_coordinator_requests_total{route="/v1/chat/completions",status="200"} '
-        counted = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
-        assert counted == [float(n)], counted
+        return [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+
+    for _ in range(100):
+        if await counted() == [float(n)]:
+            break
+        await asyncio.sleep(0.1)
+    for _ in range(4):  # and stays so, whichever worker answers
+        assert await counted() == [float(n)]
 
 
 async def test_a_killed_worker_is_restarted_with_the_table_and_the_other_keeps_serving(
