@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
-from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2_grpc
+from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 from motor.v1 import common_pb2 as c
 
 from services.common import server as common_server
@@ -188,6 +189,41 @@ def spawn_engines() -> Iterator[SpawnEngines]:
     finally:
         for proc in procs:
             proc.kill()
+
+
+# -- reading what engines and the Coordinator did -----------------------------------------------
+
+LEGS = re.compile(r'^motor_sim_pd_legs_total\{protocol="(\w+)",side="(\w+)"\} ([0-9.]+)$', re.M)
+RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def set_table(coord: Running, *insts: c.Instance) -> None:
+    """The Coordinator's whole table, through its management RPC."""
+    await coord.stub.SetInstances(coordinator_pb2.SetInstancesRequest(instances=insts), timeout=5)
+
+
+async def get_text(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        return await resp.text()
+
+
+async def legs(http: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
+    """The engine's PD legs so far, as {"prefill/vllm": n, ...}."""
+    text = await get_text(http, f"{engine.base}/metrics")
+    return {f"{side}/{proto}": float(n) for proto, side, n in LEGS.findall(text)}
+
+
+async def running(http: aiohttp.ClientSession, engine: Engine) -> float:
+    """Requests the engine is serving right now."""
+    m = RUNNING.search(await get_text(http, f"{engine.base}/metrics"))
+    assert m is not None
+    return float(m.group(1))
 
 
 # -- a fake Controller (precision alarms) -------------------------------------------------------

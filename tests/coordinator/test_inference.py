@@ -7,43 +7,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2 as pb
 from openai import AsyncOpenAI
 
 from services.common.enums import DECODE, PREFILL, UNION
-from tests.coordinator.conftest import MODEL, Engine, Running, StartCoordinator, dead_port, instance
+from tests.coordinator.conftest import (
+    MODEL,
+    Engine,
+    Running,
+    StartCoordinator,
+    dead_port,
+    get_text,
+    instance,
+    legs,
+    running,
+    set_table,
+)
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
-LEGS = re.compile(r'^motor_sim_pd_legs_total\{protocol="(\w+)",side="(\w+)"\} ([0-9.]+)$', re.M)
-RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def _metrics(session: aiohttp.ClientSession, base: str) -> str:
-    async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-        return await resp.text()
-
-
-async def _legs(session: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
-    text = await _metrics(session, engine.base)
-    return {f"{side}/{proto}": float(n) for proto, side, n in LEGS.findall(text)}
 
 
 async def _legs_of(session: aiohttp.ClientSession, engines: dict[str, Engine]) -> dict[str, dict[str, float]]:
-    return {name: await _legs(session, e) for name, e in engines.items()}
+    return {name: await legs(session, e) for name, e in engines.items()}
 
 
 def _delta(
@@ -56,10 +46,6 @@ def _delta(
         }
         out[name] = moved
     return out
-
-
-async def _route(coord: Running, *insts: c.Instance) -> None:
-    await coord.stub.SetInstances(pb.SetInstancesRequest(instances=insts), timeout=5)
 
 
 def _client(coord: Running, key: str = "x") -> AsyncOpenAI:
@@ -105,7 +91,7 @@ async def test_vllm_handoff_prefill_then_decode(
 ) -> None:
     coord = await start_coordinator()
     p, d = engines["vllm_p"], engines["vllm_d"]
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     before = await _legs_of(http, {"p": p, "d": d})
     async with _client(coord) as client:
         texts = await _all_four(client)
@@ -124,7 +110,7 @@ async def test_sglang_bootstrap_both_legs(
     coord = await start_coordinator()
     p, d = engines["sgl_p"], engines["sgl_d"]
     assert p.bootstrap_port
-    await _route(
+    await set_table(
         coord,
         instance(1, PREFILL, p.port, engine_type=c.ENGINE_TYPE_SGLANG, bootstrap=p.bootstrap_port),
         instance(2, DECODE, d.port, engine_type=c.ENGINE_TYPE_SGLANG),
@@ -142,7 +128,7 @@ async def test_pd_protocol_field_overrides_engine_type(
     coord = await start_coordinator()
     p, d = engines["sgl_p"], engines["sgl_d"]
     sglang = c.PD_PROTOCOL_SGLANG
-    await _route(
+    await set_table(
         coord,
         instance(1, PREFILL, p.port, bootstrap=p.bootstrap_port, pd_protocol=sglang),
         instance(2, DECODE, d.port, pd_protocol=sglang),
@@ -159,7 +145,7 @@ async def test_union_serves_whole_requests(
 ) -> None:
     coord = await start_coordinator()
     u = engines["union"]
-    await _route(coord, instance(5, UNION, u.port))
+    await set_table(coord, instance(5, UNION, u.port))
     before = await _legs_of(http, {"u": u})
     async with _client(coord) as client:
         texts = await _all_four(client)
@@ -167,7 +153,7 @@ async def test_union_serves_whole_requests(
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
     assert _delta(before, await _legs_of(http, {"u": u})) == {"u": {}}  # no PD legs
-    text = await _metrics(http, f"http://{coord.http}")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     assert 'motor_coordinator_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
 
 
@@ -199,10 +185,10 @@ async def test_not_routable_then_model_not_found(
 
     # A prefill alone is not routable; with its decode it is.
     p, d = engines["vllm_p"], engines["vllm_d"]
-    await _route(coord, instance(1, PREFILL, p.port))
+    await set_table(coord, instance(1, PREFILL, p.port))
     async with http.get(base + "/readiness") as resp:
         assert resp.status == 503
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     async with http.get(base + "/readiness") as resp:
         assert resp.status == 200
 
@@ -232,7 +218,7 @@ async def test_round_robin_spreads_across_decodes(
 ) -> None:
     coord = await start_coordinator(decode_policy="round_robin", prefill_policy="round_robin")
     p, d1, d2 = engines["vllm_p"], engines["vllm_d"], engines["vllm_d2"]
-    await _route(
+    await set_table(
         coord, instance(1, PREFILL, p.port), instance(2, DECODE, d1.port), instance(3, DECODE, d2.port)
     )
     before = await _legs_of(http, {"d1": d1, "d2": d2})
@@ -248,7 +234,7 @@ async def test_dead_prefill_is_skipped_and_leaves_rotation(
 ) -> None:
     coord = await start_coordinator(prefill_policy="round_robin")
     p, d = engines["vllm_p2"], engines["vllm_d"]
-    await _route(
+    await set_table(
         coord, instance(1, PREFILL, dead_port()), instance(2, PREFILL, p.port), instance(3, DECODE, d.port)
     )
     before = await _legs_of(http, {"p": p})
@@ -258,13 +244,13 @@ async def test_dead_prefill_is_skipped_and_leaves_rotation(
             assert out.choices[0].text
     assert _delta(before, await _legs_of(http, {"p": p})) == {"p": {"prefill/vllm": 4.0}}
     # Refused once, then out of rotation: no further connection attempts.
-    text = await _metrics(http, f"http://{coord.http}")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     assert 'motor_coordinator_upstream_errors_total{kind="connect",role="prefill"} 1.0' in text
 
 
 async def test_unreachable_everywhere_is_502(start_coordinator: StartCoordinator) -> None:
     coord = await start_coordinator()
-    await _route(coord, instance(1, UNION, dead_port()))
+    await set_table(coord, instance(1, UNION, dead_port()))
     async with _client(coord) as client:
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -272,27 +258,21 @@ async def test_unreachable_everywhere_is_502(start_coordinator: StartCoordinator
     assert info.value.body["code"] == "upstream_unreachable"  # type: ignore[index]
 
 
-async def _running(http: aiohttp.ClientSession, engine: Engine) -> float:
-    m = RUNNING.search(await _metrics(http, engine.base))
-    assert m is not None
-    return float(m.group(1))
-
-
 async def test_client_disconnect_cancels_the_upstream(
     start_coordinator: StartCoordinator, engines: dict[str, Engine], http: aiohttp.ClientSession
 ) -> None:
     coord = await start_coordinator()
     p, d = engines["vllm_p"], engines["vllm_d_slow"]
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}
     async with aiohttp.ClientSession() as client:
         resp = await client.post(f"http://{coord.http}/v1/chat/completions", json=body)
         assert resp.status == 200
         await resp.content.readline()  # the stream is flowing
-        assert await _running(http, d) == 1.0
+        assert await running(http, d) == 1.0
         resp.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 10
-    while await _running(http, d) != 0.0:
+    while await running(http, d) != 0.0:
         assert time.monotonic() < deadline, "the decode engine kept generating for a gone client"
         await asyncio.sleep(0.05)
 
@@ -306,7 +286,7 @@ async def test_api_keys(
     keys.write_text("# clients\nalpha\n\nbeta\n")
     keys.chmod(0o600)
     coord = await start_coordinator(api_keys_file=str(keys))
-    await _route(coord, instance(5, UNION, engines["union"].port))
+    await set_table(coord, instance(5, UNION, engines["union"].port))
     async with _client(coord, key="beta") as client:
         assert (await client.models.list()).data
     async with _client(coord, key="gamma") as client:
@@ -324,7 +304,7 @@ async def test_refused_endpoint_is_probed_back_into_rotation(
 
     coord = await start_coordinator(prefill_policy="round_robin")
     port = dead_port()
-    await _route(
+    await set_table(
         coord, instance(1, PREFILL, port), instance(2, PREFILL, engines["vllm_p2"].port),
         instance(3, DECODE, engines["vllm_d"].port),
     )  # fmt: skip
@@ -335,7 +315,7 @@ async def test_refused_endpoint_is_probed_back_into_rotation(
             revived.wait_line("event=listening", timeout=30)
             engine = Engine(revived, port)
             deadline = time.monotonic() + 15
-            while (await _legs(http, engine)).get("prefill/vllm", 0.0) == 0.0:
+            while (await legs(http, engine)).get("prefill/vllm", 0.0) == 0.0:
                 assert time.monotonic() < deadline, "the revived prefill never came back into rotation"
                 await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
                 await asyncio.sleep(0.1)
@@ -349,7 +329,7 @@ async def test_sglang_retries_another_pair_when_a_prefill_is_unreachable(
     coord = await start_coordinator(prefill_policy="round_robin")
     p, d = engines["sgl_p"], engines["sgl_d"]
     sg = c.ENGINE_TYPE_SGLANG
-    await _route(
+    await set_table(
         coord,
         instance(1, PREFILL, dead_port(), engine_type=sg, bootstrap=dead_port()),
         instance(2, PREFILL, p.port, engine_type=sg, bootstrap=p.bootstrap_port),
@@ -364,7 +344,7 @@ async def test_sglang_retries_another_pair_when_a_prefill_is_unreachable(
             await client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     moved = _delta(before, await _legs_of(http, {"p": p, "d": d}))
     assert moved == {"p": {"prefill/sglang": 3.0}, "d": {"decode/sglang": 3.0}}
-    text = await _metrics(http, f"http://{coord.http}")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     assert 'motor_coordinator_upstream_errors_total{kind="connect",role="prefill"} 1.0' in text
 
 
@@ -373,7 +353,7 @@ async def test_decode_that_cannot_connect_is_retried_on_another(
 ) -> None:
     coord = await start_coordinator(decode_policy="round_robin")
     p, d = engines["vllm_p"], engines["vllm_d2"]
-    await _route(
+    await set_table(
         coord, instance(1, PREFILL, p.port), instance(2, DECODE, dead_port()), instance(3, DECODE, d.port)
     )
     before = await _legs_of(http, {"d": d})
@@ -389,7 +369,7 @@ async def test_prefill_only_degraded_mode(
 ) -> None:
     coord = await start_coordinator()
     # Routable thanks to another model's union instance; motor-sim has a prefill and no decode.
-    await _route(coord, instance(1, PREFILL, engines["vllm_p"].port), instance(2, UNION, 1, model="other"))
+    await set_table(coord, instance(1, PREFILL, engines["vllm_p"].port), instance(2, UNION, 1, model="other"))
     async with _client(coord) as client:
         out = await client.completions.create(model=MODEL, prompt="degraded", max_tokens=3)
         assert out.choices[0].text and out.usage is not None and out.usage.completion_tokens == 3

@@ -15,11 +15,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import DECODE, PREFILL, UNION
 from services.coordinator import bodies
-from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance, set_table
 from tests.http import ERROR_FIELDS
 
 HANDOFF = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -123,16 +122,6 @@ async def recorder() -> AsyncIterator[MakeRecorder]:
         await r.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def _route(coord: Running, *insts: c.Instance) -> None:
-    await coord.stub.SetInstances(pb.SetInstancesRequest(instances=insts), timeout=5)
-
-
 def _client_body(path: str, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "stream": stream}
     if path.endswith("/chat/completions"):
@@ -189,7 +178,7 @@ async def test_vllm_pd_legs_carry_only_the_coordinators_handoff(
 ) -> None:
     coord = await start_coordinator()
     p, d = await recorder(), await recorder()
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     for stream in (False, True):
         status, answer = await _post(http, coord, path, _encode(_client_body(path, stream), spelling))
         assert status == 200, answer
@@ -211,7 +200,7 @@ async def test_vllm_decode_without_a_ticket_gets_no_client_params(
 ) -> None:
     coord = await start_coordinator()
     p, d = await recorder(ticket=False), await recorder()
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     for path in PATHS:
         status, answer = await _post(http, coord, path, _encode(_client_body(path, False), spelling))
         assert status == 200, answer
@@ -229,7 +218,7 @@ async def test_sglang_legs_carry_the_coordinators_bootstrap(
     coord = await start_coordinator()
     p, d = await recorder(), await recorder()
     sg = c.ENGINE_TYPE_SGLANG
-    await _route(
+    await set_table(
         coord,
         instance(1, PREFILL, p.port, engine_type=sg, bootstrap=SGL_BOOTSTRAP_PORT),
         instance(2, DECODE, d.port, engine_type=sg),
@@ -263,9 +252,9 @@ async def test_whole_requests_carry_no_handoff_fields(
     coord = await start_coordinator()
     e = await recorder()
     if mode == "union":
-        await _route(coord, instance(1, UNION, e.port))
+        await set_table(coord, instance(1, UNION, e.port))
     else:  # a prefill with no decode serves whole requests; routable thanks to another model
-        await _route(coord, instance(1, PREFILL, e.port), instance(2, UNION, dead_port(), model="other"))
+        await set_table(coord, instance(1, PREFILL, e.port), instance(2, UNION, dead_port(), model="other"))
     for path in PATHS:
         for stream in (False, True):
             status, answer = await _post(http, coord, path, _encode(_client_body(path, stream), spelling))
@@ -284,7 +273,7 @@ async def test_the_body_is_parsed_once(
 ) -> None:
     coord = await start_coordinator()
     e = await recorder()
-    await _route(coord, instance(1, UNION, e.port))
+    await set_table(coord, instance(1, UNION, e.port))
     parsed: list[bytes] = []
     real = bodies.loads
 
@@ -332,7 +321,7 @@ async def test_body_over_max_body_bytes_is_413(
 ) -> None:
     coord = await start_coordinator(max_body_bytes=2048)
     e = await recorder()
-    await _route(coord, instance(1, UNION, e.port))
+    await set_table(coord, instance(1, UNION, e.port))
     big = json.dumps({"model": MODEL, "prompt": "x" * 4096}).encode()
 
     async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the size shows as it arrives
@@ -357,7 +346,7 @@ async def test_nesting_deeper_than_max_json_depth_is_400(
 ) -> None:
     coord = await start_coordinator(max_json_depth=8)
     e = await recorder()
-    await _route(coord, instance(1, UNION, e.port))
+    await set_table(coord, instance(1, UNION, e.port))
     assert (await _post(http, coord, "/v1/completions", _nested(8)))[0] == 200  # at the limit
     for raw in (_nested(9), _nested(2000), _nested(100_000), _nested(100_000, closed=False)):
         status, err = await _error(http, coord, raw)
@@ -374,7 +363,7 @@ async def test_a_100k_deep_body_is_400_with_the_default_limits(
 ) -> None:
     coord = await start_coordinator()
     e = await recorder()
-    await _route(coord, instance(1, UNION, e.port))
+    await set_table(coord, instance(1, UNION, e.port))
     for raw in (_nested(65), _nested(100_000), b"[" * 100_000 + b"]" * 100_000, b"{" * 100_000):
         status, err = await _error(http, coord, raw)
         assert status == 400, (len(raw), err)
@@ -393,9 +382,9 @@ async def test_json_only_the_standard_library_reads_is_passed_on_not_a_500(
     coord = await start_coordinator()
     a, b = await recorder(), await recorder()
     if mode == "vllm_pd":
-        await _route(coord, instance(1, PREFILL, a.port), instance(2, DECODE, b.port))
+        await set_table(coord, instance(1, PREFILL, a.port), instance(2, DECODE, b.port))
     else:
-        await _route(coord, instance(1, UNION, b.port))
+        await set_table(coord, instance(1, UNION, b.port))
     body = _client_body("/v1/completions", False)  # hand-off fields too: the body is re-written
     body["prompt"] = "a\ud800b"
     raw = json.dumps(body).encode()  # ASCII, the surrogate as \ud800

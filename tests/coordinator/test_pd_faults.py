@@ -12,13 +12,11 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import DECODE, PREFILL
 from services.coordinator.routes import Target
@@ -29,46 +27,22 @@ from tests.coordinator.conftest import (
     Running,
     SpawnEngines,
     StartCoordinator,
+    get_text,
     instance,
+    legs,
+    running,
+    set_table,
 )
 
 SG = c.ENGINE_TYPE_SGLANG
-LEGS = re.compile(r'^motor_sim_pd_legs_total\{protocol="(\w+)",side="(\w+)"\} ([0-9.]+)$', re.M)
-RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 UPSTREAM_ERRORS = re.compile(
     r'^motor_coordinator_upstream_errors_total\{kind="(\w+)",role="(\w+)"\} ([0-9.]+)$', re.M
 )
 PROMPT = "Tell me a story about a lighthouse keeper."
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def _route(coord: Running, *insts: c.Instance) -> None:
-    await coord.stub.SetInstances(pb.SetInstancesRequest(instances=insts), timeout=5)
-
-
-async def _text(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-        return await resp.text()
-
-
-async def _legs(http: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
-    text = await _text(http, f"{engine.base}/metrics")
-    return {f"{side}/{proto}": float(n) for proto, side, n in LEGS.findall(text)}
-
-
-async def _running(http: aiohttp.ClientSession, engine: Engine) -> float:
-    m = RUNNING.search(await _text(http, f"{engine.base}/metrics"))
-    assert m is not None
-    return float(m.group(1))
-
-
 async def _upstream_errors(http: aiohttp.ClientSession, coord: Running) -> dict[str, float]:
-    text = await _text(http, f"http://{coord.http}/metrics")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     return {f"{role}/{kind}": float(n) for kind, role, n in UPSTREAM_ERRORS.findall(text)}
 
 
@@ -204,14 +178,14 @@ async def test_decode_killed_during_prefill_is_retried_on_another_pair(
     )
     coord = await start_coordinator(decode_policy="round_robin")
     # One instance first, for the warm-up; then d1 joins ahead of d2 in the rotation.
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(3, DECODE, e["d2"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(3, DECODE, e["d2"]))
     await _warm(coord)
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d1"]), _vllm(3, DECODE, e["d2"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d1"]), _vllm(3, DECODE, e["d2"]))
     leaks = NoLeaks(coord)
-    before_p, before_d2 = await _legs(http, e["p"]), await _legs(http, e["d2"])
+    before_p, before_d2 = await legs(http, e["p"]), await legs(http, e["d2"])
 
     request = asyncio.create_task(_complete(coord, stream=stream))
-    await _eventually(lambda: _running(http, e["p"]), 10, "the prefill leg running")
+    await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
     e["d1"].proc.kill()  # SIGKILL while the prefill is under way
     answer = await asyncio.wait_for(request, 15)
 
@@ -223,8 +197,8 @@ async def test_decode_killed_during_prefill_is_retried_on_another_pair(
     else:
         assert answer.json()["choices"][0]["text"]
     # A fresh pair: a second prefill (no ticket is shared between attempts), decoded on d2.
-    assert (await _legs(http, e["p"]))["prefill/vllm"] - before_p["prefill/vllm"] == 2
-    assert (await _legs(http, e["d2"]))["decode/vllm"] - before_d2["decode/vllm"] == 1
+    assert (await legs(http, e["p"]))["prefill/vllm"] - before_p["prefill/vllm"] == 2
+    assert (await legs(http, e["d2"]))["decode/vllm"] - before_d2["decode/vllm"] == 1
     assert (await _upstream_errors(http, coord)).get("decode/connect") == 1
     assert _target(coord, 2).endpoints[0].down  # out of rotation at once
     await leaks.check()
@@ -235,20 +209,20 @@ async def test_only_decode_killed_during_prefill_is_502(
 ) -> None:
     e = spawn_engines(p=[*ENGINE_ARGS["vllm_p"], "--ttft-ms", "800"], d=ENGINE_ARGS["vllm_d"])
     coord = await start_coordinator()
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
-    before_p = await _legs(http, e["p"])
+    before_p = await legs(http, e["p"])
 
     request = asyncio.create_task(_complete(coord))
-    await _eventually(lambda: _running(http, e["p"]), 10, "the prefill leg running")
+    await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
     e["d"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
 
     err = _error_of(answer, 502, "upstream_unreachable")
     assert "decode" in err["message"]
     # No decode left to pair with: no second prefill is wasted on the way to the 502.
-    assert (await _legs(http, e["p"]))["prefill/vllm"] - before_p["prefill/vllm"] == 1
+    assert (await legs(http, e["p"]))["prefill/vllm"] - before_p["prefill/vllm"] == 1
     # The last decode stays in rotation (the breaker never empties a role); asked again, the
     # Coordinator tries it again and answers the same, without hanging.
     assert not _target(coord, 2).endpoints[0].down
@@ -280,15 +254,15 @@ async def test_sglang_prefill_killed_while_decode_waits_on_its_room(
     prefills = [_sgl(1, PREFILL, e["p1"])]
     if spare_prefill:
         prefills.append(_sgl(3, PREFILL, e["p2"]))
-    await _route(coord, prefills[-1], _sgl(2, DECODE, e["d"]))
+    await set_table(coord, prefills[-1], _sgl(2, DECODE, e["d"]))
     await _warm(coord)
     # A new view: the round-robin starts over at p1, the one killed below.
-    await _route(coord, *prefills, _sgl(2, DECODE, e["d"]))
+    await set_table(coord, *prefills, _sgl(2, DECODE, e["d"]))
     leaks = NoLeaks(coord)
 
     request = asyncio.create_task(_complete(coord, stream=True))
-    await _eventually(lambda: _running(http, e["p1"]), 10, "the prefill leg running")
-    await _eventually(lambda: _running(http, e["d"]), 10, "the decode leg waiting on its room")
+    await _eventually(lambda: running(http, e["p1"]), 10, "the prefill leg running")
+    await _eventually(lambda: running(http, e["d"]), 10, "the decode leg waiting on its room")
     e["p1"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
     # Well within every deadline: no decode leg waits on a room that will never fill.
@@ -310,7 +284,7 @@ async def test_sglang_prefill_killed_while_decode_waits_on_its_room(
 
 
 async def _idle(http: aiohttp.ClientSession, engine: Engine) -> bool:
-    return await _running(http, engine) == 0.0
+    return await running(http, engine) == 0.0
 
 
 async def test_sglang_decode_killed_while_waiting_cancels_its_prefill_and_retries(
@@ -320,22 +294,22 @@ async def test_sglang_decode_killed_while_waiting_cancels_its_prefill_and_retrie
         p=[*ENGINE_ARGS["sgl_p"], "--ttft-ms", "800"], d1=ENGINE_ARGS["sgl_d"], d2=ENGINE_ARGS["sgl_d"]
     )
     coord = await start_coordinator(decode_policy="round_robin")
-    await _route(coord, _sgl(1, PREFILL, e["p"]), _sgl(3, DECODE, e["d2"]))
+    await set_table(coord, _sgl(1, PREFILL, e["p"]), _sgl(3, DECODE, e["d2"]))
     await _warm(coord)
-    await _route(coord, _sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d1"]), _sgl(3, DECODE, e["d2"]))
+    await set_table(coord, _sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d1"]), _sgl(3, DECODE, e["d2"]))
     leaks = NoLeaks(coord)
-    before_p, before_d2 = await _legs(http, e["p"]), await _legs(http, e["d2"])
+    before_p, before_d2 = await legs(http, e["p"]), await legs(http, e["d2"])
 
     request = asyncio.create_task(_complete(coord))
-    await _eventually(lambda: _running(http, e["d1"]), 10, "the decode leg waiting on its room")
+    await _eventually(lambda: running(http, e["d1"]), 10, "the decode leg waiting on its room")
     e["d1"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
 
     assert answer.status == 200, answer.body
     # The first prefill leg was cancelled with its decode (it never finished: no room was
     # filled for nobody); the retry's pair did the work.
-    assert (await _legs(http, e["p"]))["prefill/sglang"] - before_p["prefill/sglang"] == 1
-    assert (await _legs(http, e["d2"]))["decode/sglang"] - before_d2["decode/sglang"] == 1
+    assert (await legs(http, e["p"]))["prefill/sglang"] - before_p["prefill/sglang"] == 1
+    assert (await legs(http, e["d2"]))["decode/sglang"] - before_d2["decode/sglang"] == 1
     await _eventually(lambda: _idle(http, e["p"]), 5, "the prefill engine idle")
     await leaks.check()
 
@@ -350,7 +324,7 @@ async def test_sglang_prefill_error_ends_the_decode_wait(
         d=[*ENGINE_ARGS["sgl_d"], "--bootstrap-timeout-s", "30"],
     )
     coord = await start_coordinator()
-    await _route(coord, _sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d"]))
+    await set_table(coord, _sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
     for stream in (False, True):
@@ -378,18 +352,18 @@ async def test_client_leaving_during_the_prefill_cancels_both_legs(
         e = spawn_engines(p=[*ENGINE_ARGS["sgl_p"], "--ttft-ms", "1000"], d=ENGINE_ARGS["sgl_d"])
         insts = (_sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d"]))
     coord = await start_coordinator()
-    await _route(coord, *insts)
+    await set_table(coord, *insts)
     await _warm(coord)
     leaks = NoLeaks(coord)
-    before = {k: await _legs(http, e[k]) for k in ("p", "d")}
+    before = {k: await legs(http, e[k]) for k in ("p", "d")}
 
     session = aiohttp.ClientSession()
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
     request = asyncio.create_task(session.post(f"http://{coord.http}/v1/completions", json=body))
     try:
-        await _eventually(lambda: _running(http, e["p"]), 10, "the prefill leg running")
+        await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
         if protocol == "sglang":
-            await _eventually(lambda: _running(http, e["d"]), 10, "the decode leg waiting")
+            await _eventually(lambda: running(http, e["d"]), 10, "the decode leg waiting")
     finally:
         request.cancel()
         await session.close()  # the client goes away
@@ -397,8 +371,8 @@ async def test_client_leaving_during_the_prefill_cancels_both_legs(
     await _eventually(lambda: _idle(http, e["d"]), 5, "the decode leg to stop")
     await leaks.check()
     await asyncio.sleep(1.2)  # past the prefill's own time: a leg left running would be counted
-    assert await _legs(http, e["p"]) == before["p"]
-    assert await _legs(http, e["d"]) == before["d"]
+    assert await legs(http, e["p"]) == before["p"]
+    assert await legs(http, e["d"]) == before["d"]
 
 
 # -- 3. hung engines: per-phase deadlines -------------------------------------------------------
@@ -420,7 +394,7 @@ async def test_hung_prefill_is_504_naming_prefill_timeout(
                           d=ENGINE_ARGS["sgl_d"])  # fmt: skip
         insts = (_sgl(1, PREFILL, e["p"]), _sgl(2, DECODE, e["d"]))
     coord = await start_coordinator(prefill_timeout_s=1)
-    await _route(coord, *insts)
+    await set_table(coord, *insts)
     await _warm(coord)  # request 1 is served; every later one hangs
     leaks = NoLeaks(coord)
 
@@ -441,7 +415,7 @@ async def test_hung_decode_is_504_naming_decode_first_byte_timeout(
         p=ENGINE_ARGS["vllm_p"], d=[*ENGINE_ARGS["vllm_d"], "--fault", "hang", "--fault-after-requests", "1"]
     )
     coord = await start_coordinator(decode_first_byte_timeout_s=1)
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
     for stream in (False, True):
@@ -461,7 +435,7 @@ async def test_stream_that_goes_quiet_ends_with_an_error_event(
         d=[*ENGINE_ARGS["vllm_d"], "--tpot-ms", "50", "--fault", "hang", "--fault-after-requests", "1"],
     )
     coord = await start_coordinator(decode_idle_timeout_s=0.5)
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     # No warm-up on the decode (it would be the one stream that gets its first token):
     # the pools start with this request, and the leak snapshot allows their sweeps.
     leaks = NoLeaks(coord)
@@ -487,7 +461,7 @@ async def test_reset_mid_stream_ends_with_an_error_event_and_non_stream_is_502(
         d=[*ENGINE_ARGS["vllm_d"], "--fault", "disconnect", "--fault-after-requests", "1"],
     )
     coord = await start_coordinator()
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
 
@@ -517,7 +491,7 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
         d2=[*ENGINE_ARGS["vllm_d2"], "--tpot-ms", "10"],
     )
     coord = await start_coordinator()
-    await _route(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d1"]), _vllm(3, DECODE, e["d2"]))
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d1"]), _vllm(3, DECODE, e["d2"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
     d1_ep = _target(coord, 2).endpoints[0]
@@ -536,7 +510,7 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
         clients = [asyncio.create_task(client(s)) for _ in range(16)]
         try:
             await _eventually(lambda: len(statuses) >= 50, 20, "load under way")
-            assert (await _legs(http, e["d1"]))["decode/vllm"] > 0  # d1 was taking its share
+            assert (await legs(http, e["d1"]))["decode/vllm"] > 0  # d1 was taking its share
             e["d1"].proc.kill()
             await _eventually(lambda: d1_ep.down, 10, "the killed decode leaving rotation")
             after_kill = (await _upstream_errors(http, coord)).get("decode/connect", 0)
@@ -562,7 +536,7 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
     async def served_by_revived() -> bool:
         r = await _complete(coord, max_tokens=2)
         assert r.status == 200, r.body
-        return (await _legs(http, revived))["decode/vllm"] > 0
+        return (await legs(http, revived))["decode/vllm"] > 0
 
     await _eventually(served_by_revived, 10, "a request decoded by the revived engine")
     await leaks.check()
