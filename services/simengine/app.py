@@ -19,7 +19,7 @@ from services.simengine.config import EngineConfig
 from services.simengine.faults import FaultError, FaultState, parse_fault_body
 from services.simengine.latency import LatencyModel, Slots
 from services.simengine.metrics import Metrics
-from services.simengine.openai_api import MAX_MODEL_LEN
+from services.simengine.openai_api import MAX_MODEL_LEN, dumps
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Nominal KV capacity in sequences when --max-num-seqs is unlimited (only shapes the gauge).
@@ -51,6 +51,7 @@ class Engine:
             cfg.host if cfg.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         )
         self.port = cfg.port
+        self._ticket_fmt: tuple[int, bytes] | None = None  # (port it was made for, format)
         self.completions = Completions(self)
         created = int(time.time())
         self._models_body = _json(
@@ -108,6 +109,9 @@ class Engine:
     def ticket(self, prompt_tokens: int) -> dict[str, Any]:
         """A vLLM prefill leg's `kv_transfer_params` answer."""
         ticket, blocks = self.tickets.issue(prompt_tokens)
+        return self._ticket(blocks, ticket)
+
+    def _ticket(self, blocks: Any, ticket: str) -> dict[str, Any]:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -118,6 +122,17 @@ class Engine:
             "remote_request_id": ticket,
             "tp_size": self.cfg.tp,
         }
+
+    def ticket_json(self, prompt_tokens: int) -> bytes:
+        """:meth:`ticket` as the answer's JSON spells it, without running the encoder: the same
+        object rendered once with markers in place of the blocks and the id, kept as a format."""
+        ticket, start, n = self.tickets.issue_range(prompt_tokens)
+        if self._ticket_fmt is None or self._ticket_fmt[0] != self.port:
+            blob = dumps(self._ticket("\x00blocks", "\x00ticket"))
+            fmt = blob.replace(b"%", b"%%").replace(b'"\\u0000blocks"', b"[%s]")
+            self._ticket_fmt = (self.port, fmt.replace(b'"\\u0000ticket"', b'"%s"'))
+        blocks = b"%d" % start if n == 1 else b",".join(b"%d" % i for i in range(start, start + n))
+        return self._ticket_fmt[1] % (blocks, ticket.encode())
 
     # -- small routes ----------------------------------------------------------------------
     # A hung engine answers nothing: every route first waits out an active `hang` fault.

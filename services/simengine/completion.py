@@ -1,11 +1,19 @@
 """The completion routes (/v1/chat/completions, /v1/completions): admission, PD legs, latency.
 
 With every latency at zero this path is the benchmark floor, so it is kept short. Benchmarks
-send one body over and over, and a plain request (no PD leg, no fault) is a pure function of
-its body: its *plan* (the parsed request, its token counts and the whole answer serialized
-once, split around the per-request id and timestamp) is kept, keyed by the body bytes. A repeat
-is then one dict lookup, one join and one write; no sleep, timer or task is made when nothing
-has to wait. PD legs (tickets, rooms) and faulted requests are planned afresh every time.
+send one body over and over, and a request is a pure function of its body apart from a few
+per-request values: its *plan* (the parsed request, its token counts and the whole answer
+serialized once, split around the per-request id and timestamp) is kept and reused, so a repeat
+is one lookup, one join and one write; no sleep, timer or task is made when nothing has to wait.
+
+Plain requests are kept by their body bytes. PD legs differ from one request to the next only in
+their hand-off field (`kv_transfer_params` with its ticket, or `bootstrap_room`), so they are kept
+by the body with that field's value cut out (found by a text search, the value read by the JSON
+scanner itself): the leg's per-request parts (the ticket to redeem, the room, a fresh ticket in a
+prefill's answer) are taken or spliced in every time, the rest is the plan's. A cut is trusted
+only once a body with a marker in its place has been parsed to the marker (so the field is the
+object's real top-level key); anything unusual takes the full path. Faulted requests are planned
+afresh every time.
 """
 
 from __future__ import annotations
@@ -15,17 +23,20 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
+import orjson
 
 from services.common import log
 from services.common.http_errors import OpenAIError, model_not_found
+from services.common.httpclient import Pool
 from services.common.httpserver import Request, Responder
 from services.simengine import pd
 from services.simengine.generation import Generated, generate, known_answer, seed_of
 from services.simengine.openai_api import (
+    Bootstrap,
     ParsedRequest,
     RequestError,
     full_response,
@@ -50,10 +61,43 @@ PLAN_MAX_BYTES = 256 * 1024
 # quotes would be escaped), so only the real heads of the answer's objects match.
 _RID = "motor-sim-rid-placeholder"
 _CREATED = 4102444800
+# A vLLM prefill's answer is rendered with this in place of its ticket, then split around it:
+# a control character is always escaped in JSON, so the text cannot come from anything else.
+_HOLE = "\x00motor-sim-ticket"
+_HOLE_JSON = b'"\\u0000motor-sim-ticket"'
+_MARK = "\x00motor-sim-cut"
+_MARK_JSON = '"\\u0000motor-sim-cut"'
+# The hand-off fields a PD leg's plan is cut around, as they appear in the body.
+_KV = "kv_transfer_params"
+_ROOM = "bootstrap_room"
+_KV_Q = '"kv_transfer_params"'
+_ROOM_Q = '"bootstrap_room"'
+_KV_B = _KV_Q.encode()
+_ROOM_B = _ROOM_Q.encode()
+_WS = " \t\n\r"  # JSON's whitespace
+# json.loads' own value scanner: (value, end) of the JSON value at an index (StopIteration if none).
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 async def hang() -> None:
     await asyncio.Event().wait()
+
+
+@dataclass(slots=True, eq=False)
+class Template:
+    """A reusable plan's whole answer: `head` is a %-format of (rid, created) and the answer is
+    `head.join(left)`, or for a vLLM prefill `head.join(left) + ticket + head.join(right)`."""
+
+    head: bytes
+    left: list[bytes]
+    right: list[bytes] | None
+    size: int
+
+    def render(self, rid: bytes, created: int, ticket: bytes | None) -> bytes:
+        head = self.head % (rid, created)
+        if self.right is None:
+            return head.join(self.left)
+        return head.join(self.left) + (ticket or b"null") + head.join(self.right)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,11 +112,11 @@ class Plan:
     first_s: float
     decode_s: float
     gen_tokens: int
-    # A reusable plan's whole answer: (head as a %-format of (rid, created), the parts between heads)
-    template: tuple[bytes, list[bytes]] | None = None
+    template: Template | None = None
+    last_body: bytes | None = None  # a vLLM prefill leg's: the body it was last found by
 
 
-def _template(blob: bytes) -> tuple[bytes, list[bytes]] | None:
+def _template(blob: bytes, hole: bool) -> Template | None:
     start = blob.find(b'{"id":"' + _RID.encode() + b'"')
     created = b'"created":%d,' % _CREATED
     end = blob.find(created, start) + len(created)
@@ -80,31 +124,115 @@ def _template(blob: bytes) -> tuple[bytes, list[bytes]] | None:
         return None
     head = blob[start:end]
     fmt = head.replace(b"%", b"%%").replace(_RID.encode(), b"%s").replace(b"%d" % _CREATED, b"%d")
-    return fmt, blob.split(head)
+    parts = blob.split(head)
+    size = sum(map(len, parts))
+    if not hole:
+        return Template(fmt, parts, None, size)
+    if blob.count(_HOLE_JSON) != 1:
+        return None
+    k = next(i for i, p in enumerate(parts) if _HOLE_JSON in p)
+    before, after = parts[k].split(_HOLE_JSON)
+    return Template(fmt, [*parts[:k], before], [after, *parts[k + 1 :]], size)
 
 
 class Plans:
-    """Reusable plans by request body, oldest evicted first."""
+    """Reusable plans by key, oldest evicted first."""
 
     def __init__(self) -> None:
-        self._plans: dict[bytes, tuple[Plan, int]] = {}
+        self._plans: dict[Hashable, tuple[Plan, int]] = {}
         self._bytes = 0
 
-    def get(self, body: bytes) -> Plan | None:
-        hit = self._plans.get(body) if len(body) <= PLAN_MAX_BODY else None
+    def get(self, key: Hashable) -> Plan | None:
+        hit = self._plans.get(key)
         return hit[0] if hit is not None else None
 
-    def put(self, body: bytes, plan: Plan) -> None:
-        if plan.template is None or len(body) > PLAN_MAX_BODY or body in self._plans:
+    def put(self, key: Hashable, key_bytes: int, plan: Plan) -> None:
+        if plan.template is None or key_bytes > PLAN_MAX_BODY or key in self._plans:
             return
-        size = len(body) + sum(map(len, plan.template[1]))
+        size = key_bytes + plan.template.size
         if size > PLAN_MAX_BYTES:
             return
         while self._plans and (len(self._plans) >= PLANS_MAX or self._bytes + size > PLANS_MAX_BYTES):
             _, old = self._plans.pop(next(iter(self._plans)))  # dicts keep insertion order
             self._bytes -= old
-        self._plans[body] = (plan, size)
+        self._plans[key] = (plan, size)
         self._bytes += size
+
+
+@dataclass(slots=True)
+class Cut:
+    """A body with one hand-off field's value taken out: `text[:start] + value + text[end:]`."""
+
+    field: str  # "kv_transfer_params" | "bootstrap_room"
+    text: str
+    name_at: int  # where the quoted field name starts
+    start: int
+    end: int
+    value: Any
+
+    def key(self, kind: str) -> tuple[str, str, str, str]:
+        text = self.text
+        return (self.field, kind, text[: self.name_at], text[self.end :])
+
+    def verified(self) -> bool:
+        """Whether the cut value is what a JSON parser takes as the body's top-level field (not a
+        look-alike in a string or a nested object, nor one that a later duplicate overrides)."""
+        text = self.text
+        marked = text[: self.start] + _MARK_JSON + text[self.end :]
+        try:
+            obj = json.loads(marked.encode("utf-8", "surrogatepass"))
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(obj, dict) and obj.get(self.field) == _MARK
+
+
+def cut_handoff(body: bytes) -> Cut | None:
+    """The body's one hand-off field (kv_transfer_params or bootstrap_room) cut out, when it has
+    exactly one of them, spelled once, whose value scans as JSON; else None."""
+    has_kv = _KV_B in body
+    if has_kv == (_ROOM_B in body):  # neither (a plain request), or both (planned in full)
+        return None
+    try:
+        text = body.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    field, quoted = (_KV, _KV_Q) if has_kv else (_ROOM, _ROOM_Q)
+    at = text.find(quoted)
+    if at < 0 or text.find(quoted, at + 1) >= 0:
+        return None
+    i = at + len(quoted)
+    n = len(text)
+    while i < n and text[i] in _WS:
+        i += 1
+    if i >= n or text[i] != ":":
+        return None
+    i += 1
+    while i < n and text[i] in _WS:
+        i += 1
+    if text.startswith("{", i):
+        # An object (kv_transfer_params) without nested objects ends at the first "}": orjson
+        # reads that much at a third of the cost. Whatever it refuses goes to json's scanner.
+        close = text.find("}", i) + 1
+        try:
+            return Cut(field, text, at, i, close, orjson.loads(text[i:close]))
+        except ValueError:  # orjson.JSONDecodeError, or a str that is not UTF-8
+            pass
+    try:
+        value, end = _scan(text, i)
+    except (StopIteration, ValueError, RecursionError):
+        return None
+    return Cut(field, text, at, i, end, value)
+
+
+def _kv_side(kv: Any) -> str | None:
+    """The vLLM leg a valid kv_transfer_params makes (as Completions._leg decides), else None."""
+    if not isinstance(kv, dict) or not kv:
+        return None
+    if kv.get("do_remote_decode") is True:
+        return None if kv.get("do_remote_prefill") is True else "prefill"  # both: a 400, in full
+    if kv.get("do_remote_prefill") is True:
+        return "decode"
+    return None
 
 
 class Completions:
@@ -116,15 +244,17 @@ class Completions:
         self.latency = engine.latency
         self.metrics = engine.metrics
         self.tpot_s = engine.latency.tpot_s
-        self._plans = (Plans(), Plans())  # [chat]
-        self._session: aiohttp.ClientSession | None = None
+        self._plans = (Plans(), Plans())  # [chat]: plain requests, by body
+        self._legs = (Plans(), Plans())  # [chat]: PD legs, by Cut.key
+        self.leg_hits = 0  # PD legs served from a kept plan (tests look)
+        self._pool: Pool | None = None
         self._ids = itertools.count(1)
         prefix = uuid.uuid4().hex[:8]
         self._rid_prefix = (f"cmpl-{prefix}".encode(), f"chatcmpl-{prefix}".encode())  # [chat]
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     async def handle(self, chat: bool, request: Request, out: Responder) -> None:
         faults = self.faults
@@ -138,20 +268,48 @@ class Completions:
                 if fault == "error":
                     raise OpenAIError(faults.status, "injected fault", "server_error", faults.status)
         body = request.body
-        plans = self._plans[chat]
-        plan = plans.get(body) if fault is None else None
+        plan: Plan | None = None
+        cut: Cut | None = None
+        key: tuple[str, str, str, str] | None = None
+        kv: Any = None  # this request's kv_transfer_params, for a vLLM decode leg
+        rooms: list[Bootstrap] = []  # this request's rooms, for an SGLang leg
+        if fault is None and len(body) <= PLAN_MAX_BODY:
+            plan = self._plans[chat].get(body)
+            if plan is not None:
+                if plan.side is not None:  # a vLLM prefill leg kept whole
+                    self.leg_hits += 1
+            else:
+                cut = cut_handoff(body)
+                if cut is not None:
+                    kind = _kv_side(cut.value) if cut.field == _KV else "room"
+                    if kind is not None and (kind != "room" or type(cut.value) is int):
+                        key = cut.key(kind)
+                        plan = self._legs[chat].get(key)
+                        if plan is not None:
+                            self.leg_hits += 1
+                            if plan.proto == "sglang":
+                                b = plan.req.bootstrap[0]
+                                rooms = [Bootstrap(b.host, b.port, cut.value)]
+                            elif plan.side == "decode":
+                                kv = cut.value
+                            elif plan.last_body == body:
+                                # A prefill leg's kv_transfer_params only says "prefill": a body
+                                # that keeps coming back whole is then kept whole (no cut).
+                                self._plans[chat].put(body, len(body), plan)
+                            else:
+                                plan.last_body = body
         if plan is None:
             plan = self._plan(body, chat, fault)
-            if fault is None and plan.side is None and (not plan.req.stream or self.tpot_s <= 0):
-                plan.template = _template(self._render(plan, _RID, _CREATED, None))
-                plans.put(body, plan)
+            kv, rooms = plan.req.kv_params, plan.req.bootstrap
+            if fault is None and (not plan.req.stream or self.tpot_s <= 0):
+                self._keep(plan, chat, body, cut, key)
         if fault == "disconnect" and not plan.req.stream:
             out.abort()  # before any byte of the answer
             return
         if (
             plan.side == "decode"
             and plan.proto == "sglang"
-            and any(b.host is None or b.port is None for b in plan.req.bootstrap)
+            and any(b.host is None or b.port is None for b in rooms)
         ):
             raise OpenAIError(
                 400, "a decode leg needs bootstrap_host and bootstrap_port", "invalid_request_error"
@@ -161,9 +319,35 @@ class Completions:
         if not slots.try_acquire():
             await slots.acquire()
         try:
-            await self._serve(out, plan, fault, arrived)
+            await self._serve(out, plan, fault, arrived, kv, rooms)
         finally:
             slots.release()
+
+    def _keep(
+        self, plan: Plan, chat: bool, body: bytes, cut: Cut | None, key: tuple[str, str, str, str] | None
+    ) -> None:
+        """Keep a fresh plan for the requests that repeat it: a plain one by its body, a PD leg
+        by its cut body when the cut is sure to be the leg's only per-request part."""
+        if plan.side is None:
+            plan.template = _template(self._render(plan, _RID, _CREATED, None), False)
+            self._plans[chat].put(body, len(body), plan)
+            return
+        if cut is None or key is None:
+            return
+        if plan.proto == "sglang":
+            if cut.field != _ROOM or len(plan.req.bootstrap) != 1:
+                return
+            b = plan.req.bootstrap[0]
+            if plan.side == "decode" and (b.host is None or b.port is None):
+                return
+        elif cut.field != _KV or key[1] != plan.side:
+            return
+        if not cut.verified():
+            return
+        hole = plan.side == "prefill" and plan.proto == "vllm"
+        extra = {_KV: _HOLE} if hole else None
+        plan.template = _template(self._render(plan, _RID, _CREATED, extra), hole)
+        self._legs[chat].put(key, len(body), plan)
 
     def _plan(self, body: bytes, chat: bool, fault: str | None) -> Plan:
         try:
@@ -214,28 +398,36 @@ class Completions:
                 gens.append(generate(seed ^ (j * 0x9E3779B1), n_tokens, answer, req.top_k, garbled))
         return gens
 
-    async def _serve(self, out: Responder, plan: Plan, fault: str | None, arrived: float) -> None:
+    async def _serve(
+        self,
+        out: Responder,
+        plan: Plan,
+        fault: str | None,
+        arrived: float,
+        kv: Any,
+        rooms: list[Bootstrap],
+    ) -> None:
         engine, m, side = self.engine, self.metrics, plan.side
         if side == "decode":
             if plan.proto == "sglang":
                 try:
-                    await self._await_rooms(plan.req)
+                    await self._await_rooms(rooms)
                 except pd.RoomTimeout as exc:
                     m.bootstrap_timeouts += 1
-                    log.warn("bootstrap_timeout", rooms=[b.room for b in plan.req.bootstrap])
+                    log.warn("bootstrap_timeout", rooms=[b.room for b in rooms])
                     raise OpenAIError(504, str(exc), "server_error", "bootstrap_timeout") from None
             else:
-                known = engine.tickets.redeem((plan.req.kv_params or {}).get("remote_request_id"))
+                known = engine.tickets.redeem((kv or {}).get("remote_request_id"))
                 m.tickets["known" if known else "unknown"] += 1
         if plan.first_s > 0:
             await asyncio.sleep(plan.first_s)
-        extra: dict[str, Any] | None = None
+        ticket: bytes | None = None
         if side == "prefill":
             if plan.proto == "vllm":
-                extra = {"kv_transfer_params": engine.ticket(plan.prompt_tokens)}
+                ticket = engine.ticket_json(plan.prompt_tokens)
             elif engine.rendezvous is not None:
-                for b in plan.req.bootstrap:
-                    engine.rendezvous.register(b.room, {"prompt_tokens": plan.prompt_tokens})
+                for b in rooms:
+                    engine.rendezvous.register_prefill(b.room, plan.prompt_tokens)
         m.ttft.observe(engine.loop.time() - arrived)
         if side is not None and plan.proto is not None:
             m.legs[(side, plan.proto)] += 1
@@ -243,11 +435,11 @@ class Completions:
         created = int(time.time())
         try:
             if plan.req.stream:
-                await self._stream(out, plan, rid, created, extra, fault)
+                await self._stream(out, plan, rid, created, ticket, fault)
             else:
                 if plan.decode_s > 0:
                     await asyncio.sleep(plan.decode_s)
-                out.send(200, self._answer(plan, rid, created, extra))
+                out.send(200, self._answer(plan, rid, created, ticket))
         except ConnectionResetError:
             # The client went away: what vLLM counts as an aborted request.
             m.success["abort"] += 1
@@ -270,11 +462,10 @@ class Completions:
             return prelude + b"".join(steps) + tail
         return full_response(req, rid, created, plan.model, plan.gens, "length", extra)
 
-    def _answer(self, plan: Plan, rid: bytes, created: int, extra: dict[str, Any] | None) -> bytes:
-        if plan.template is not None and extra is None:
-            head, parts = plan.template
-            return (head % (rid, created)).join(parts)
-        return self._render(plan, rid.decode(), created, extra)
+    def _answer(self, plan: Plan, rid: bytes, created: int, ticket: bytes | None) -> bytes:
+        if plan.template is not None:
+            return plan.template.render(rid, created, ticket)
+        return self._render(plan, rid.decode(), created, _extra(ticket))
 
     async def _stream(
         self,
@@ -282,17 +473,17 @@ class Completions:
         plan: Plan,
         rid: bytes,
         created: int,
-        extra: dict[str, Any] | None,
+        ticket: bytes | None,
         fault: str | None,
     ) -> None:
         tpot = self.tpot_s
         out.start(200, SSE_CT, SSE_HEADERS)
         if tpot <= 0 and fault != "disconnect":
             # Nothing to pace: every event in one chunk (the head goes out with it).
-            out.end(self._answer(plan, rid, created, extra))  # head, events and end: one write
+            out.end(self._answer(plan, rid, created, ticket))  # head, events and end: one write
             return
         prelude, steps, tail = stream_chunks(
-            plan.req, rid.decode(), created, plan.model, plan.gens, "length", extra
+            plan.req, rid.decode(), created, plan.model, plan.gens, "length", _extra(ticket)
         )
         await out.write(prelude + steps[0])
         if fault == "disconnect":
@@ -305,14 +496,20 @@ class Completions:
             await out.write(step)
         out.end(tail)
 
-    async def _await_rooms(self, req: ParsedRequest) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        session = self._session
+    async def _await_rooms(self, rooms: list[Bootstrap]) -> None:
+        if self._pool is None:
+            self._pool = Pool(connect_timeout_s=pd.CONNECT_TIMEOUT_S)
+        pool = self._pool
         timeout = self.cfg.bootstrap_timeout_s
+        if len(rooms) == 1:
+            b = rooms[0]
+            await pd.wait_for_room(pool, str(b.host), int(b.port or 0), b.room, timeout)
+            return
         await asyncio.gather(
-            *(
-                pd.wait_for_room(session, str(b.host), int(b.port or 0), b.room, timeout)
-                for b in req.bootstrap
-            )
+            *(pd.wait_for_room(pool, str(b.host), int(b.port or 0), b.room, timeout) for b in rooms)
         )
+
+
+def _extra(ticket: bytes | None) -> dict[str, Any] | None:
+    """A prefill's ticket as the answer's extra field, for answers rendered in full."""
+    return None if ticket is None else {_KV: json.loads(ticket)}

@@ -30,7 +30,8 @@ class RequestError(ValueError):
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as every answer body is spelled."""
     return _ENCODE(obj).encode()
 
 
@@ -211,7 +212,7 @@ def full_response(
     }
     if extra:
         body.update(extra)
-    return _dumps(body)
+    return dumps(body)
 
 
 def stream_chunks(
@@ -237,7 +238,7 @@ def stream_chunks(
         }
         if more:
             chunk.update(more)
-        return b"data: " + _dumps(chunk) + b"\n\n"
+        return b"data: " + dumps(chunk) + b"\n\n"
 
     prelude = b""
     if req.chat:

@@ -17,20 +17,22 @@ arrive first. Protocol (bootstrap port):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
+import os
 import time
-import uuid
+from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-import aiohttp
-
 from services.common.http_errors import OpenAIError
+from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
 from services.common.httpserver import Handler, Request, Responder, method_not_allowed, not_found
 
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0
+CONNECT_TIMEOUT_S = 5.0  # a decode's connect to a bootstrap server (also bounded by its deadline)
 
 
 class TicketStore:
@@ -39,29 +41,42 @@ class TicketStore:
     def __init__(self, ttl_s: float = 300.0, max_size: int = 100_000) -> None:
         self._ttl_s = ttl_s
         self._max_size = max_size
-        self._tickets: dict[str, float] = {}
+        # An OrderedDict: a plain dict whose oldest entries keep being deleted makes finding the
+        # oldest one a walk over their tombstones (prefill engines never see their tickets
+        # redeemed, so theirs is always full).
+        self._tickets: OrderedDict[str, float] = OrderedDict()
         self._next_block = 0
+        # Ticket ids: 32 hex digits like a uuid4's, a random half for this process and a count
+        # (unique without the cost of a uuid per prefill leg).
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count(int.from_bytes(os.urandom(4), "big"))
 
     def issue(self, prompt_tokens: int) -> tuple[str, list[int]]:
+        ticket, start, n = self.issue_range(prompt_tokens)
+        return ticket, list(range(start, start + n))
+
+    def issue_range(self, prompt_tokens: int) -> tuple[str, int, int]:
+        """A new ticket and its blocks as (first block, count)."""
         now = time.monotonic()
         self._expire(now)
-        ticket = uuid.uuid4().hex
+        ticket = f"{self._prefix}{next(self._count) & 0xFFFFFFFFFFFFFFFF:016x}"
         n = max(1, math.ceil(prompt_tokens / BLOCK_SIZE))
         start = self._next_block
         self._next_block = (start + n) % (1 << 31)
         self._tickets[ticket] = now
-        return ticket, list(range(start, start + n))
+        return ticket, start, n
 
     def redeem(self, ticket: object) -> bool:
         return isinstance(ticket, str) and self._tickets.pop(ticket, None) is not None
 
     def _expire(self, now: float) -> None:
-        # dicts keep insertion order, so the oldest tickets are first.
-        while self._tickets:
-            oldest = next(iter(self._tickets))
-            if len(self._tickets) < self._max_size and now - self._tickets[oldest] < self._ttl_s:
+        # Insertion order: the oldest tickets are first.
+        tickets = self._tickets
+        while tickets:
+            oldest = next(iter(tickets))
+            if len(tickets) < self._max_size and now - tickets[oldest] < self._ttl_s:
                 break
-            del self._tickets[oldest]
+            tickets.popitem(last=False)
 
 
 class RoomTimeout(Exception):
@@ -69,16 +84,30 @@ class RoomTimeout(Exception):
 
 
 class Rendezvous:
-    """The prefill side of the SGLang bootstrap: rooms registered by finished prefills."""
+    """The prefill side of the SGLang bootstrap: rooms registered by finished prefills.
+
+    A room is kept as the bytes its GET answers (JSON of {"room", "engine_id", ...info})."""
 
     def __init__(self, engine_id: str, ttl_s: float = 300.0) -> None:
         self.engine_id = engine_id
         self._ttl_s = ttl_s
-        self._rooms: dict[int, tuple[float, dict[str, Any]]] = {}
-        self._waiters: dict[int, list[asyncio.Future[dict[str, Any]]]] = {}
+        self._rooms: dict[int, tuple[float, bytes]] = {}
+        self._waiters: dict[int, list[asyncio.Future[bytes]]] = {}
+        # What register_prefill answers, as json.dumps spells it: the same bytes, no encoder run.
+        self._prefill_fmt = (
+            b'{"room": %d, "engine_id": '
+            + json.dumps(engine_id).encode().replace(b"%", b"%%")
+            + b', "prompt_tokens": %d}'
+        )
 
     def register(self, room: int, info: dict[str, Any]) -> None:
-        info = {"room": room, "engine_id": self.engine_id, **info}
+        self._fill(room, json.dumps({"room": room, "engine_id": self.engine_id, **info}).encode())
+
+    def register_prefill(self, room: int, prompt_tokens: int) -> None:
+        """What a finished prefill leg registers: its prompt's token count."""
+        self._fill(room, self._prefill_fmt % (room, prompt_tokens))
+
+    def _fill(self, room: int, info: bytes) -> None:
         waiters = self._waiters.pop(room, None)
         if waiters:
             for fut in waiters:
@@ -94,17 +123,19 @@ class Rendezvous:
             del self._rooms[oldest]
         self._rooms[room] = (now, info)
 
-    async def wait(self, room: int, timeout_s: float) -> dict[str, Any]:
+    async def wait(self, room: int, timeout_s: float) -> bytes:
+        """The room's info (JSON bytes) once registered; RoomTimeout after ``timeout_s``."""
         found = self._rooms.pop(room, None)
         if found is not None:
             return found[1]
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bytes] = loop.create_future()
         self._waiters.setdefault(room, []).append(fut)
+        timer = loop.call_later(timeout_s, _time_out, fut, room, timeout_s)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            raise RoomTimeout(f"bootstrap room {room} was not registered within {timeout_s:g} s") from None
+            return await fut
         finally:
+            timer.cancel()
             waiters = self._waiters.get(room)
             if waiters is not None and fut in waiters:
                 waiters.remove(fut)
@@ -137,16 +168,20 @@ class Rendezvous:
         return dispatch
 
     async def _get_room(self, room: int, req: Request, out: Responder) -> None:
-        query = parse_qs(req.query, keep_blank_values=True)
+        q = req.query
+        if q.startswith("timeout_s=") and not any(c in q for c in "&;%+"):
+            raw = q[len("timeout_s=") :]  # what every decode sends: no need for parse_qs
+        else:
+            raw = parse_qs(q, keep_blank_values=True).get("timeout_s", ["30"])[0]
         try:
-            timeout_s = min(MAX_POLL_S, max(0.0, float(query.get("timeout_s", ["30"])[0])))
+            timeout_s = min(MAX_POLL_S, max(0.0, float(raw)))
         except ValueError:
             raise _room_error(400, "timeout_s must be a number", "invalid_timeout") from None
         try:
             info = await self.wait(room, timeout_s)
         except RoomTimeout as exc:
             raise _room_error(408, str(exc), "bootstrap_timeout") from None
-        out.send(200, json.dumps(info).encode())
+        out.send(200, info)
 
     def _post_room(self, room: int, req: Request, out: Responder) -> None:
         info: Any = {}
@@ -176,17 +211,21 @@ def parse_room(value: object) -> int | None:
     return None
 
 
-async def wait_for_room(
-    session: aiohttp.ClientSession, host: str, port: int, room: int, timeout_s: float
-) -> dict[str, Any]:
-    """Decode side: wait until the prefill engine at host:port registered `room`.
+def _time_out(fut: asyncio.Future[bytes], room: int, timeout_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(RoomTimeout(f"bootstrap room {room} was not registered within {timeout_s:g} s"))
 
-    Connection failures are retried until the deadline: the prefill engine may still be
-    starting, and the router sends both legs at once."""
+
+async def wait_for_room(pool: Pool, host: str, port: int, room: int, timeout_s: float) -> bytes:
+    """Decode side: wait until the prefill engine at host:port registered `room`; its info (JSON).
+
+    The long polls go over ``pool``'s keep-alive connections. Connection failures are retried
+    until the deadline: the prefill engine may still be starting, and the router sends both
+    legs at once."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    url = f"http://{netloc}/room/{room}"
+    path = b"/room/%d?timeout_s=" % room
     delay = 0.02
     last_error = ""
     while True:
@@ -194,20 +233,23 @@ async def wait_for_room(
         if remaining <= 0:
             break
         try:
-            async with session.get(
-                url,
-                params={"timeout_s": f"{remaining:.3f}"},
-                timeout=aiohttp.ClientTimeout(total=remaining + 1.0),
-            ) as resp:
-                if resp.status == 200:
-                    info: dict[str, Any] = await resp.json()
-                    return info
-                if resp.status == 408:
-                    break
-                last_error = f"bootstrap server answered HTTP {resp.status}"
-        except TimeoutError:
+            # The client's own deadline is a second past the server's, as the server answers
+            # 408 itself at its end.
+            resp = await pool.request(
+                host, port, b"GET", path + b"%.3f" % remaining, headers=b"", deadline=deadline + 1.0
+            )
+            try:
+                info = await resp.read(deadline + 1.0)
+            finally:
+                resp.release()
+            if resp.status == 200:
+                return info
+            if resp.status == 408:
+                break
+            last_error = f"bootstrap server answered HTTP {resp.status}"
+        except UpstreamTimeout:
             break
-        except aiohttp.ClientError as exc:
+        except (Refused, Disconnected, OSError, ValueError) as exc:  # ValueError: a host IDNA refuses
             last_error = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
         delay = min(delay * 2, 0.5)
