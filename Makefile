@@ -74,7 +74,7 @@ system-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check services tests bench tools
 	$(BIN)/ruff format --check services tests bench tools
-	$(BIN)/mypy services
+	$(BIN)/mypy services bench
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against protos/baseline.binpb
 
