@@ -143,7 +143,8 @@ async def serve_aiohttp(host: str, port: int, prefill: str, decode: str, codec: 
 
 async def serve_protocols(host: str, port: int, prefill: str, decode: str, codec: Codec) -> None:
     from services.common.httpclient import Pool
-    from services.common.httpserver import HttpServer, Request, Responder, route_table
+    from services.common.httpmessages import Request, Responder, route_table
+    from services.common.httpserver import HttpServer
 
     pool = Pool(connect_timeout_s=5.0)
     p, d = urlsplit(prefill), urlsplit(decode)

@@ -17,127 +17,20 @@ import collections
 import contextlib
 import ssl
 import time
-from collections.abc import Awaitable, Callable
-from http import HTTPStatus
+from collections.abc import Callable
 from typing import cast
 
 import httptools
 
 from services.common import log
 from services.common.http_errors import INTERNAL_MESSAGE, OpenAIError
+from services.common.httpmessages import Handler, Request, Responder
 
 MAX_HEADER_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 75.0  # keep-alive connections with nothing in flight (nginx's default)
 READ_TIMEOUT_S = 60.0  # a request whose head or body does not arrive (slowloris)
 SWEEP_S = 5.0
 PIPELINE_MAX = 16  # parsed requests waiting behind the current one before reading pauses
-
-JSON_CT = b"application/json"
-
-_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-
-
-def status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-
-
-_STATUS_LINES = {s: status_line(s) for s in _REASONS}
-
-
-class Request:
-    """One complete request. Header names are lower-case bytes, values bytes."""
-
-    __slots__ = ("body", "headers", "keep_alive", "method", "path", "peer", "query")
-
-    def __init__(
-        self,
-        method: str,
-        path: str,
-        query: str,
-        headers: dict[bytes, bytes],
-        body: bytes,
-        keep_alive: bool,
-        peer: str,
-    ) -> None:
-        self.method = method
-        self.path = path
-        self.query = query
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.peer = peer
-
-    def header(self, name: bytes) -> str | None:
-        value = self.headers.get(name)
-        return value.decode("latin-1") if value is not None else None
-
-
-Headers = list[tuple[str, str]] | None
-
-
-def _head(status: int, headers: Headers, extra: bytes) -> bytes:
-    line = _STATUS_LINES.get(status) or status_line(status)
-    if headers:
-        extra += b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
-    return line + extra
-
-
-class Responder:
-    """How a handler answers: :meth:`send` once, or :meth:`start` then :meth:`write`..."""
-
-    __slots__ = ("_conn", "close_after", "finished", "started", "status")
-
-    def __init__(self, conn: _Connection, close: bool) -> None:
-        self._conn = conn
-        self.close_after = close
-        self.started = False
-        self.finished = False
-        self.status = 0
-
-    def send(self, status: int, body: bytes, content_type: bytes = JSON_CT, headers: Headers = None) -> None:
-        """The whole answer in one write."""
-        if self.started:
-            raise RuntimeError("response already started")
-        self.started = self.finished = True
-        self.status = status
-        conn = b"Connection: close\r\n" if self.close_after else b""
-        extra = b"Content-Type: %s\r\nContent-Length: %d\r\n%s" % (content_type, len(body), conn)
-        self._conn.write(_head(status, headers, extra) + b"\r\n" + body)
-
-    def error(self, err: OpenAIError) -> None:
-        headers = list(err.headers.items()) if err.headers else None
-        self.send(err.status, err.body(), JSON_CT, headers)
-
-    def start(self, status: int, content_type: bytes, headers: Headers = None) -> None:
-        """Begin a chunked answer; the head goes out with the first chunk."""
-        if self.started:
-            raise RuntimeError("response already started")
-        self.started = True
-        self.status = status
-        conn = b"Connection: close\r\n" if self.close_after else b""
-        extra = b"Content-Type: %s\r\nTransfer-Encoding: chunked\r\n%s" % (content_type, conn)
-        self._conn.pending_head = _head(status, headers, extra) + b"\r\n"
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
-            await self._conn.drain()
-
-    def abort(self) -> None:
-        """Drop the connection without finishing the answer (the client sees it cut)."""
-        self.finished = True
-        self.close_after = True
-        self._conn.abort()
-
-    def end(self, data: bytes = b"") -> None:
-        """Finish a chunked answer, with its last ``data`` in the same write."""
-        if not self.finished:
-            self.finished = True
-            last = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
-            self._conn.write(last + b"0\r\n\r\n")
-
-
-Handler = Callable[[Request, Responder], Awaitable[None]]
 
 
 class _Connection(asyncio.Protocol):
@@ -454,36 +347,3 @@ class HttpServer:
         for s in self._servers:
             await s.wait_closed()
         await asyncio.sleep(0)  # connection_lost callbacks run, handler tasks see their cancel
-
-
-def not_found(req: Request) -> OpenAIError:
-    return OpenAIError(404, f"no route {req.method} {req.path}", "invalid_request_error", "unknown_route")
-
-
-def method_not_allowed(req: Request, allow: str) -> OpenAIError:
-    return OpenAIError(
-        405,
-        f"method {req.method} is not allowed on {req.path}",
-        "invalid_request_error",
-        "method_not_allowed",
-        headers={"Allow": allow},
-    )
-
-
-def route_table(routes: dict[tuple[str, str], Handler]) -> Handler:
-    """One handler dispatching on (method, path): 404 for an unknown path, 405 for a method
-    the path does not take (with ``Allow``)."""
-    by_path: dict[str, dict[str, Handler]] = {}
-    for (method, path), h in routes.items():
-        by_path.setdefault(path, {})[method] = h
-
-    async def dispatch(req: Request, resp: Responder) -> None:
-        methods = by_path.get(req.path)
-        if methods is None:
-            raise not_found(req)
-        h = methods.get(req.method)
-        if h is None:
-            raise method_not_allowed(req, ", ".join(sorted(methods)))
-        await h(req, resp)
-
-    return dispatch

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from services.common.config import CoordinatorConfig, read_private_file
 from services.common.http_errors import OpenAIError, model_not_found
-from services.common.httpserver import Handler, Request, Responder, route_table
+from services.common.httpmessages import Handler, Request, Responder, route_table
 from services.coordinator.admission import Admission
 from services.coordinator.bodies import BadBody, estimate_tokens, parse_request
 from services.coordinator.metrics import Metrics

@@ -22,7 +22,7 @@ from services.common import log
 from services.common.enums import PD_SGLANG, ROLE_NAMES
 from services.common.http_errors import OpenAIError
 from services.common.httpclient import Response
-from services.common.httpserver import Responder
+from services.common.httpmessages import Responder
 from services.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
 from services.coordinator.policies import Policy
 from services.coordinator.precision.groups import Completed

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from services.common import log
 from services.common.http_errors import OpenAIError
 from services.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
-from services.common.httpserver import JSON_CT, Responder
+from services.common.httpmessages import JSON_CT, Responder
 from services.coordinator.bodies import SseFilter, strip_kv
 from services.coordinator.metrics import Metrics
 from services.coordinator.routes import Upstream

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.common import log
 from services.common.http_errors import OpenAIError
-from services.common.httpserver import Handler, Request, Responder, route_table
+from services.common.httpmessages import Handler, Request, Responder, route_table
 from services.simengine import pd
 from services.simengine.completion import Completions, hang
 from services.simengine.config import EngineConfig

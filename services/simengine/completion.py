@@ -32,7 +32,7 @@ import orjson
 from services.common import log
 from services.common.http_errors import OpenAIError, model_not_found
 from services.common.httpclient import Pool
-from services.common.httpserver import Request, Responder
+from services.common.httpmessages import Request, Responder
 from services.simengine import pd
 from services.simengine.generation import Generated, generate, known_answer, seed_of
 from services.simengine.openai_api import (

@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, unquote
 
 from services.common.http_errors import OpenAIError
 from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
-from services.common.httpserver import Handler, Request, Responder, method_not_allowed, not_found
+from services.common.httpmessages import Handler, Request, Responder, method_not_allowed, not_found
 
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0

@@ -12,7 +12,8 @@ import signal
 import sys
 
 from services.common import log
-from services.common.httpserver import Handler, HttpServer
+from services.common.httpmessages import Handler
+from services.common.httpserver import HttpServer
 from services.simengine import app
 from services.simengine.app import Engine
 from services.simengine.config import EngineConfig
