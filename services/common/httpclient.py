@@ -274,9 +274,6 @@ class Pool:
         if idle and conn in idle:
             idle.remove(conn)
 
-    def idle_count(self) -> int:
-        return sum(len(v) for v in self._idle.values())
-
     async def _connect(self, key: tuple[str, int], deadline: float) -> _Conn:
         """A new connection (rare: the pool keeps them), bounded by the connect timeout and
         the caller's deadline, whichever comes first."""

@@ -57,10 +57,6 @@ class Request:
         self.keep_alive = keep_alive
         self.peer = peer
 
-    def header(self, name: bytes) -> str | None:
-        value = self.headers.get(name)
-        return value.decode("latin-1") if value is not None else None
-
 
 Headers = list[tuple[str, str]] | None
 

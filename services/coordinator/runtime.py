@@ -73,11 +73,6 @@ class Coordinator:
     def grpc_address(self) -> str:
         return self.server.address
 
-    @property
-    def breaker(self) -> Breaker:
-        assert self.inference is not None or self._breaker is not None
-        return self.inference.breaker if self.inference is not None else self._breaker  # type: ignore[return-value]
-
     async def start(self) -> None:
         """Bind both servers, then log the one ``event=listening`` line. HTTP binds first: its
         port is the one most likely to be taken, and failing before gRPC started stops at once."""
