@@ -36,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.bench_router import body
 from bench.loadgen import peers, wrk
 from bench.loadgen.harness import CLK_TCK, Proc, machine, system_cpu, wait_quiet
 from bench.loadgen.stack_proxy import STACKS
@@ -55,15 +56,6 @@ HOW = {
     "protocols-uvloop": "the same on uvloop (`asyncio.Runner(loop_factory=uvloop.new_event_loop)`)",
     "protocols-uvloop-orjson": "the same with orjson (what Motor runs)",
 }
-
-
-def body(stream: bool) -> dict[str, object]:
-    b: dict[str, object] = {
-        "model": peers.MODEL,
-        "messages": [{"role": "user", "content": "Say something short."}],
-        "max_tokens": 16,
-    }
-    return {**b, "stream": True} if stream else b
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -23,6 +23,7 @@ from services.simengine import app as sim_app
 from services.simengine.completion import cut_handoff
 from services.simengine.config import EngineConfig
 from services.simengine.openai_api import dumps
+from tests.simengine.test_sim_pd import PREFILL_KV
 
 from .conftest import metric
 
@@ -32,14 +33,6 @@ CLIENT = {
     "model": "motor-sim",
     "messages": [{"role": "user", "content": "What is 6 x 7? Answer briefly."}],
     "max_tokens": 12,
-}
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 
 
