@@ -89,7 +89,7 @@ class InferenceApp:
         status: dict[str, object] = {"status": "ok"}
         if worker is not None:
             status["worker"] = worker
-        self._health = json.dumps(status).encode()
+        self._health = json.dumps(status, separators=(",", ":")).encode()
         self._router = router
         self._metrics = metrics
         self._keys = keys
