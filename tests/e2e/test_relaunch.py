@@ -25,9 +25,10 @@ MESSAGES = [{"role": "user", "content": "Keep going while an engine dies."}]
 
 
 class Load:
-    """Non-streaming chat completions, one after another, until stopped (bounded)."""
+    """Non-streaming chat completions, one after another at most every 20 ms (so the engines'
+    logs stay small and ``limit`` lasts minutes, however fast the router is), until stopped."""
 
-    def __init__(self, base_url: str, limit: int = 2000) -> None:
+    def __init__(self, base_url: str, limit: int = 6000) -> None:
         self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
         self.limit = limit
         self.ok = 0
@@ -43,6 +44,7 @@ class Load:
                 self.ok += 1
             except Exception as exc:
                 self.failed.append(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(0.02)
 
     def __enter__(self) -> Load:
         self._thread.start()
