@@ -20,7 +20,7 @@ import pytest
 from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import UNION
-from tests.coordinator.conftest import MODEL, Engine, Running, SpawnEngines, StartCoordinator, instance
+from tests.coordinator.conftest import MODEL, Engine, Running, SpawnEngines, StartCoordinator, instance, until
 from tests.http import ERROR_FIELDS
 
 TTFT_MS = 500
@@ -148,10 +148,7 @@ async def test_the_queue_is_first_in_first_out(start_coordinator: StartCoordinat
         for i in range(4):
             tasks.append(asyncio.create_task(one(s, i)))
             # Each one in line before the next is sent: arrival order is known.
-            deadline = time.monotonic() + 5
-            while admission.active + admission.queued < i + 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.005)
+            await until(lambda n=i + 1: admission.active + admission.queued >= n, timeout=5, every=0.005)
         await asyncio.gather(*tasks)
     assert done == [0, 1, 2, 3]
 

@@ -32,6 +32,7 @@ from tests.coordinator.conftest import (
     legs,
     running,
     set_table,
+    until,
 )
 
 SG = c.ENGINE_TYPE_SGLANG
@@ -44,18 +45,6 @@ PROMPT = "Tell me a story about a lighthouse keeper."
 async def _upstream_errors(http: aiohttp.ClientSession, coord: Running) -> dict[str, float]:
     text = await get_text(http, f"http://{coord.http}/metrics")
     return {f"{role}/{kind}": float(n) for kind, role, n in UPSTREAM_ERRORS.findall(text)}
-
-
-async def _eventually(cond: Any, timeout: float, what: str, every: float = 0.02) -> None:  # noqa: ASYNC109
-    deadline = time.monotonic() + timeout
-    while True:
-        ok = cond()
-        if asyncio.iscoroutine(ok):
-            ok = await ok
-        if ok:
-            return
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        await asyncio.sleep(every)
 
 
 class Answer:
@@ -137,10 +126,7 @@ class NoLeaks:
         return out
 
     async def check(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
-        deadline = time.monotonic() + timeout
-        while problems := self.problems():
-            assert time.monotonic() < deadline, f"left behind after {timeout} s: {problems}"
-            await asyncio.sleep(0.02)
+        await until(lambda: not self.problems(), timeout=timeout, what="nothing left behind")
 
 
 async def _warm(coord: Running) -> None:
@@ -185,7 +171,7 @@ async def test_decode_killed_during_prefill_is_retried_on_another_pair(
     before_p, before_d2 = await legs(http, e["p"]), await legs(http, e["d2"])
 
     request = asyncio.create_task(_complete(coord, stream=stream))
-    await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
+    await until(lambda: running(http, e["p"]), timeout=10, what="the prefill leg running")
     e["d1"].proc.kill()  # SIGKILL while the prefill is under way
     answer = await asyncio.wait_for(request, 15)
 
@@ -215,7 +201,7 @@ async def test_only_decode_killed_during_prefill_is_502(
     before_p = await legs(http, e["p"])
 
     request = asyncio.create_task(_complete(coord))
-    await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
+    await until(lambda: running(http, e["p"]), timeout=10, what="the prefill leg running")
     e["d"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
 
@@ -261,8 +247,8 @@ async def test_sglang_prefill_killed_while_decode_waits_on_its_room(
     leaks = NoLeaks(coord)
 
     request = asyncio.create_task(_complete(coord, stream=True))
-    await _eventually(lambda: running(http, e["p1"]), 10, "the prefill leg running")
-    await _eventually(lambda: running(http, e["d"]), 10, "the decode leg waiting on its room")
+    await until(lambda: running(http, e["p1"]), timeout=10, what="the prefill leg running")
+    await until(lambda: running(http, e["d"]), timeout=10, what="the decode leg waiting on its room")
     e["p1"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
     # Well within every deadline: no decode leg waits on a room that will never fill.
@@ -275,7 +261,7 @@ async def test_sglang_prefill_killed_while_decode_waits_on_its_room(
         err = _error_of(answer, 502, "upstream_unreachable")
         assert "prefill" in err["message"]
     # The decode engine is not left with a leg waiting: its one slot is free again...
-    await _eventually(lambda: _idle(http, e["d"]), 5, "the decode engine's waiting leg to end")
+    await until(lambda: _idle(http, e["d"]), timeout=5, what="the decode engine's waiting leg to end")
     await leaks.check()
     if spare_prefill:
         # ...and the next request is served at once.
@@ -301,7 +287,7 @@ async def test_sglang_decode_killed_while_waiting_cancels_its_prefill_and_retrie
     before_p, before_d2 = await legs(http, e["p"]), await legs(http, e["d2"])
 
     request = asyncio.create_task(_complete(coord))
-    await _eventually(lambda: running(http, e["d1"]), 10, "the decode leg waiting on its room")
+    await until(lambda: running(http, e["d1"]), timeout=10, what="the decode leg waiting on its room")
     e["d1"].proc.kill()
     answer = await asyncio.wait_for(request, 15)
 
@@ -310,7 +296,7 @@ async def test_sglang_decode_killed_while_waiting_cancels_its_prefill_and_retrie
     # filled for nobody); the retry's pair did the work.
     assert (await legs(http, e["p"]))["prefill/sglang"] - before_p["prefill/sglang"] == 1
     assert (await legs(http, e["d2"]))["decode/sglang"] - before_d2["decode/sglang"] == 1
-    await _eventually(lambda: _idle(http, e["p"]), 5, "the prefill engine idle")
+    await until(lambda: _idle(http, e["p"]), timeout=5, what="the prefill engine idle")
     await leaks.check()
 
 
@@ -331,7 +317,7 @@ async def test_sglang_prefill_error_ends_the_decode_wait(
         answer = await asyncio.wait_for(_complete(coord, stream=stream), 15)
         assert answer.status == 500, answer.body  # the engine's own answer passes through
         assert answer.json()["error"]["message"] == "injected fault"
-    await _eventually(lambda: _idle(http, e["d"]), 5, "the decode legs waiting on rooms to end")
+    await until(lambda: _idle(http, e["d"]), timeout=5, what="the decode legs waiting on rooms to end")
     await leaks.check()
 
 
@@ -361,14 +347,14 @@ async def test_client_leaving_during_the_prefill_cancels_both_legs(
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
     request = asyncio.create_task(session.post(f"http://{coord.http}/v1/completions", json=body))
     try:
-        await _eventually(lambda: running(http, e["p"]), 10, "the prefill leg running")
+        await until(lambda: running(http, e["p"]), timeout=10, what="the prefill leg running")
         if protocol == "sglang":
-            await _eventually(lambda: running(http, e["d"]), 10, "the decode leg waiting")
+            await until(lambda: running(http, e["d"]), timeout=10, what="the decode leg waiting")
     finally:
         request.cancel()
         await session.close()  # the client goes away
-    await _eventually(lambda: _idle(http, e["p"]), 5, "the prefill leg to stop")
-    await _eventually(lambda: _idle(http, e["d"]), 5, "the decode leg to stop")
+    await until(lambda: _idle(http, e["p"]), timeout=5, what="the prefill leg to stop")
+    await until(lambda: _idle(http, e["d"]), timeout=5, what="the decode leg to stop")
     await leaks.check()
     await asyncio.sleep(1.2)  # past the prefill's own time: a leg left running would be counted
     assert await legs(http, e["p"]) == before["p"]
@@ -404,7 +390,7 @@ async def test_hung_prefill_is_504_naming_prefill_timeout(
     assert answer.elapsed < 1 + 5
     if protocol == "sglang":
         # The decode leg waiting for the hung prefill's room was cancelled with it.
-        await _eventually(lambda: _idle(http, e["d"]), 5, "the SGLang decode leg to end")
+        await until(lambda: _idle(http, e["d"]), timeout=5, what="the SGLang decode leg to end")
     await leaks.check()
 
 
@@ -509,13 +495,13 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         clients = [asyncio.create_task(client(s)) for _ in range(16)]
         try:
-            await _eventually(lambda: len(statuses) >= 50, 20, "load under way")
+            await until(lambda: len(statuses) >= 50, timeout=20, what="load under way")
             assert (await legs(http, e["d1"]))["decode/vllm"] > 0  # d1 was taking its share
             e["d1"].proc.kill()
-            await _eventually(lambda: d1_ep.down, 10, "the killed decode leaving rotation")
+            await until(lambda: d1_ep.down, timeout=10, what="the killed decode leaving rotation")
             after_kill = (await _upstream_errors(http, coord)).get("decode/connect", 0)
             served = len(statuses)
-            await _eventually(lambda: len(statuses) >= served + 100, 20, "more load after the kill")
+            await until(lambda: len(statuses) >= served + 100, timeout=20, what="more load after the kill")
         finally:
             stop.set()
             await asyncio.gather(*clients)
@@ -531,12 +517,12 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
     port = e["d1"].port
     revived = spawn_engines(d1b=[*ENGINE_ARGS["vllm_d"], "--port", str(port)])["d1b"]
     assert revived.port == port
-    await _eventually(lambda: not d1_ep.down, 10, "the revived decode back in rotation")
+    await until(lambda: not d1_ep.down, timeout=10, what="the revived decode back in rotation")
 
     async def served_by_revived() -> bool:
         r = await _complete(coord, max_tokens=2)
         assert r.status == 200, r.body
         return (await legs(http, revived))["decode/vllm"] > 0
 
-    await _eventually(served_by_revived, 10, "a request decoded by the revived engine")
+    await until(served_by_revived, timeout=10, what="a request decoded by the revived engine")
     await leaks.check()

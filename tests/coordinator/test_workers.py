@@ -116,10 +116,10 @@ async def test_metrics_add_up_across_workers(
             text = await r.text()
         return [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
 
-    for _ in range(100):
-        if await counted() == [float(n)]:
-            break
-        await asyncio.sleep(0.1)
+    async def all_counted() -> bool:
+        return await counted() == [float(n)]
+
+    await until(all_counted, timeout=10, what="both workers' requests counted")
     for _ in range(4):  # and stays so, whichever worker answers
         assert await counted() == [float(n)]
 
