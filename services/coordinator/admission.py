@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 
 from services.common.http_errors import OpenAIError
@@ -74,10 +75,8 @@ class Admission:
         finally:
             if not fut.done():
                 fut.cancel()
-            try:
+            with contextlib.suppress(ValueError):  # release() already took it off the line
                 self._waiters.remove(fut)
-            except ValueError:
-                pass
 
     def release(self) -> None:
         while self._waiters:

@@ -34,6 +34,19 @@ def _start(motor_proc: Callable[..., Proc], tmp_path: Path, **settings: object) 
     return proc, grpc_addr, http
 
 
+async def _start_serving_union(
+    motor_proc: Callable[..., Proc], tmp_path: Path, union: Engine, iid: int
+) -> tuple[Proc, str]:
+    """A workers = 2 Coordinator with one union instance added; (process, http address)."""
+    proc, grpc_addr, http = _start(motor_proc, tmp_path)
+    async with grpc.aio.insecure_channel(grpc_addr) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        await stub.AddInstances(
+            cpb.AddInstancesRequest(instances=[instance(iid, UNION, union.port)]), timeout=10
+        )
+    return proc, http
+
+
 def _worker_pids(proc: Proc) -> dict[int, int]:
     """index → pid of the newest start of each worker, from the management process's log."""
     pids: dict[int, int] = {}
@@ -90,11 +103,7 @@ async def test_a_management_write_is_in_every_worker_before_the_rpc_answers(
 async def test_metrics_add_up_across_workers(
     motor_proc: Callable[..., Proc], tmp_path: Path, engines: dict[str, Engine]
 ) -> None:
-    _, grpc_addr, http = _start(motor_proc, tmp_path)
-    async with grpc.aio.insecure_channel(grpc_addr) as ch:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        req = cpb.AddInstancesRequest(instances=[instance(8, UNION, engines["union"].port)])
-        await stub.AddInstances(req, timeout=10)
+    _, http = await _start_serving_union(motor_proc, tmp_path, engines["union"], 8)
     served: set[int] = set()
     n = 0
     while len(served) < 2 or n < 20:
@@ -127,11 +136,7 @@ async def test_metrics_add_up_across_workers(
 async def test_a_killed_worker_is_restarted_with_the_table_and_the_other_keeps_serving(
     motor_proc: Callable[..., Proc], tmp_path: Path, engines: dict[str, Engine]
 ) -> None:
-    proc, grpc_addr, http = _start(motor_proc, tmp_path)
-    async with grpc.aio.insecure_channel(grpc_addr) as ch:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        req = cpb.AddInstancesRequest(instances=[instance(9, UNION, engines["union"].port)])
-        await stub.AddInstances(req, timeout=10)
+    proc, http = await _start_serving_union(motor_proc, tmp_path, engines["union"], 9)
     first = _worker_pids(proc)
     assert sorted(first) == [0, 1]
 
