@@ -5,7 +5,7 @@ here, so there is one spelling of each.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 
@@ -65,14 +65,19 @@ def pd_protocol_of(requested: int, engine_type: int) -> PdProtocol:
     return PD_SGLANG if engine_type == ENGINE_SGLANG else PD_VLLM
 
 
+def enum_name(enum: Any, number: int, prefix: str = "") -> str:
+    """The value's name without ``prefix``; a number this build does not know (a newer peer,
+    a bad one) is ``UNKNOWN(<n>)``, never an exception in a log line or a table."""
+    try:
+        return str(enum.Name(number)).removeprefix(prefix)
+    except ValueError:
+        return f"UNKNOWN({number})"
+
+
 def status_name(status: int) -> str:
     """``ACTIVE`` for INSTANCE_STATUS_ACTIVE (for logs and tables)."""
-    return common_pb2.InstanceStatus.Name(common_pb2.InstanceStatus.ValueType(status)).removeprefix(
-        "INSTANCE_STATUS_"
-    )
+    return enum_name(common_pb2.InstanceStatus, status, "INSTANCE_STATUS_")
 
 
 def endpoint_status_name(status: int) -> str:
-    return common_pb2.EndpointStatus.Name(common_pb2.EndpointStatus.ValueType(status)).removeprefix(
-        "ENDPOINT_STATUS_"
-    )
+    return enum_name(common_pb2.EndpointStatus, status, "ENDPOINT_STATUS_")

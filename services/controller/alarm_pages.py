@@ -38,6 +38,8 @@ def decode_token(req: pb.ListAlarmsRequest) -> int:
         version, before, active_only, alarm_id = json.loads(base64.urlsafe_b64decode(padded))
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise BadToken("not a page token of ListAlarms") from exc
+    except RecursionError:  # "[[[[…": JSON nested past the parser's depth
+        raise BadToken("not a page token of ListAlarms") from None
     if version != 1 or not isinstance(before, int) or isinstance(before, bool) or before < 1:
         raise BadToken("not a page token of ListAlarms")
     if (active_only, alarm_id) != (req.active_only, req.alarm_id):

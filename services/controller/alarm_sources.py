@@ -105,16 +105,6 @@ def coordinator_alarm(
     )
 
 
-def _report(alarms: AlarmStore, batch: list[alarm_pb2.Alarm], source: str) -> None:
-    if not batch:
-        return
-    try:
-        alarms.report(batch)
-    except Exception:
-        # The next resync compares again and writes what is still missing.
-        log.exception("alarm_report_failed", source=source, alarms=len(batch))
-
-
 class InstanceAlarms:
     """An observer of the instance table."""
 
@@ -123,7 +113,10 @@ class InstanceAlarms:
         self._alarms = alarms
 
     def on_transition(self, inst: Instance, old: InstanceStatus, new: InstanceStatus, reason: str) -> None:
-        # Failures propagate: the table logs them (observer_failed) and the resync corrects.
+        self._alarms.submit(lambda: self._after(inst, new, reason), "instances")
+
+    def _after(self, inst: Instance, new: InstanceStatus, reason: str) -> list[alarm_pb2.Alarm]:
+        """What a transition raises or clears, from the alarms as they are when it is reported."""
         batch: list[alarm_pb2.Alarm] = []
         what = f"instance {inst.id} ({inst.job_name}) {status_name(new)}: {reason}"
         if new == INACTIVE or (new == DELETED and not on_purpose(reason)):
@@ -134,8 +127,7 @@ class InstanceAlarms:
                 batch.append(clear_of(active, what))
         if new in _HEALTHY:
             batch += self._clears_of_replaced(inst.job_name)
-        if batch:
-            self._alarms.report(batch)
+        return batch
 
     def _clears_of_replaced(self, job: str) -> list[alarm_pb2.Alarm]:
         """CLEARs of the alarms of DELETED instances of ``job``: the job is served again."""
@@ -147,6 +139,10 @@ class InstanceAlarms:
         return out
 
     def reconcile(self) -> None:
+        self._alarms.submit(self._differences, "instances")
+
+    def _differences(self) -> list[alarm_pb2.Alarm]:
+        """The reports that make the active alarms match the instances."""
         batch: list[alarm_pb2.Alarm] = []
         alarmed = {a.instance_id: a for a in self._alarms.active(INSTANCE_FAULT)}
         served = {i.job_name for i in self._table.live.values() if i.status in _HEALTHY}
@@ -164,7 +160,7 @@ class InstanceAlarms:
                 batch.append(clear_of(a, f"instance {iid} is no longer known to the Controller"))
             elif gone.job_name in served:
                 batch.append(clear_of(a, f"instance {iid} ({gone.job_name}): the job is served again"))
-        _report(self._alarms, batch, "instances")
+        return batch
 
 
 class CoordinatorAlarms:
@@ -186,18 +182,16 @@ class CoordinatorAlarms:
                 timer = self._timers.pop(address, None)
                 if timer is not None:
                     timer.cancel()
-                active = self._alarms.find_active(coordinator_alarm(address, ALARM, ""))
-                if active is not None:
-                    _report(
-                        self._alarms,
-                        [clear_of(active, f"Coordinator {address} is reachable")],
-                        "coordinators",
-                    )
+                self._alarms.submit(lambda: self._clear(address), "coordinators")
             elif address not in self._down_since:
                 self._down_since[address] = (time.monotonic(), why)
                 self._schedule(address, self.after_s)
         except Exception:  # never into the health Watch that called
             log.exception("coordinator_alarm_failed", coordinator=address)
+
+    def _clear(self, address: str) -> list[alarm_pb2.Alarm]:
+        active = self._alarms.find_active(coordinator_alarm(address, ALARM, ""))
+        return [] if active is None else [clear_of(active, f"Coordinator {address} is reachable")]
 
     def _schedule(self, address: str, delay: float) -> None:
         self._timers[address] = asyncio.get_running_loop().call_later(delay, self._due, address)
@@ -220,16 +214,17 @@ class CoordinatorAlarms:
             if self._alarms.find_active(probe) is None:
                 reason = f"Coordinator {address} unreachable for {now - since:.1f}s ({why or 'no answer'})"
                 batch.append(coordinator_alarm(address, ALARM, reason))
-        _report(self._alarms, batch, "coordinators")
+        if batch:  # a second ALARM of the same key before this one is stored only updates it
+            self._alarms.submit(lambda: batch, "coordinators")
 
     def reconcile(self) -> None:
         configured = {coordinator_moi(a) for a in self._addresses}
         stale = [
             a for a in self._alarms.active(COORDINATOR_FAULT) if a.moi not in configured and not a.instance_id
         ]
-        _report(
-            self._alarms, [clear_of(a, "Coordinator no longer configured") for a in stale], "coordinators"
-        )
+        if stale:
+            clears = [clear_of(a, "Coordinator no longer configured") for a in stale]
+            self._alarms.submit(lambda: clears, "coordinators")
         self.check()
 
     def close(self) -> None:

@@ -18,22 +18,27 @@ Alarms, clears and events arrive from ReportAlarms and from the Controller's own
   newest ``KEEP_HISTORY`` records.
 
 A report is all or nothing: it is worked out on the side, written in one transaction, and only
-then applied in memory and handed to the sinks, in sequence order. A failed write raises and
-changes nothing. SQLite runs on the event loop, like every other Controller write: each report
-is one small transaction.
+then applied in memory and handed to the sinks, in sequence order. A failed write raises
+StateWriteError and changes nothing. Reports are serialized (each is worked out from what the
+one before it stored), and the write runs on the database's writer thread, off the event loop.
+Sources that cannot wait (table observers, health watches) :meth:`AlarmStore.submit` a function
+that builds their batch when its turn comes, so it is built from what the reports before it
+stored; what a failed background report missed, the sources' periodic resync puts right.
 """
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from google.protobuf import timestamp_pb2
 from motor.v1 import alarm_pb2
 
-from services.common import log
+from services.common import log, tasks
 
+from .db import StateWriteError
 from .store import Store
 
 INSTANCE_FAULT = "0xFC001002"
@@ -98,13 +103,15 @@ class AlarmStore:
         self._store = store
         self.keep = keep
         history, active, self._last = store.load_alarms()
-        self._history = [alarm_pb2.Alarm.FromString(b) for b in history]  # oldest first
+        self._history = history  # oldest first
         self._active: dict[str, alarm_pb2.Alarm] = {}
         # Active precision alarms by decode instance, then by key.
         self._precision: dict[int, dict[str, alarm_pb2.Alarm]] = {}
-        for blob in active:
-            self._set_active(dedupe_key(a := alarm_pb2.Alarm.FromString(blob)), a)
+        for a in active:
+            self._set_active(dedupe_key(a), a)
         self._sinks: list[AlarmSink] = []
+        self._lock = asyncio.Lock()
+        self._submitted: set[asyncio.Task[None]] = set()
 
     @property
     def last_sequence(self) -> int:
@@ -112,8 +119,33 @@ class AlarmStore:
 
     # ---- writing -------------------------------------------------------------------------------
 
-    def report(self, alarms: Sequence[alarm_pb2.Alarm]) -> StoredAlarms:
+    async def report(self, alarms: Sequence[alarm_pb2.Alarm]) -> StoredAlarms:
         """Store ``alarms`` (all or none); raises on a failed write, nothing changed then."""
+        async with self._lock:
+            return await self._report(alarms)
+
+    def submit(self, build: Callable[[], list[alarm_pb2.Alarm]], source: str) -> None:
+        """Report what ``build()`` returns when this report's turn comes, in the background."""
+        task = tasks.start(f"alarm-report-{source}", self._report_built(build, source))
+        self._submitted.add(task)
+        task.add_done_callback(self._submitted.discard)
+
+    async def _report_built(self, build: Callable[[], list[alarm_pb2.Alarm]], source: str) -> None:
+        async with self._lock:
+            batch = build()
+            if not batch:
+                return
+            try:
+                await self._report(batch)
+            except StateWriteError:  # logged by the store; the source's resync reports it again
+                log.warn("alarm_report_deferred", source=source, alarms=len(batch))
+
+    async def drain(self) -> None:
+        """Wait for the submitted reports (on stop, before the database closes)."""
+        while self._submitted:
+            await asyncio.gather(*self._submitted, return_exceptions=True)
+
+    async def _report(self, alarms: Sequence[alarm_pb2.Alarm]) -> StoredAlarms:
         changes: dict[str, alarm_pb2.Alarm | None] = {}  # key -> active after the report
         records: list[alarm_pb2.Alarm] = []
         out: list[alarm_pb2.Alarm] = []
@@ -145,7 +177,7 @@ class AlarmStore:
                 cleared.append(current)
         if not out:
             return StoredAlarms()
-        self._store.save_alarms(
+        await self._store.save_alarms(
             [(r.sequence, r.SerializeToString()) for r in records],
             {k: None if v is None else (v.sequence, v.SerializeToString()) for k, v in changes.items()},
             seq,

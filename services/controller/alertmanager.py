@@ -334,9 +334,7 @@ class AlertmanagerSink:
 
     def _failed(self, *, status: int = 0, error: str = "", retry_after: str = "") -> float:
         self.failures += 1
-        delay = self._backoff.next()
-        if retry_after.isdigit():  # the server's own word, within our cap
-            delay = max(delay, min(float(retry_after), self._backoff.maximum))
+        delay = self._backoff.next(float(retry_after) if retry_after.isdigit() else None)
         fields: dict[str, object] = {"status": status} if status else {"error": error}
         log.warn("alert_send_failed", **fields, pending=len(self._pending), retry_in_s=round(delay, 3))
         return delay

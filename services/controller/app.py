@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
-import time
 from pathlib import Path
 
 from services.common import log
@@ -38,6 +37,7 @@ from .faults import FaultManager
 from .heartbeats import STATS_WINDOW_S, HeartbeatHub
 from .instance_reconciler import InstanceReconciler
 from .instances import InstanceTable
+from .liveclock import LiveClock
 from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .pusher import CoordinatorSync
@@ -78,10 +78,24 @@ class Controller:
         coord_key = read_key_file(cfg.coordinator_key_file) if cfg.coordinator_key_file else None
         self._lock = _lock_state_dir(cfg.state_dir)
         try:
-            self.store = Store(cfg.state_dir)
-        except Exception:
+            self._build(cfg, nm_key, coord_key, coordinator_alarm_after_s)
+        except BaseException:  # a corrupt state file among others: the next start may retry
             os.close(self._lock)
             raise
+
+    def _build(
+        self,
+        cfg: ControllerConfig,
+        nm_key: str | None,
+        coord_key: str | None,
+        coordinator_alarm_after_s: float,
+    ) -> None:
+        self.store = Store(cfg.state_dir)
+        shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
+        self._tick_s = min(1.0, max(0.02, shortest / 4))
+        # The timer reads the clock every tick, so a gap of several ticks (and at least one
+        # heartbeat interval) is the loop not running, not NodeManagers being silent.
+        self.clock = LiveClock(stall_s=max(cfg.heartbeat_interval_s, 3 * self._tick_s))
         self.table = InstanceTable(self.store)
         self.alarms = AlarmStore(self.store)
         self.alarm_watch = AlarmWatchHub(self.alarms)
@@ -103,7 +117,7 @@ class Controller:
         self.faults = FaultManager(
             cfg, self.table, self.nm_clients, lambda iid: self.instance_loop.enqueue(iid), self.store
         )
-        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients, self.faults)
+        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients, self.faults, self.clock.now)
         self.instance_loop: Reconciler[int] = Reconciler(
             "instance",
             self.instances.reconcile,
@@ -113,7 +127,13 @@ class Controller:
             keys=lambda: list(self.table.live),
         )
         self.assembler = Assembler(
-            cfg, self.pending, self.table, self.store, self.nm_clients, self.instance_loop.enqueue
+            cfg,
+            self.pending,
+            self.table,
+            self.store,
+            self.nm_clients,
+            self.instance_loop.enqueue,
+            self.clock.now,
         )
         self.assembly_loop: Reconciler[str] = Reconciler(
             "assembly",
@@ -131,9 +151,14 @@ class Controller:
             self.store,
             self.assembly_loop.enqueue,
             self.nm_clients,
+            self.clock.now,
         )
         self.hub = HeartbeatHub(
-            self.table, self.sessions, cfg.instance_heartbeat_timeout_s, self.instance_loop.enqueue
+            self.table,
+            self.sessions,
+            cfg.instance_heartbeat_timeout_s,
+            self.instance_loop.enqueue,
+            self.clock.now,
         )
         self.table.subscribe(self.registrar)
         self.table.subscribe(self.faults)
@@ -151,17 +176,14 @@ class Controller:
         self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
         self.servicer = ControllerService(self)
 
-        now = time.monotonic()
+        now = self.clock.now()
         self.table.load(self.store.load_instances(), now)
         self.pending.load(self.store.load_pending(), now)
-        self._reconcile_alarms()
         self._last_alarm_resync = now
         self.gc = GcGuard()
         self.gc.settle(self._working_set())
-        shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
-        self._tick_s = min(1.0, max(0.02, shortest / 4))
         self._timer: asyncio.Task[None] | None = None
-        self._last_report = time.monotonic()
+        self._last_report = now
         self._stopped = False
         log.event(
             "state_loaded", state_dir=cfg.state_dir, instances=len(self.table.live), pending=len(self.pending)
@@ -176,6 +198,7 @@ class Controller:
         self.coordinators.start()
         self.assembly_loop.start()
         self.instance_loop.start()
+        self._reconcile_alarms()
         self._timer = spawn("controller-timer", self._tick)
 
     async def _tick(self) -> None:
@@ -183,7 +206,7 @@ class Controller:
         reconcile), the periodic stats lines, and the garbage collector's policy."""
         while True:
             await asyncio.sleep(self._tick_s)
-            now = time.monotonic()
+            now = self.clock.now()
             self.hub.sweep(now)
             self.hub.report(now, self.gc)
             if now - self._last_report >= STATS_WINDOW_S:
@@ -223,6 +246,7 @@ class Controller:
             await self.alert_sink.close()  # before the database closes: its resend reads it
         await self.coordinators.close()
         await self.nm_clients.close()
-        self.store.close()
+        await self.alarms.drain()
+        await self.store.close()
         self.gc.close()
         os.close(self._lock)

@@ -39,7 +39,9 @@ class Assembler:
         store: Store,
         nm_clients: NodeManagerClients,
         enqueue_instance: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.pending = pending
         self.table = table
         self.store = store
@@ -50,19 +52,39 @@ class Assembler:
         self._warned: dict[str, tuple[int, int, float]] = {}  # job → the state last warned about
 
     async def reconcile(self, job: str) -> Result:
-        p = self.pending.get(job)
-        if p is None:
-            self._warned.pop(job, None)
-            return DONE
-        now, wall = time.monotonic(), time.time()
+        # Decisions and writes hold the job's lock; the probes in between do not, so a
+        # registration arriving meanwhile is taken at once (and this looks again).
+        async with self.pending.locked(job):
+            p = self.pending.get(job)
+            if p is None:
+                self._warned.pop(job, None)
+                return DONE
+            p, wait = await self._check(p)
+            if wait is not None:
+                return wait
+        answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in p.members))
+        async with self.pending.locked(job):
+            if self.pending.get(job) is not p:
+                return Result(requeue_after=0)  # a registration changed it meanwhile: look again
+            unreachable = [m for m, ok in zip(p.members, answers, strict=True) if not ok]
+            if unreachable:
+                await self.pending.drop(p, unreachable, "unreachable")
+                return Result(requeue_after=0)
+            await self._assemble(p)
+        self._warned.pop(job, None)
+        return DONE
+
+    async def _check(self, p: Pending) -> tuple[Pending, Result | None]:
+        """Expire it, drop its silent members; a Result when it is not ready to assemble."""
+        now, wall = self.clock(), time.time()
         expires_in = p.last_registration + self.assemble_timeout_s - wall
         if expires_in < 0:
-            self.pending.expire(p)
-            self._warned.pop(job, None)
-            return DONE
+            await self.pending.expire(p)
+            self._warned.pop(p.job_name, None)
+            return p, DONE
         silent = [m for m in p.members if now - m.last_heard > self.heartbeat_timeout_s]
         if silent:
-            p = self.pending.drop(p, silent, "heartbeat_timeout")
+            p = await self.pending.drop(p, silent, "heartbeat_timeout")
         if not assembly.is_complete(p.spec, p.members):
             # Look again when the assembly expires, its quietest member would time out, or it is
             # time to say what it waits for.
@@ -72,17 +94,8 @@ class Assembler:
                 self._warn_incomplete(p, waited, expires_in)
             else:
                 deadlines.append(INCOMPLETE_WARN_S - waited)
-            return Result(requeue_after=max(min(deadlines), 0.0) + 0.01)
-        answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in p.members))
-        if self.pending.get(job) is not p:
-            return Result(requeue_after=0)  # a registration changed it meanwhile: look again
-        unreachable = [m for m, ok in zip(p.members, answers, strict=True) if not ok]
-        if unreachable:
-            self.pending.drop(p, unreachable, "unreachable")
-            return Result(requeue_after=0)
-        self._assemble(p)
-        self._warned.pop(job, None)
-        return DONE
+            return p, Result(requeue_after=max(min(deadlines), 0.0) + 0.01)
+        return p, None
 
     def _warn_incomplete(self, p: Pending, waited: float, expires_in: float) -> None:
         """One warning per state of the assembly: an instance that cannot complete (a
@@ -100,7 +113,7 @@ class Assembler:
             reason=f"instance {assembly.missing(p.spec, p.members)}; waiting for more NodeManagers",
         )
 
-    def _assemble(self, p: Pending) -> None:
+    async def _assemble(self, p: Pending) -> None:
         plan = assembly.plan(p.id, p.job_name, p.spec, p.members)
         inst = Instance(
             id=p.id,
@@ -110,7 +123,7 @@ class Assembler:
             endpoints=plan.endpoints,
             members=plan.members,
         )
-        self.store.assemble(inst)
+        await self.store.assemble(inst)
         self.pending.assembled(p)
         for m in inst.members:
             m.instance = inst

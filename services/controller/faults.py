@@ -39,6 +39,7 @@ from services.common import enums, log, tasks
 from services.common.config import ControllerConfig
 from services.common.retry import Backoff
 
+from .db import StateWriteError
 from .instances import InstanceTable
 from .model import Instance
 from .nm_client import NodeManagerClients
@@ -106,7 +107,7 @@ class FaultManager:
 
     # --- reported faults -------------------------------------------------------------------
 
-    def report(self, faults: list[pb.NodeFault]) -> None:
+    async def report(self, faults: list[pb.NodeFault]) -> None:
         """Record or clear faults (already checked by the caller): stored first, in one
         transaction, then applied."""
         changed: dict[str, dict[str, ReportedFault]] = {}
@@ -119,7 +120,7 @@ class FaultManager:
                 node.pop(f.code, None)
             else:
                 node.clear()
-        self._replace(changed)
+        await self._replace(changed)
         for f in faults:
             log.event(
                 "fault_cleared" if f.cleared else "fault_reported",
@@ -129,8 +130,8 @@ class FaultManager:
                 reason=f.reason,
             )
 
-    def _replace(self, changed: dict[str, dict[str, ReportedFault]]) -> None:
-        self.store.save_node_faults(
+    async def _replace(self, changed: dict[str, dict[str, ReportedFault]]) -> None:
+        await self.store.save_node_faults(
             {a: {c: (r.level, r.reason) for c, r in node.items()} for a, node in changed.items()}
         )
         for address, node in changed.items():
@@ -145,14 +146,19 @@ class FaultManager:
     def node_level(self, address: str) -> int:
         return max((f.level for f in self._nodes.get(address, {}).values()), default=0)
 
-    def _clear_restart_requests(self, inst: Instance) -> None:
+    async def _clear_restart_requests(self, inst: Instance) -> None:
         changed = {
             address: {c: f for c, f in self._nodes[address].items() if f.level != L2}
             for address in inst.node_managers
             if any(f.level == L2 for f in self._nodes.get(address, {}).values())
         }
         if changed:
-            self._replace(changed)
+            try:
+                await self._replace(changed)
+            except StateWriteError:
+                # Still recorded, so the next reconcile may relaunch once more: with the disk
+                # failing, that is the safe side of forgetting a fault.
+                log.warn("restart_requests_kept", instance_id=inst.id)
 
     # --- deciding --------------------------------------------------------------------------
 
@@ -232,7 +238,7 @@ class FaultManager:
             )
             log.event("strategy_succeeded", instance_id=inst.id, strategy=strategy.name)
             if strategy.name == EngineRelaunch.name:
-                self._clear_restart_requests(inst)
+                await self._clear_restart_requests(inst)
         except (StrategyFailed, tasks.GaveUp) as exc:
             outcome = f"failed: {exc}"
             log.error("strategy_failed", instance_id=inst.id, strategy=strategy.name, reason=str(exc))
@@ -242,7 +248,9 @@ class FaultManager:
         finally:
             elapsed = time.monotonic() - started
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            self._record(inst, state, f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s")
+            entry = f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s"
+            # Its own task: this may be a cancelled task's last act, which must not wait on disk.
+            tasks.start(f"fault-history-{inst.id}", self._record(inst, state, entry))
             if state.running is not None and state.running.strategy is strategy:
                 state.running = None
                 state.since = time.time()
@@ -251,16 +259,17 @@ class FaultManager:
                 if inst.status != enums.DELETED:
                     self.enqueue(inst.id)  # look again: escalate, or clear the level
 
-    def _record(self, inst: Instance, state: FaultState, entry: str) -> None:
-        """Stored, then kept in memory; an instance deleted meanwhile keeps no history."""
+    async def _record(self, inst: Instance, state: FaultState, entry: str) -> None:
+        """Stored, then kept in memory; an instance deleted meanwhile keeps no history. A failed
+        write loses the entry (the store logged why): history is an operator's aid, not state."""
         if inst.id not in self._states:
             return
         try:
-            self.store.add_fault_history(inst.id, entry, HISTORY)
-        except Exception:
-            log.exception("fault_history_write_failed", instance_id=inst.id, entry=entry)
+            await self.store.add_fault_history(inst.id, entry, HISTORY)
+        except StateWriteError:
             return
-        state.history.append(entry)
+        if inst.id in self._states:
+            state.history.append(entry)
 
     def _stop(self, running: Running) -> None:
         running.task.cancel()
@@ -274,8 +283,7 @@ class FaultManager:
         if new != enums.DELETED:
             return
         state = self._states.pop(inst.id, None)
-        self._history.pop(inst.id, None)
-        self.store.forget_fault_history(inst.id)
+        self._history.pop(inst.id, None)  # on disk it went with the DELETED write
         if state is not None and state.running is not None:
             # Terminate deletes its own instance; it must finish, not be cancelled by that.
             if state.running.task is not asyncio.current_task():

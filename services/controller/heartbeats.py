@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable
 
 import grpc
+from motor.v1 import common_pb2
 from motor.v1 import controller_pb2 as pb
 
 from services.common import errors, log
-from services.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER
+from services.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER, enum_name
 from services.common.gcpolicy import GcGuard
 from services.common.rpc import BidiStream
 
@@ -27,6 +28,7 @@ from .sessions import SessionTable
 STATS_WINDOW_S = 10.0
 _REREGISTER = pb.HeartbeatResponse(directive=REREGISTER)
 _FAULTS = (EVENT_DEAD, EVENT_UNHEALTHY)
+_KNOWN_STATUSES = frozenset(common_pb2.EndpointStatus.values())
 
 
 def _identity(req: pb.HeartbeatRequest) -> tuple[int, int]:
@@ -45,8 +47,14 @@ def _stale(node_id: int) -> errors.MotorError:
 
 class HeartbeatHub:
     def __init__(
-        self, table: InstanceTable, sessions: SessionTable, timeout_s: float, enqueue: Callable[[int], None]
+        self,
+        table: InstanceTable,
+        sessions: SessionTable,
+        timeout_s: float,
+        enqueue: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock  # last_heard's clock (liveclock.py)
         self.table = table
         self.sessions = sessions
         self.timeout_s = timeout_s
@@ -55,7 +63,7 @@ class HeartbeatHub:
         # Server-side ack latency (message in hand -> ack handed to gRPC), seconds, for the
         # current ``heartbeat_stats`` window.
         self._acks: list[float] = []
-        self._window_start = time.monotonic()
+        self._window_start = clock()
 
     async def stream(self, stream: BidiStream, context: grpc.aio.ServicerContext) -> None:
         req = await stream.read()
@@ -74,7 +82,7 @@ class HeartbeatHub:
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)
-        clock, perf, acks = time.monotonic, time.perf_counter, self._acks
+        clock, perf, acks = self.clock, time.perf_counter, self._acks
         try:
             while req is not None:
                 t0 = perf()
@@ -128,8 +136,10 @@ class HeartbeatHub:
                 if ep is None:
                     continue
             status = reported.status
-            # A beat still showing an engine that was reported dead as healthy is outdated.
-            if reported.pid and reported.pid in member.dead_pids:
+            # A beat still showing an engine that was reported dead as healthy is outdated; a
+            # status this build does not know is not a healthy one either (and must never reach
+            # a Coordinator, which would refuse the whole table over it).
+            if (reported.pid and reported.pid in member.dead_pids) or status not in _KNOWN_STATUSES:
                 status = EP_ABNORMAL
             if ep.status != status:
                 ep.status = status
@@ -148,7 +158,7 @@ class HeartbeatHub:
             instance_id=inst.id if inst else 0,
             endpoint_id=ev.endpoint_id,
             pid=ev.pid,
-            type=pb.EngineEventType.Name(ev.type),
+            type=enum_name(pb.EngineEventType, ev.type),
             detail=ev.detail,
         )
         if inst is None or ev.type not in _FAULTS:

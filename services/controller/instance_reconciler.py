@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -25,6 +26,7 @@ from services.common.config import ControllerConfig
 
 from . import assembly
 from . import state_machine as sm
+from .db import StateWriteError
 from .faults import FaultManager
 from .instances import InstanceTable
 from .model import Instance, Member
@@ -50,7 +52,9 @@ class InstanceReconciler:
         table: InstanceTable,
         nm_clients: NodeManagerClients,
         faults: FaultManager,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.table = table
         self.nm_clients = nm_clients
         self.faults = faults
@@ -61,7 +65,7 @@ class InstanceReconciler:
         inst = self.table.live.get(instance_id)
         if inst is None:
             return DONE
-        now = time.monotonic()
+        now = self.clock()
         silent = next((m for m in inst.members if now - m.last_heard > self.heartbeat_timeout_s), None)
         if silent is not None:
             log.warn(
@@ -71,17 +75,25 @@ class InstanceReconciler:
                 silent_s=round(now - silent.last_heard, 3),
                 stream_open=silent.open_streams > 0,
             )
-            self.table.transition(inst, sm.after_heartbeat_timeout(inst.status), "heartbeat_timeout")
+            await self.table.transition(inst, sm.after_heartbeat_timeout(inst.status), "heartbeat_timeout")
             return DONE
         lost = [m for m in inst.members if m.stream_lost and not m.open_streams]
         if lost:
             await self._probe_lost(inst, lost)
-        self.evaluate(inst)
-        if any(m.started is False for m in inst.members):
+        # A status the disk would not take does not hold back healing: the fault manager acts on
+        # the engines (a relaunch needs no write), and the reconcile is retried for the status.
+        unwritten: StateWriteError | None = None
+        try:
+            await self.evaluate(inst)
+        except StateWriteError as err:
+            unwritten = err
+        if unwritten is None and any(m.started is False for m in inst.members):
             await self._start(inst)
-            self.evaluate(inst)
-        if inst.status != sm.DELETED and self.faults.reconcile(inst):
-            self.evaluate(inst)  # separated, or no longer
+            await self.evaluate(inst)
+        if inst.status != sm.DELETED and self.faults.reconcile(inst) and unwritten is None:
+            await self.evaluate(inst)  # separated, or no longer
+        if unwritten is not None:
+            raise unwritten
         return DONE
 
     async def _probe_lost(self, inst: Instance, lost: list[Member]) -> None:
@@ -97,13 +109,13 @@ class InstanceReconciler:
                 ep.status = sm.EP_ABNORMAL
             m.beat_fingerprint = None  # its next beat, if any, is applied in full
 
-    def evaluate(self, inst: Instance) -> None:
+    async def evaluate(self, inst: Instance) -> None:
         """Run the state machine on the endpoint statuses last reported."""
         new, reason = sm.next_status(
             inst.status, ((ep.status, ep.headless) for ep in inst.endpoints), separated=inst.separated
         )
         if new != inst.status:
-            self.table.transition(inst, new, reason)
+            await self.table.transition(inst, new, reason)
 
     async def _start(self, inst: Instance) -> None:
         members = [m for m in inst.members if m.started is False]
@@ -143,7 +155,7 @@ class InstanceReconciler:
         mismatch = next((f for _, f in failed if f.reason == "NODE_MISMATCH"), None)
         terminal = mismatch or next((f for _, f in failed if not START_POLICY.retryable(f.code)), None)
         if terminal is not None or inst.start_failures > self.start_retries:
-            self.table.delete(inst, "start_failed")
+            await self.table.delete(inst, "start_failed")
             why = terminal or failed[0][1]
             raise Terminal(f"instance {inst.id}: StartEngines failed ({why}); instance dropped")
         raise Retry(f"instance {inst.id}: StartEngines failed on {len(failed)} NodeManager(s)")

@@ -1,19 +1,23 @@
 """The instance table: every assembled instance, its transitions and who hears about them.
 
 Each status change goes through :meth:`InstanceTable.transition`: it is written to the database
-first (a failed write raises and leaves memory as it was), then applied in memory, logged, and
-handed to every observer in order. Observers are objects with
+first (a failed write raises StateWriteError and leaves memory as it was: the reconcile that
+asked retries it), then applied in memory, logged, and handed to every observer in order.
+Transitions are serialized, so one decided on a status that changed during another's write is
+decided again rather than applied blindly. Observers are objects with
 ``on_transition(instance, old_status, new_status, reason)``; the calls are synchronous and must
 not block: an observer that needs I/O enqueues a key for its reconciler.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 from services.common import log
 from services.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
 
+from .db import StateWriteError
 from .model import Instance
 from .state_machine import is_routable
 from .store import KEEP_DELETED, Store
@@ -33,6 +37,7 @@ class InstanceTable:
         self.keep_deleted = KEEP_DELETED
         self.by_job: dict[str, Instance] = {}
         self._observers: list[Observer] = []
+        self._lock = asyncio.Lock()
 
     def subscribe(self, observer: Observer) -> None:
         self._observers.append(observer)
@@ -62,18 +67,19 @@ class InstanceTable:
         )
         self._notify(inst, STATUS_UNSPECIFIED, inst.status, "assembled")
 
-    def transition(self, inst: Instance, new: InstanceStatus, reason: str) -> None:
-        old = inst.status
-        if old == new or old == DELETED:
-            return
-        self.store.save_instance(inst, new)
-        inst.status = new
-        if new == DELETED:
-            self.live.pop(inst.id, None)
-            if self.by_job.get(inst.job_name) is inst:
-                del self.by_job[inst.job_name]
-            self.deleted[inst.id] = inst
-            self._prune_deleted()
+    async def transition(self, inst: Instance, new: InstanceStatus, reason: str) -> None:
+        async with self._lock:
+            old = inst.status
+            if old == new or old == DELETED:
+                return
+            await self.store.save_instance(inst, new)
+            inst.status = new
+            if new == DELETED:
+                self.live.pop(inst.id, None)
+                if self.by_job.get(inst.job_name) is inst:
+                    del self.by_job[inst.job_name]
+                self.deleted[inst.id] = inst
+                await self._prune_deleted()
         log.event(
             "instance_transition",
             instance_id=inst.id,
@@ -84,14 +90,18 @@ class InstanceTable:
         )
         self._notify(inst, old, new, reason)
 
-    def delete(self, inst: Instance, reason: str) -> None:
-        self.transition(inst, DELETED, reason)
+    async def delete(self, inst: Instance, reason: str) -> None:
+        await self.transition(inst, DELETED, reason)
 
-    def _prune_deleted(self) -> None:
-        """Keep the newest ``keep_deleted`` DELETED instances, in memory and on disk."""
+    async def _prune_deleted(self) -> None:
+        """Keep the newest ``keep_deleted`` DELETED instances, in memory and on disk. A failed
+        prune is tried again at the next deletion (and start-up prunes too)."""
         while len(self.deleted) > self.keep_deleted:
             oldest = next(iter(self.deleted))
-            self.store.forget_instance(oldest)
+            try:
+                await self.store.forget_instance(oldest)
+            except StateWriteError:
+                return
             gone = self.deleted.pop(oldest)
             for m in gone.members:  # no cycle left: freed at once, even from a frozen heap
                 m.instance = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from motor.v1 import controller_pb2
 
@@ -10,11 +11,17 @@ from services.common.config import Config
 from services.common.server import MotorServer
 from services.common.service_main import service_main
 from services.controller.app import Controller
+from services.controller.db import StateCorrupt
 
 
 async def serve(cfg: Config, stop: asyncio.Event) -> int:
     c = cfg.controller
-    controller = Controller(c)
+    try:
+        controller = Controller(c)
+    except StateCorrupt as err:
+        # The message is the whole story (which file, where it went, what to do): one line.
+        print(f"motor controller: {err}", file=sys.stderr)
+        return 1
     server = MotorServer(
         "controller",
         c,

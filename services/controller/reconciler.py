@@ -27,6 +27,7 @@ from services.common import log
 from services.common.retry import Backoff
 from services.common.tasks import cancelled_from_outside, spawn
 
+from .db import StateWriteError
 from .workqueue import ShutDown, WorkQueue
 
 K = TypeVar("K", bound=Hashable)
@@ -136,7 +137,7 @@ class Reconciler(Generic[K]):
             stats.terminal += 1
             queue.forget(key)
             log.error("reconcile_terminal", reconciler=self.name, item=key, reason=str(exc))
-        except Retry as exc:
+        except (Retry, StateWriteError) as exc:  # expected: one line, not a traceback per attempt
             stats.errors += 1
             delay = queue.add_rate_limited(key)
             log.warn(

@@ -130,7 +130,7 @@ class Recovery:
         alarm = self._alarms.active_precision(p.id if p else 0, d.id)
         if alarm is None:
             return result  # nothing active for the group: nothing to clear
-        self._alarms.report([clear_of(alarm, f"cleared by recovery: {reason}")])
+        await self._alarms.report([clear_of(alarm, f"cleared by recovery: {reason}")])
         result.precision_alarm_cleared, result.moi = True, alarm.moi
         result.scheduler_state_cleared = await self._clear_coordinators(
             alarm.p_instance_id, alarm.instance_id
@@ -142,7 +142,7 @@ class Recovery:
         addresses = list(inst.node_managers)
         # Out of routing first: no request may reach engines that are being stopped.
         # A removal on purpose: it clears the instance's fault alarm instead of raising one.
-        self._table.delete(inst, f"{ON_PURPOSE} {reason}")
+        await self._table.delete(inst, f"{ON_PURPOSE} {reason}")
         # A NodeManager that is gone is known at once (a probe does not wait for it), so an
         # operator's call answers in seconds rather than after Stop's own deadline.
         reachable = await asyncio.gather(*(self._clients.reachable(a) for a in addresses))

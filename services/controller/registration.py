@@ -29,6 +29,11 @@ from .pending import PendingAssemblies
 from .sessions import SessionTable
 from .store import Store
 
+# Jobs waiting for the rest of their NodeManagers at once. Each holds a row, sessions and a
+# reconcile for up to instance_assemble_timeout_s, so a caller inventing job names must hit a
+# wall; a real fleet assembles within seconds of registering and stays far below it.
+MAX_PENDING_JOBS = 20_000
+
 
 class Registrar:
     def __init__(
@@ -40,7 +45,10 @@ class Registrar:
         store: Store,
         enqueue_job: Callable[[str], None],
         nm_clients: NodeManagerClients,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
+        self.max_pending = MAX_PENDING_JOBS
         self.table = table
         self.nm_clients = nm_clients
         self.pending = pending
@@ -69,8 +77,9 @@ class Registrar:
                 incarnation=req.incarnation,
             )
             if inst.status != DELETED:  # another registration may have retired it meanwhile
-                self.table.delete(inst, "node_manager_restarted")
-        return self.register_now(req)
+                await self.table.delete(inst, "node_manager_restarted")
+        async with self.pending.locked(req.job_name):
+            return await self.register_now(req)
 
     def _restart_candidate(self, req: pb.RegisterRequest) -> Instance | None:
         """The live instance of the job whose member at this address is an earlier process."""
@@ -92,8 +101,9 @@ class Registrar:
             return False
         return status.incarnation == req.incarnation
 
-    def register_now(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
-        now = time.monotonic()
+    async def register_now(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+        """Under the job's lock: decided on the state as it is, written before it changes."""
+        now = self.clock()
         if req.instance_id:
             inst = self.table.live.get(req.instance_id)
             if inst is not None:
@@ -136,9 +146,17 @@ class Registrar:
         why = assembly.misfit(spec, others, new)
         if why:
             raise errors.precondition("INSTANCE_FULL", f"job/{job}", why)
+        if pending is None and len(self.pending) >= self.max_pending:
+            raise errors.resource_exhausted(
+                f"{len(self.pending)} jobs are already waiting for NodeManagers to complete their "
+                f"instances (the most at once is {self.max_pending}); retry when some have assembled "
+                "or expired",
+                retry_after_s=5.0,
+            )
         if pending is None:
-            pending = Pending(id=self.store.next_instance_id(), job_name=job, spec=spec)
-        self.pending.put(dataclasses.replace(pending, members=[*others, new], last_registration=time.time()))
+            pending = Pending(id=await self.store.next_instance_id(), job_name=job, spec=spec)
+        joined = dataclasses.replace(pending, members=[*others, new], last_registration=time.time())
+        await self.pending.put(joined)
         if replaced is not None:
             self.pending.release(pending, replaced, "replaced")
         session = self.sessions.open(new, now)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -10,7 +9,7 @@ import grpc
 from motor.v1 import controller_pb2 as pb
 from motor.v1 import controller_pb2_grpc
 
-from services.common import errors, log
+from services.common import errors
 from services.common.rpc import BidiStream
 from services.controller import validation
 from services.controller.alarm_pages import list_page
@@ -47,12 +46,9 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
     async def ReportAlarms(
         self, request: pb.ReportAlarmsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportAlarmsResponse:
-        try:
-            stored = self._c.alarms.report(request.alarms)
-        except sqlite3.Error as err:
-            # Nothing was stored, so sending the same report again is safe: say so.
-            log.exception("alarm_write_failed", alarms=len(request.alarms))
-            raise errors.unavailable("the alarm store could not be written; nothing was stored") from err
+        # A failed write raises StateWriteError (UNAVAILABLE): nothing was stored, so sending
+        # the same report again is safe.
+        stored = await self._c.alarms.report(request.alarms)
         return await self._c.recovery.after_report(stored)
 
     async def TerminateInstance(
@@ -94,7 +90,7 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
             elif not (f.cleared and self._c.faults.has_faults(address)):
                 # A node that left keeps its faults, so they can still be cleared.
                 raise errors.not_found("node", address, f"no live instance has NodeManager {address}")
-        self._c.faults.report(list(request.faults))
+        await self._c.faults.report(list(request.faults))
         for iid in affected:
             self._c.instance_loop.enqueue(iid)
         return pb.ReportFaultsResponse(affected_instance_ids=sorted(affected))

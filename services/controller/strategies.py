@@ -223,7 +223,7 @@ class Terminate:
             if isinstance(r, BaseException)
         ]
         self.phase = "delete"
-        self.table.delete(self.inst, "terminated")
+        await self.table.delete(self.inst, "terminated")
         if unreached:
             # Deleted all the same: those NodeManagers are told to register again on their next beat.
             raise StrategyFailed(f"Stop did not reach {', '.join(unreached)}")

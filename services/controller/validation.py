@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
+from services.common import enums
 from services.common.config.checks import split_problem
 
 from .alarm_pages import BadToken, decode_token
@@ -15,34 +19,82 @@ _PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
 _ROLE_NAMES = frozenset(common_pb2.Role.values())
 _STATUSES = frozenset(common_pb2.InstanceStatus.values())
 
+# A job name ends up in logs, metrics labels, alarm text and Kubernetes-style tooling: printable,
+# shell- and label-safe, and short. A model name is what clients send as "model" (often a path
+# or "org/model"): anything printable.
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MODEL_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f]{1,256}")
+# RFC 1123 host names; the Controller dials what a registration names, so nothing else.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+MAX_PORTS = 1024
+# Parallel sizes and device counts far beyond any machine or cluster: the Controller sizes lists
+# by them, so an absurd one must be refused, not allocated.
+MAX_PARALLEL = 65_536
+MAX_DEVICES = 4096
+
+
+def _host_problem(host: str) -> str | None:
+    if not host:
+        return "required"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.rstrip(".").split(".")):
+        return "must be an IP address or a DNS host name"
+    return None
+
 
 def register(req: controller_pb2.RegisterRequest) -> list[tuple[str, str]]:
     bad: list[tuple[str, str]] = []
     if not req.job_name:
         bad.append(("job_name", "required"))
+    elif not JOB_NAME.fullmatch(req.job_name):
+        bad.append(
+            (
+                "job_name",
+                "1-128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit",
+            )
+        )
     if req.role == common_pb2.ROLE_UNSPECIFIED:
         bad.append(("role", "required"))
     elif req.role not in _ROLES:
         bad.append(("role", f"unknown role {req.role}"))
     if not req.model_name:
         bad.append(("model_name", "required (the served model name)"))
+    elif not MODEL_NAME.fullmatch(req.model_name):
+        bad.append(("model_name", "1-256 printable characters"))
     if req.engine_type not in _ENGINE_TYPES:
         bad.append(("engine_type", f"unknown engine type {req.engine_type}"))
     if req.pd_protocol not in _PD_PROTOCOLS:
         bad.append(("pd_protocol", f"unknown PD protocol {req.pd_protocol}"))
-    if not req.host:
-        bad.append(("host", "required"))
+    host_problem = _host_problem(req.host)
+    if host_problem:
+        bad.append(("host", host_problem))
     if not 0 < req.nm_port < 65536:
         bad.append(("nm_port", "must be 1..65535"))
     if not req.ports:
         bad.append(("ports", "at least one engine port required"))
+    elif len(req.ports) > MAX_PORTS:
+        bad.append(("ports", f"at most {MAX_PORTS} engine ports"))
+        return bad
     seen: set[int] = set()
+    # An instance handing off through SGLang bootstrap rooms also uses port + 1.
+    top = 65534 if enums.pd_protocol_of(req.pd_protocol, req.engine_type) == enums.PD_SGLANG else 65535
     for i, p in enumerate(req.ports):
-        if not 0 < p < 65536:
-            bad.append((f"ports[{i}]", "must be 1..65535"))
+        if not 0 < p <= top:
+            bad.append((f"ports[{i}]", f"must be 1..{top}"))
         elif p in seen:
             bad.append((f"ports[{i}]", f"duplicate port {p}"))
         seen.add(p)
+    if req.device_count > MAX_DEVICES:
+        bad.append(("device_count", f"at most {MAX_DEVICES}"))
+    for name in ("dp", "tp", "pp", "ep", "nnodes"):
+        if getattr(req.parallel, name) > MAX_PARALLEL:
+            bad.append((f"parallel.{name}", f"at most {MAX_PARALLEL}"))
+    if any(path.startswith("parallel.") for path, _ in bad):
+        return bad
     nnodes = req.parallel.nnodes or 1
     if req.node_rank >= nnodes:
         bad.append(("node_rank", f"must be below parallel.nnodes ({nnodes})"))

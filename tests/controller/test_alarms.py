@@ -26,8 +26,9 @@ from tests.controller.fakes import (
     FakeCoordinator,
     Harness,
     running_controller,
-    until,
 )
+from tests.poll import until
+from tests.ports import reserved_port
 from tests.procs import Proc, motor_argv
 
 # A reporter's own alarm: the Controller's instance alarms clear INSTANCE_FAULT alarms about
@@ -260,7 +261,7 @@ async def test_a_failed_write_changes_nothing_and_answers_unavailable(tmp_path: 
         def broken(*args: Any, **kw: Any) -> None:
             raise sqlite3.OperationalError("disk I/O error")
 
-        monkeypatch.setattr(h.controller.store, "save_alarms", broken)
+        monkeypatch.setattr(h.controller.store._writer, "_transaction", broken)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await report(h.stub, alarm(CLEAR, instance_id=1), alarm(instance_id=3), alarm(EVENT))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -417,8 +418,9 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
             await h.start_node(nm, job=job, ports=(port,))
         await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
         table = h.controller.table
-        table.delete(table.by_job["a"], "heartbeat_timeout")
-        table.delete(table.by_job["b"], "terminated: operator request")
+        await table.delete(table.by_job["a"], "heartbeat_timeout")
+        await table.delete(table.by_job["b"], "terminated: operator request")
+        await h.controller.alarms.drain()
         [raised] = await active_of(h, INSTANCE_FAULT)
         assert raised.instance_id == 1 and "heartbeat_timeout" in raised.reason
         assert all(x.instance_id == 1 for x in await listed(h.stub, alarm_id=INSTANCE_FAULT))
@@ -427,7 +429,8 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
         c = await node_managers()
         await h.start_node(c, ABNORMAL, job="c", ports=(10004,))
         await until(lambda: h.controller.alarms.find_active(alarm(alarm_id=INSTANCE_FAULT, instance_id=3)))
-        table.delete(table.by_job["c"], "terminated: operator request")
+        await table.delete(table.by_job["c"], "terminated: operator request")
+        await h.controller.alarms.drain()
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
 
 
@@ -438,21 +441,30 @@ async def test_instance_alarms_are_level_triggered(tmp_path: Path, node_managers
         await until(lambda: h.instances(status=ACTIVE))
 
         # The transition's alarm is lost (a failed write): the next resync raises it.
-        def broken(*args: Any, **kw: Any) -> None:
-            raise sqlite3.OperationalError("disk I/O error")
+        writer = h.controller.store._writer
+        real = writer._transaction
 
-        monkeypatch.setattr(h.controller.store, "save_alarms", broken)
+        def broken(fn: Any, args: Any) -> Any:
+            if fn.__name__ == "_save_alarms":
+                raise sqlite3.OperationalError("disk I/O error")
+            return real(fn, args)
+
+        monkeypatch.setattr(writer, "_transaction", broken)
+        await h.controller.alarms.drain()
         await agent.beat(ABNORMAL)
         await until(lambda: h.instances(status=INACTIVE))
         monkeypatch.undo()
+        await h.controller.alarms.drain()
         assert h.controller.alarms.active(INSTANCE_FAULT) == []
         h.controller.instance_alarms.reconcile()
+        await h.controller.alarms.drain()
         [raised] = h.controller.alarms.active(INSTANCE_FAULT)
         assert raised.instance_id == 1
 
         # An alarm about an instance the Controller does not have is cleared.
         await report(h.stub, alarm(alarm_id=INSTANCE_FAULT, instance_id=77))
         h.controller.instance_alarms.reconcile()
+        await h.controller.alarms.drain()
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
 
 
@@ -463,7 +475,8 @@ async def test_instance_alarm_of_a_deleted_instance_clears_when_its_job_is_serve
     async with running_controller(tmp_path) as h:
         agent = await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
-        h.controller.table.delete(h.controller.table.by_job["p"], "heartbeat_timeout")
+        await h.controller.table.delete(h.controller.table.by_job["p"], "heartbeat_timeout")
+        await h.controller.alarms.drain()
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
         agent.drop_stream()
         await h.start_node(nm, job="p")
@@ -517,7 +530,7 @@ async def start_controller(tmp_path: Path, port: int = 0) -> tuple[Proc, str]:
     cfg = tmp_path / "controller.json"
     cfg.write_text(json.dumps({"controller": {"state_dir": str(tmp_path / "state"), "coordinators": []}}))
     proc = Proc(motor_argv("controller", "--config", str(cfg), "--port", str(port)), cwd=tmp_path)
-    target, _ = await asyncio.to_thread(proc.listening)
+    target, _ = await proc.await_listening()
     return proc, target
 
 
@@ -550,8 +563,8 @@ async def test_alarms_survive_sigkill_and_a_resumed_watch_misses_nothing(tmp_pat
 
 
 async def test_motor_alarms_watch_survives_a_controller_restart(tmp_path: Path) -> None:
-    proc, target = await start_controller(tmp_path)
-    port = int(target.rsplit(":", 1)[1])
+    port = reserved_port()  # the restarted Controller binds it again
+    proc, target = await start_controller(tmp_path, port)
     cli: Proc | None = None
     try:
         async with grpc.aio.insecure_channel(target) as ch:
@@ -577,7 +590,7 @@ async def test_motor_alarms_watch_survives_a_controller_restart(tmp_path: Path) 
         assert [(int(a["sequence"]), a["reason"]) for a in printed] == [(2, "one"), (3, "two"), (4, "three")]
 
         cli.signal(signal.SIGINT)
-        assert await asyncio.to_thread(cli.popen.wait, 10) == 130
+        assert await cli.await_exit(10) == 130
         assert "Traceback" not in cli.output()
     finally:
         if cli is not None:

@@ -4,6 +4,7 @@ assemblies; heartbeat clocks start at load time."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from motor.v1 import common_pb2, controller_pb2
@@ -11,17 +12,18 @@ from motor.v1 import common_pb2, controller_pb2
 from services.controller.instances import InstanceTable
 from services.controller.model import Instance, JobSpec, Member, Pending
 from services.controller.store import Store
-from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller, until
+from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller
+from tests.poll import until
 
 
-def test_store_round_trip_and_ids_never_reused(tmp_path: Path) -> None:
+async def test_store_round_trip_and_ids_never_reused(tmp_path: Path) -> None:
     store = Store(tmp_path / "s")
-    assert [store.next_instance_id() for _ in range(3)] == [1, 2, 3]
+    assert [await store.next_instance_id() for _ in range(3)] == [1, 2, 3]
     spec = JobSpec(role=1, model_name="m", engine_type=3, pd_protocol=1, dp=2)
     p = Pending(
         id=3, job_name="j", spec=spec, members=[Member(0, "h", 7300, [10000])], last_registration=12.5
     )
-    store.save_pending(p)
+    await store.save_pending(p)
     ep = common_pb2.Endpoint(id=0, host="h", port=10000, status=common_pb2.ENDPOINT_STATUS_NORMAL, pid=7)
     member = Member(0, "h", 7301, [10000])
     member.attach([ep])
@@ -33,18 +35,18 @@ def test_store_round_trip_and_ids_never_reused(tmp_path: Path) -> None:
         endpoints=[ep],
         members=[member],
     )
-    store.assemble(inst)
-    store.close()
+    await store.assemble(inst)
+    await store.close()
 
     again = Store(tmp_path / "s")
-    assert again.next_instance_id() == 4
+    assert await again.next_instance_id() == 4
     [loaded] = again.load_instances()
     assert (loaded.id, loaded.job_name, loaded.status, loaded.endpoints[0].pid) == (2, "k", ACTIVE, 7)
     assert loaded.members[0].by_id[0] is loaded.endpoints[0]
     [pending] = again.load_pending()
     assert (pending.id, pending.job_name, pending.spec, pending.last_registration) == (3, "j", spec, 12.5)
     assert pending.members[0].address == "h:7300"
-    again.close()
+    await again.close()
 
 
 async def test_pending_assembly_survives_a_restart(tmp_path: Path, node_managers) -> None:
@@ -73,29 +75,38 @@ async def test_clocks_start_at_load_time(tmp_path: Path, node_managers) -> None:
             await until(lambda nm=nm: nm.starts)  # type: ignore[misc]
             await agent.beat(NORMAL)
         await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
-    async with running_controller(tmp_path, instance_heartbeat_timeout_s=1.0) as h:
-        assert [i.status for i in await h.instances()] == [ACTIVE, ACTIVE]
+    timeout = 1.0
+    before_load = time.monotonic()
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=timeout) as h:
         agent = h.agent(job="kept", nm=kept, ports=(10000,))
         assert (await agent.register(instance_id=1)).instance_id == 1
+        last_beat = time.monotonic()
 
         async def keep_beating() -> None:
+            nonlocal last_beat
             while True:
                 await agent.beat(NORMAL)
-                await asyncio.sleep(0.1)
+                last_beat = time.monotonic()
+                await asyncio.sleep(0.05)
 
         beating = asyncio.create_task(keep_beating())
         try:
-            [gone] = await until(lambda: h.instances(status=DELETED), timeout=5)
-            assert gone.job_name == "lost"
-            await asyncio.sleep(1.5)  # past the timeout: the one that keeps beating stays
+            # The silent one goes one timeout after the load, not at once (its saved clock is
+            # from before the restart) ...
+            [gone] = await until(lambda: h.instances(status=DELETED), timeout=10)
+            assert gone.job_name == "lost" and time.monotonic() - before_load >= timeout
+            # ... while the one that beats is still there past that same deadline.
+            [inst] = await h.instances()
+            assert (inst.id, inst.status) == (1, ACTIVE)
         finally:
             beating.cancel()
-        [inst] = await h.instances()
-        assert (inst.id, inst.status) == (1, ACTIVE)
+        # Once silent it goes too, a timeout after its last beat: the beats were what kept it.
+        await until(lambda: len(h.controller.table.find(status=DELETED)) == 2, timeout=10)
+        assert time.monotonic() - last_beat >= timeout
         assert len(kept.starts) == 1
 
 
-def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> None:
+async def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> None:
     store = Store(tmp_path / "s")
     table = InstanceTable(store)
     table.keep_deleted = 2
@@ -104,7 +115,7 @@ def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> Non
     for n in range(4):
         member = Member(0, "h", 7300 + n, [10000])
         inst = Instance(
-            id=store.next_instance_id(),
+            id=await store.next_instance_id(),
             job_name=f"j{n}",
             spec=spec,
             status=common_pb2.INSTANCE_STATUS_INITIAL,
@@ -112,13 +123,13 @@ def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) -> Non
             members=[member],
         )
         member.instance = inst
-        store.assemble(inst)
+        await store.assemble(inst)
         table.add(inst)
         made.append(inst)
     for inst in made:
-        table.delete(inst, "test")
+        await table.delete(inst, "test")
     assert [i.id for i in table.find(status=DELETED)] == [3, 4]
-    store.close()
+    await store.close()
     again = Store(tmp_path / "s")
     assert sorted(i.id for i in again.load_instances()) == [3, 4]
-    assert again.next_instance_id() == 5
+    assert await again.next_instance_id() == 5

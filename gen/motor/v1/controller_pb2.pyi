@@ -131,16 +131,18 @@ class RegisterRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
     """The job this node serves; every NodeManager of one instance registers with the same name.
-    Required.
+    Required: 1-128 characters, letters, digits, '.', '_' or '-', the first a letter or digit.
     """
     role: _common_pb2.Role.ValueType
     """Required."""
     model_name: _builtins.str
-    """The served model name (what clients put in "model"). Required."""
+    """The served model name (what clients put in "model"). Required: 1-256 printable characters."""
     engine_type: _common_pb2.EngineType.ValueType
     """The engine software this node runs."""
     host: _builtins.str
-    """Host of this NodeManager and its engines, as the other services reach them. Required."""
+    """Host of this NodeManager and its engines, as the other services reach them. Required: an
+    IP address or a DNS host name (nothing else: the Controller dials it).
+    """
     nm_port: _builtins.int
     """This NodeManager's gRPC port (1-65535); the Controller calls it at host:nm_port."""
     device_count: _builtins.int

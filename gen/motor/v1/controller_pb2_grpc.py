@@ -120,6 +120,10 @@ class ControllerServicer:
         FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
         protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
         job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+        RESOURCE_EXHAUSTED (RetryInfo) when 20,000 jobs are already waiting for the rest of their
+        NodeManagers. UNAVAILABLE (ErrorInfo reason STATE_WRITE_FAILED, RetryInfo) when the
+        Controller could not write its state (a full or failing disk): nothing was recorded, and the
+        same registration may be sent again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -61,6 +61,10 @@ class ControllerStub:
     FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
     protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
     job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+    RESOURCE_EXHAUSTED (RetryInfo) when 20,000 jobs are already waiting for the rest of their
+    NodeManagers. UNAVAILABLE (ErrorInfo reason STATE_WRITE_FAILED, RetryInfo) when the
+    Controller could not write its state (a full or failing disk): nothing was recorded, and the
+    same registration may be sent again.
     """
     Heartbeat: _grpc.StreamStreamMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]
     """Kept open by each NodeManager for its life: beats and engine events in, acks and
@@ -173,6 +177,10 @@ class ControllerAsyncStub(ControllerStub):
     FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
     protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
     job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+    RESOURCE_EXHAUSTED (RetryInfo) when 20,000 jobs are already waiting for the rest of their
+    NodeManagers. UNAVAILABLE (ErrorInfo reason STATE_WRITE_FAILED, RetryInfo) when the
+    Controller could not write its state (a full or failing disk): nothing was recorded, and the
+    same registration may be sent again.
     """
     Heartbeat: _aio.StreamStreamMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Kept open by each NodeManager for its life: beats and engine events in, acks and
@@ -288,6 +296,10 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         FAILED_PRECONDITION (PreconditionFailure type JOB_MISMATCH) when role, model, engine type,
         protocol or parallelism differ from the job's other registrations; INSTANCE_FULL when the
         job needs no more NodeManagers; INSTANCE_MISMATCH when instance_id belongs to another job.
+        RESOURCE_EXHAUSTED (RetryInfo) when 20,000 jobs are already waiting for the rest of their
+        NodeManagers. UNAVAILABLE (ErrorInfo reason STATE_WRITE_FAILED, RetryInfo) when the
+        Controller could not write its state (a full or failing disk): nothing was recorded, and the
+        same registration may be sent again.
         """
 
     @_abc_1.abstractmethod
