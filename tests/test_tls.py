@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from services.common.channel import ClientTLS, open_channel
 from services.common.config import ServerConfig, load
 from services.common.server import MotorServer
 from services.coordinator.runtime import Coordinator
+from tests.ports import reserved_pair
 from tests.procs import ROOT, Proc
 from tests.test_runtime import CONTROLLER, StubController
 
@@ -192,7 +192,7 @@ async def test_section_with_a_certificate_and_no_ca_uses_tls_verified_by_system_
 
 
 async def test_tls_files_are_read_once_until_they_change(
-    mtls_server: MotorServer, pki: Path, monkeypatch: pytest.MonkeyPatch
+    mtls_server: MotorServer, pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[str] = []
     real = channel_module._read_file
@@ -203,24 +203,28 @@ async def test_tls_files_are_read_once_until_they_change(
 
     monkeypatch.setattr(channel_module, "_read_file", counting)
     monkeypatch.setattr(channel_module, "_CREDENTIALS", OrderedDict())
-    tls = ServerConfig(**tls_files(pki, "client", ca=True))
+    own = tmp_path / "client-pki"  # a copy this test may rotate and remove
+    own.mkdir()
+    for name in ("ca.pem", "client.pem", "client.key"):
+        shutil.copy2(pki / name, own / name)
+    tls = ServerConfig(**tls_files(own, "client", ca=True))
     for _ in range(3):
         async with open_channel(mtls_server.address, tls=tls) as ch:
             assert await check(ch) == health_pb2.HealthCheckResponse.SERVING
     assert sorted(reads) == ["ca.pem", "client.key", "client.pem"]
 
-    cert = pki / "client.pem"
+    cert = own / "client.pem"
     info = cert.stat()
     os.utime(cert, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))  # a rotated certificate
     async with open_channel(mtls_server.address, tls=tls) as ch:
         assert await check(ch) == health_pb2.HealthCheckResponse.SERVING
     assert sorted(reads) == sorted(["ca.pem", "client.key", "client.pem"] * 2)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # Removed (or caught mid-rotation): the material read before still serves new channels.
+    shutil.rmtree(own)
+    async with open_channel(mtls_server.address, tls=tls) as ch:
+        assert await check(ch) == health_pb2.HealthCheckResponse.SERVING
+    assert len(reads) == 6
 
 
 def test_controller_and_nodemanager_with_certificates_only_talk_tls(
@@ -231,7 +235,7 @@ def test_controller_and_nodemanager_with_certificates_only_talk_tls(
     cfg = tmp_path / "motor.json"
     cfg.write_text(json.dumps({
         "controller": {**tls_files(pki, "server"), "coordinators": []},
-        "nodemanager": {**tls_files(pki, "client"), "job_name": "tls", "role": "union", "ports": [_free_port()]},
+        "nodemanager": {**tls_files(pki, "client"), "job_name": "tls", "role": "union", "ports": [reserved_pair()]},
     }))  # fmt: skip
     env = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki / "ca.pem")}
     controller = motor_proc("controller", "--config", str(cfg), "--port", "0", env=env)

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from services.common import telemetry
+from services.common import log, telemetry
 from services.common.config import ServerConfig
 from services.common.interceptors import KEY_METADATA
 
@@ -98,11 +98,23 @@ class ClientTLS:
         return cls(cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file)
 
 
-# Credentials by the identity of the files they were made from: channels are opened all the time
-# (one per NodeManager, reopened after failures), and reading PEM files for each would block the
-# event loop for nothing. A file that changes (a rotated certificate) has a new identity.
-_Identity = tuple[str, int, int] | None
-_CREDENTIALS: OrderedDict[tuple[_Identity, ...], grpc.ChannelCredentials] = OrderedDict()
+# Credentials by the files they were made from. Channels are opened all the time (one per
+# NodeManager, reopened after failures) and reading PEM files for each would block the event loop
+# for nothing: a new channel costs one stat() per file, and the files are read again only when
+# one changed (its mtime or size: a rotated certificate is picked up by the next channel, no
+# restart needed). A file that cannot be read any more keeps the material last read from it.
+_Identity = tuple[int, int] | None
+_Paths = tuple[str, str, str]
+
+
+@dataclass
+class _Loaded:
+    identity: tuple[_Identity, ...]
+    creds: grpc.ChannelCredentials
+    stale: bool = False  # a file changed or vanished and could not be read: warned once
+
+
+_CREDENTIALS: OrderedDict[_Paths, _Loaded] = OrderedDict()
 _CREDENTIALS_KEPT = 16
 
 
@@ -110,7 +122,7 @@ def _identity(path: str) -> _Identity:
     if not path:
         return None
     info = os.stat(path)
-    return (path, info.st_mtime_ns, info.st_size)
+    return (info.st_mtime_ns, info.st_size)
 
 
 def _read_file(path: str) -> bytes:
@@ -119,16 +131,29 @@ def _read_file(path: str) -> bytes:
 
 def _credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
     mine = bool(tls.cert_file and tls.key_file)
-    paths = (tls.ca_file, tls.cert_file if mine else "", tls.key_file if mine else "")
-    ident = tuple(_identity(p) for p in paths)
-    creds = _CREDENTIALS.get(ident)
-    if creds is not None:
-        _CREDENTIALS.move_to_end(ident)
-        return creds
-    ca, cert, key = (_read_file(p) if p else None for p in paths)
+    paths: _Paths = (tls.ca_file, tls.cert_file if mine else "", tls.key_file if mine else "")
+    loaded = _CREDENTIALS.get(paths)
+    if loaded is not None:
+        _CREDENTIALS.move_to_end(paths)
+    try:
+        ident = tuple(_identity(p) for p in paths)
+        if loaded is not None and loaded.identity == ident:
+            loaded.stale = False
+            return loaded.creds
+        ca, cert, key = (_read_file(p) if p else None for p in paths)
+    except OSError as exc:
+        if loaded is None:
+            raise
+        # Mid-rotation (a file replaced by remove + write) or removed: the material we have still
+        # makes the same connections it made a moment ago.
+        if not loaded.stale:
+            loaded.stale = True
+            files = [p for p in paths if p]
+            log.warn("tls_files_unreadable", files=files, reason=str(exc), using="the files as last read")
+        return loaded.creds
     # root_certificates=None: gRPC's default roots (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH overrides them).
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    _CREDENTIALS[ident] = creds
+    _CREDENTIALS[paths] = _Loaded(ident, creds)
     while len(_CREDENTIALS) > _CREDENTIALS_KEPT:
         _CREDENTIALS.popitem(last=False)
     return creds

@@ -6,6 +6,10 @@ every orphaned descendant (the NodeManager is a child subreaper) while we wait.
 
 asyncio watches each engine leader by pid (its child watcher calls ``waitpid(pid)``); the reaper
 below must never steal those statuses, so it reaps only zombies it was not told to leave alone.
+
+Nothing here scans all of /proc on the event loop: the reaper wakes on SIGCHLD and looks at this
+process's own children only, and a stop waits on pidfds of the group's members, looking the
+members up (a full /proc scan) in a worker thread, once per exit it waited for.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ from services.common import log
 
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.05
+# Without pidfds a stop looks at the group again at most this far apart (doubling from _POLL_S).
+_MAX_PAUSE_S = 0.5
+# With pidfds the group is looked at again on every exit, and at least this often: a pid reused
+# between the look-up and pidfd_open would otherwise be waited on for nothing.
+_RESCAN_S = 1.0
+# A zombie the reaper must look at twice (see Reaper) gets its second pass this much later.
+_DEFERRED_PASS_S = 1.0
+# With SIGCHLD delivered, a pass this often anyway heals a missed one (it costs one read of our
+# own children list).
+_SAFETY_PASS_S = 30.0
 
 
 def become_subreaper() -> bool:
@@ -117,6 +131,35 @@ def group_members(pgid: int) -> list[ProcInfo]:
     return [p for p in all_procs() if p.pgid == pgid]
 
 
+def _child_pids() -> list[int] | None:
+    """This process's children, every thread's (``/proc/self/task/*/children``); None where the
+    kernel does not list them (built without CONFIG_PROC_CHILDREN)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    pids: list[int] = []
+    listed = False
+    for tid in tids:
+        try:
+            text = Path(f"/proc/self/task/{tid}/children").read_text()
+        except OSError:
+            continue  # a thread that just ended, or no such file on this kernel
+        listed = True
+        pids.extend(int(p) for p in text.split())
+    return pids if listed else None
+
+
+def _zombie_children() -> list[ProcInfo]:
+    me = os.getpid()
+    pids = _child_pids()
+    if pids is None:
+        candidates = [p for p in all_procs() if p.ppid == me]
+    else:
+        candidates = [p for p in map(proc_info, pids) if p is not None]
+    return [p for p in candidates if p.state == "Z" and p.ppid == me]
+
+
 class Reaper:
     """Reaps zombie children that are not engine leaders watched by asyncio.
 
@@ -135,12 +178,11 @@ class Reaper:
         self._leaders.discard(pid)
 
     def reap(self) -> int:
-        """One pass; returns how many zombies were reaped."""
-        me = os.getpid()
+        """One pass over our own children; returns how many zombies were reaped."""
         reaped = 0
         seen: set[int] = set()
-        for p in all_procs():
-            if p.ppid != me or p.state != "Z" or p.pid in self._leaders:
+        for p in _zombie_children():
+            if p.pid in self._leaders:
                 continue
             if p.pid == p.sid and p.pid not in self._seen:
                 seen.add(p.pid)
@@ -151,37 +193,100 @@ class Reaper:
         self._seen = seen
         return reaped
 
-    async def run(self, interval_s: float = 1.0) -> None:
-        while True:
-            self.reap()
-            await asyncio.sleep(interval_s)
+    async def run(self, interval_s: float = _SAFETY_PASS_S) -> None:
+        """Reap on every SIGCHLD (an exited child, ours or adopted), and every ``interval_s``
+        as a safety net; every second where SIGCHLD cannot be handled here.
+
+        This takes over SIGCHLD for the loop (asyncio's default child watcher on Linux waits
+        in threads and does not use it) and gives it back when cancelled."""
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+        try:
+            loop.add_signal_handler(signal.SIGCHLD, woken.set)
+            handled = True
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # not the main thread
+            log.warn("reaper_without_sigchld", reason=str(exc))
+            handled, interval_s = False, min(interval_s, 1.0)
+        try:
+            while True:
+                self.reap()
+                wait = min(interval_s, _DEFERRED_PASS_S) if self._seen else interval_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), wait)
+                woken.clear()
+        finally:
+            if handled:
+                loop.remove_signal_handler(signal.SIGCHLD)
 
 
-def only_foreign_zombies(pgid: int) -> bool:
+def _only_foreign_zombies(members: list[ProcInfo]) -> bool:
     """Whether every member left is a zombie that another process must reap.
 
     An engine left by a killed NodeManager was adopted by someone else (init, or ``motor up``
     as subreaper); once dead it holds no port, but it stays a group member until its new parent
     reaps it, which we cannot do."""
     me = os.getpid()
-    members = group_members(pgid)
     return bool(members) and all(p.state == "Z" and p.ppid != me for p in members)
 
 
+_pidfds = hasattr(os, "pidfd_open")
+
+
+async def _until_one_exits(pids: list[int], timeout_s: float) -> bool:
+    """Wait until one of ``pids`` exits or ``timeout_s`` passes (pidfds on the loop: no
+    polling); False at once when this system has no pidfds."""
+    global _pidfds
+    if not _pidfds:
+        return False
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return True  # gone already: worth a look now
+            except OSError as exc:  # ENOSYS (kernel < 5.3) or refused by a sandbox
+                log.warn("pidfd_unavailable", reason=str(exc))
+                _pidfds = False
+                return False
+            fds.append(fd)
+            loop.add_reader(fd, exited.set)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited.wait(), timeout_s)
+        return True
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
 async def wait_group_gone(pgid: int, timeout_s: float, reaper: Reaper | None) -> bool:
-    """Poll until the group has no member left (reaping as we go); False on timeout.
+    """Wait until the group has no member left (reaping as we go); False on timeout.
 
     Our own descendants are reaped here, so for them this means ``killpg(pgid, 0)`` raises
     ESRCH; zombies we are not the parent of are accepted as gone."""
     deadline = time.monotonic() + timeout_s
+    pause = _POLL_S
     while True:
         if reaper is not None:
             reaper.reap()
-        if not group_alive(pgid) or only_foreign_zombies(pgid):
+        if not group_alive(pgid):
             return True
-        if time.monotonic() >= deadline:
+        # Who is left takes a scan of all of /proc: off the loop, and once per exit waited for.
+        members = await asyncio.to_thread(group_members, pgid)
+        if _only_foreign_zombies(members):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
             return False
-        await asyncio.sleep(_POLL_S)
+        live = [p.pid for p in members if p.state != "Z"]
+        # With no live member, what is left are zombies of ours that asyncio's child watcher or
+        # the reaper is about to collect: look again shortly.
+        if not (live and await _until_one_exits(live, min(left, _RESCAN_S))):
+            await asyncio.sleep(min(left, pause))
+            pause = min(pause * 2, _MAX_PAUSE_S)
 
 
 async def stop_group(pgid: int, grace_s: float, reaper: Reaper | None, *, kill_wait_s: float = 10.0) -> bool:
@@ -192,7 +297,7 @@ async def stop_group(pgid: int, grace_s: float, reaper: Reaper | None, *, kill_w
     signal_group(pgid, signal.SIGKILL)
     if await wait_group_gone(pgid, kill_wait_s, reaper):
         return True
-    left = [p.pid for p in group_members(pgid)]
+    left = [p.pid for p in await asyncio.to_thread(group_members, pgid)]
     log.error("engine_group_stuck", pgid=pgid, pids=left)
     return False
 

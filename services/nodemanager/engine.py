@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import select
 import signal
-import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +27,12 @@ from services.common import enums, log, procgroup, tasks
 from services.common.config import NodeManagerConfig
 from services.nodemanager.launch import EndpointSpec, LaunchParams
 
-_LINE_LIMIT = 1 << 20
+# The longest engine output line passed on whole; a longer one is cut to this, with a note.
+LINE_LIMIT = 64 * 1024
+# Engine output waiting for our stdout; beyond this, lines are dropped (and counted).
+OUTPUT_QUEUE_BYTES = 4 << 20
+# How long a stopped engine's last lines may take to reach our stdout before we go on.
+_DRAIN_S = 1.0
 STARTUP_PROBE_S = 0.1
 _EXIT_POLL_S = 0.05
 
@@ -136,11 +144,11 @@ class Engine:
             stdout=out,
             stderr=asyncio.subprocess.STDOUT if out is not None else None,
             start_new_session=True,
-            limit=_LINE_LIMIT,
+            limit=LINE_LIMIT,
         )
         if log_prefix is not None and proc.stdout is not None:
             # Not in self._tasks: it drains to EOF even after the leader exits.
-            self._pump = tasks.start(f"engine-{self.spec.id}-log", _pump(proc.stdout, log_prefix))
+            self._pump = tasks.start(f"engine-{self.spec.id}-log", pump(proc.stdout, log_prefix, STDOUT))
         self.reaper.watch(proc.pid)
         self._proc = proc
         self.pid = self.last_pid = proc.pid
@@ -197,6 +205,8 @@ class Engine:
             # The group is gone, so the pipe is at EOF once its last bytes are read.
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._pump, 2)
+            # Its last lines out before whatever we print next (the relaunch banner).
+            await STDOUT.drained(_DRAIN_S)
 
     def kill_now(self, reason: str) -> None:
         """Kill a hung group; the exit watcher then reports it DEAD with ``reason``."""
@@ -287,17 +297,141 @@ async def _leader_exit(proc: asyncio.subprocess.Process) -> int:
         waiter.cancel()
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: bytes) -> None:
-    out = sys.stdout.buffer
+class Output:
+    """Our stdout, for engine output: a bounded queue that a daemon thread writes out.
+
+    A pipe nobody reads (or a slow terminal) blocks a write; on the event loop that would stall
+    everything else, the heartbeats included. Here the loop only queues: when the queue is full
+    a line is dropped and counted, and ``event=log_lines_dropped`` says how many, once a second
+    at most. The thread writes to the file descriptor, not through ``sys.stdout``: a daemon
+    thread stuck in a write while holding the buffer's lock would make the interpreter abort at
+    exit."""
+
+    def __init__(self, fd: int = 1, max_bytes: int = OUTPUT_QUEUE_BYTES) -> None:
+        self._fd = fd
+        self._max = max_bytes
+        self._cond = threading.Condition()
+        self._lines: deque[bytes] = deque()
+        self._bytes = 0  # queued or being written
+        self._dropped = 0
+        self._why = ""
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._report_loop: asyncio.AbstractEventLoop | None = None  # where a report is pending
+
+    def put(self, line: bytes) -> bool:
+        """Queue one line (on the loop; never blocks). False: dropped."""
+        self._loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._bytes + len(line) > self._max:
+                self._dropped += 1
+                self._why = "stdout is not keeping up"
+                queued = False
+            else:
+                self._lines.append(line)
+                self._bytes += len(line)
+                self._cond.notify_all()
+                queued = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
+                self._thread.start()
+        if not queued:
+            self._schedule_report()
+        return queued
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait (off the loop) until everything queued was written, at most ``timeout_s``."""
+        with self._cond:
+            if self._bytes == 0:
+                return True
+        return await asyncio.to_thread(self._wait_empty, timeout_s)
+
+    def _wait_empty(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._bytes == 0, timeout_s)
+
+    def _schedule_report(self) -> None:
+        loop = self._loop
+        # A report pending on a loop that has since ended (tests run one loop each) never comes.
+        if loop is None or self._report_loop is loop:
+            return
+        self._report_loop = loop
+        loop.call_later(1.0, self._log_dropped)
+
+    def _log_dropped(self) -> None:
+        self._report_loop = None
+        with self._cond:
+            count, why, self._dropped = self._dropped, self._why, 0
+        if count:
+            log.warn("log_lines_dropped", count=count, reason=why)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._lines))
+                batch = list(self._lines)
+                self._lines.clear()
+            size = sum(map(len, batch))
+            try:
+                self._write(b"".join(batch))
+            except OSError as exc:  # stdout closed (EPIPE) or gone: the lines are lost
+                with self._cond:
+                    self._dropped += len(batch)
+                    self._why = f"stdout write failed: {exc.strerror or exc}"
+                if self._loop is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+                        self._loop.call_soon_threadsafe(self._schedule_report)
+            except Exception:
+                log.exception("engine_output_failed")
+            finally:
+                with self._cond:
+                    self._bytes -= size
+                    self._cond.notify_all()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._fd, view) :]
+            except BlockingIOError:  # someone made our stdout non-blocking: wait until writable
+                select.select([], [self._fd], [], 1.0)
+
+
+STDOUT = Output()
+
+
+async def pump(stream: asyncio.StreamReader, prefix: bytes, out: Output) -> None:
+    """Pass ``stream``'s lines to ``out``, each with ``prefix``, until EOF.
+
+    A line longer than the stream's limit is cut to :data:`LINE_LIMIT` bytes with a note of its
+    length; the rest of it is read and skipped, and the lines after it come through as usual."""
     while True:
         try:
-            line = await stream.readline()
-        except ValueError:  # a line over the limit: pass it on in pieces
-            line = await stream.read(_LINE_LIMIT)
-        if not line:
+            line = await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:  # EOF, maybe after a last unterminated line
+            if exc.partial:
+                out.put(prefix + exc.partial + b"\n")
             return
-        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-        out.flush()
+        except asyncio.LimitOverrunError as exc:
+            head = await stream.readexactly(exc.consumed)
+            size, ended = await _skip_line(stream, len(head))
+            note = f" [line cut: {size} bytes, first {LINE_LIMIT} shown]".encode()
+            out.put(prefix + head[:LINE_LIMIT] + note + b"\n")
+            if not ended:
+                return
+            continue
+        out.put(prefix + line)
+
+
+async def _skip_line(stream: asyncio.StreamReader, size: int) -> tuple[int, bool]:
+    """Read the rest of an overlong line; its whole length, and False when EOF came first."""
+    while True:
+        try:
+            return size + len(await stream.readuntil(b"\n")) - 1, True
+        except asyncio.LimitOverrunError as exc:
+            size += len(await stream.readexactly(exc.consumed))
+        except asyncio.IncompleteReadError as exc:
+            return size + len(exc.partial), False
 
 
 def _signame(num: int) -> str:

@@ -160,7 +160,9 @@ class EngineSupervisor:
         if job and req.job_name != job:
             problems.append(f"job_name {req.job_name!r} is not this node's job {job!r}")
         if req.role != enums.ROLES_BY_NAME[cfg.role]:
-            problems.append(f"role {common_pb2.Role.Name(req.role)} is not this node's role {cfg.role}")
+            problems.append(
+                f"role {enums.enum_name(common_pb2.Role, req.role)} is not this node's role {cfg.role}"
+            )
         ports = list(cfg.ports)
         got = [e.port for e in req.endpoints]
         if len(got) != len(ports) or set(got) != set(ports):
@@ -242,7 +244,7 @@ class EngineSupervisor:
             await self._stop_engines(0)
             raise
         finally:
-            self._record()
+            await self._record()
         log.event(
             "engines_launched",
             instance_id=req.instance_id,
@@ -259,7 +261,7 @@ class EngineSupervisor:
             return None
         return f"[engine-{int(base) + position}] ".encode()
 
-    def _record(self) -> None:
+    async def _record(self) -> None:
         records = []
         for e in self.current_engines():
             if not e.alive:
@@ -270,7 +272,7 @@ class EngineSupervisor:
                 EngineRecord(e.spec.id, e.spec.port, e.pid, e.pid, info.start_ticks if info else 0, markers)
             )
         try:
-            self.state.write(records)
+            await self.state.save(records)
         except OSError as exc:
             log.error("engine_state_write_failed", path=str(self.state.path), reason=str(exc))
 
@@ -282,7 +284,7 @@ class EngineSupervisor:
             return
         await asyncio.gather(*(e.stop(grace_s) for e in engines))
         self.engines = {}
-        self._record()
+        await self._record()
         log.event("engines_stopped", count=len(engines))
 
     async def stop_all(self, grace_s: float) -> None:
@@ -297,7 +299,7 @@ class EngineSupervisor:
             e.stopping = True
         await asyncio.gather(*(e.stop(grace_s) for e in list(self.engines.values())))
         self.engines = {}
-        self._record()
+        await self._record()
         for task in list(self._background):
             task.cancel()
         if self._http is not None:

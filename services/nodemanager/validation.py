@@ -13,6 +13,8 @@ def start_engines(req: nodemanager_pb2.StartEnginesRequest) -> list[tuple[str, s
         bad.append(("instance_id", "required"))
     if req.role == common_pb2.ROLE_UNSPECIFIED:
         bad.append(("role", "required"))
+    elif req.role not in common_pb2.Role.values():
+        bad.append(("role", f"unknown role {req.role}"))
     if not req.endpoints:
         bad.append(("endpoints", "at least one endpoint required"))
     ids: set[int] = set()
@@ -32,7 +34,7 @@ def start_engines(req: nodemanager_pb2.StartEnginesRequest) -> list[tuple[str, s
 
 
 def restart_engines(req: nodemanager_pb2.RestartEnginesRequest) -> list[tuple[str, str]]:
-    if req.action == nodemanager_pb2.RESTART_ACTION_UNSPECIFIED:
+    if req.action not in (nodemanager_pb2.RESTART_ACTION_RESTART, nodemanager_pb2.RESTART_ACTION_ABORT):
         return [("action", "must be RESTART_ACTION_RESTART or RESTART_ACTION_ABORT")]
     return []
 
