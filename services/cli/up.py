@@ -7,6 +7,19 @@ stdout exactly once, when the Coordinator is routable (``https://`` when its sec
 TLS certificate); every child's log goes to stderr with a
 ``[name] `` prefix (engines: ``[engine-<k>] ``).
 
+Until READY, a child that exits with an error is a start-up failure, not a crash to restart
+(a corrupt state file, a port in use, a refused registration: restarting changes nothing):
+everything stops and the last line is ``motor up: <child> failed to start (exit code N): <the
+child's last error line>``, exit code 1.
+
+Stopping: SIGTERM/SIGINT stop the NodeManagers (and so their engines), then the Coordinator and
+Controller; a second signal kills every process we started, and their process groups, at once
+(exit 128 + signal). A child's stdin is a pipe from us that we never write to: closing it is how
+we ask the child to stop (no signal: after a terminal's Ctrl-C, which reaches our whole process
+group, another one would count as the child's second), and it closes by itself when we are
+gone, even by SIGKILL, so no child outlives us. The temporary state directory (no
+``--state-dir``) is removed on every way out but SIGKILL; a given one is kept.
+
 Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
 one engine each. Engines are numbered k = 0, 1, ... across the NodeManagers: NodeManager i owns
 engines i * dp ... i * dp + dp - 1, and engine k's business port is ``nodemanager.ports[0]`` +
@@ -20,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import ssl
 import sys
 import tempfile
@@ -31,15 +43,22 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import log, retry
+from services.cli.up_args import parse
+from services.cli.up_output import error_line, pump
+from services.cli.up_procs import kill_descendants, remove_state_dir
+from services.common import log, retry, tasks
 from services.common.channel import open_channel
 from services.common.config import Config, ConfigError, ServerConfig, load
 from services.common.procgroup import Reaper, become_subreaper
+from services.common.server import STDIN_GUARD_ENV, install_stop_signals
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
 # A child that ran this long was healthy: its next restart waits the shortest delay again.
 HEALTHY_RUN_S = 30.0
 STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover engines
+# How long the rest of a dead child's output may take: a grandchild that inherited the pipe
+# (the Coordinator's workers do) can hold it open after the child is gone.
+OUTPUT_DRAIN_S = 2.0
 
 
 @dataclass
@@ -55,64 +74,13 @@ class Child:
     # crashing slows down to one try every 10 s.
     backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=0.1, maximum=10.0))
     started: float = 0.0
-
-
-EPILOG = """\
-ports (defaults, each + --port-offset): Controller 7100, Coordinator gRPC 7200 and HTTP 8000,
-NodeManager i 7300 + i. Engines are numbered k = 0, 1, ... across the NodeManagers (prefill,
-decode, union): NodeManager i runs engines i*dp .. i*dp+dp-1, one per DP rank, and engine k
-serves on nodemanager.ports[0] + 2k (10000 + 2k) and uses that port + 1 too (SGLang bootstrap,
-vLLM DP RPC). Real engines also use port + 4000 (vLLM NIXL side channel)."""
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="motor up",
-        description="Run a whole local Motor cluster.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--prefill", type=int, help="prefill instances (default 1 when no count is given)")
-    p.add_argument("--decode", type=int, help="decode instances (default 1 when no count is given)")
-    p.add_argument("--union", type=int, help="union instances (default 0)")
-    p.add_argument(
-        "--dp",
-        type=int,
-        metavar="N",
-        help="DP ranks per instance, one engine each (default: nodemanager.parallel.dp, else 1)",
-    )
-    p.add_argument(
-        "--engine-type",
-        "--engine",
-        dest="engine_type",
-        choices=["sim", "vllm", "sglang"],
-        default="sim",
-        help="engine software (default sim); vllm must be on PATH, sglang importable",
-    )
-    p.add_argument(
-        "--sim-protocol",
-        choices=["vllm", "sglang"],
-        default="vllm",
-        help="KV hand-off the simulated engine speaks (default vllm)",
-    )
-    p.add_argument("--model", default="motor-sim", help="model every engine serves (default motor-sim)")
-    p.add_argument("--config", metavar="FILE", help="sectioned JSON config applied to every component")
-    p.add_argument("--port-offset", type=int, default=0, help="added to every default port")
-    p.add_argument("--state-dir", help="state directory (default: a fresh temporary directory)")
-    args = p.parse_args(argv)
-    if args.prefill is None and args.decode is None and args.union is None:
-        args.prefill, args.decode, args.union = 1, 1, 0
-    args.prefill, args.decode, args.union = args.prefill or 0, args.decode or 0, args.union or 0
-    if min(args.prefill, args.decode, args.union) < 0 or args.prefill + args.decode + args.union == 0:
-        p.error("instance counts must be >= 0 and at least one instance is needed")
-    if args.dp is not None and args.dp < 1:
-        p.error("--dp must be >= 1")
-    return args
+    last_error: str | None = None  # the last line of its output that can say why it failed
 
 
 class Cluster:
-    def __init__(self, args: argparse.Namespace, cfg: Config, state: Path) -> None:
+    def __init__(self, args: argparse.Namespace, cfg: Config, state: Path, *, own_state: bool) -> None:
         self.args, self.cfg, self.state = args, cfg, state
+        self.own_state = own_state  # a temporary directory of ours, removed on the way out
         off = args.port_offset
         self.host = cfg.coordinator.host
         self.controller_addr = f"{cfg.controller.host}:{cfg.controller.port + off}"
@@ -120,6 +88,9 @@ class Cluster:
         self.http_port = cfg.coordinator.http_port + off
         self.children: list[Child] = []
         self.stopping = asyncio.Event()
+        self.ready = False  # READY printed: from then on a child's exit is a crash to restart
+        self.failure: str | None = None  # why start-up failed: our last line
+        self.pumps: set[asyncio.Task[None]] = set()  # every output pump still reading
         # Engines of a NodeManager that died re-parent to us (subreaper): reap them, but leave
         # our own children to asyncio, which waits on them by pid.
         self.reaper = Reaper()
@@ -204,45 +175,75 @@ class Cluster:
     async def spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
-            env=child.env,
-            stdin=asyncio.subprocess.DEVNULL,
+            env=dict(child.env, **{STDIN_GUARD_ENV: "1"}),
+            # Never written to: closing it is how we ask the child to stop, and it closes by
+            # itself when we exit, however we exit (even by SIGKILL).
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
         self.reaper.watch(child.proc.pid)
-        child.pump = asyncio.create_task(self._pump(child, child.proc))
-        child.started = asyncio.get_running_loop().time()
-
-    async def _pump(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+        child.last_error = None
         prefix = f"[{child.name}] ".encode()
-        assert proc.stdout is not None
-        async for line in proc.stdout:
+        assert child.proc.stdout is not None
+
+        def on_line(line: bytes) -> None:
             # Engines already carry their own [engine-<k>] prefix.
-            sys.stderr.buffer.write(line if line.startswith(b"[engine-") else prefix + line)
+            if not line.startswith(b"[engine-"):
+                child.last_error = error_line(line) or child.last_error
+                line = prefix + line
+            sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
 
+        child.pump = tasks.start(f"{child.name}-output", pump(child.name, child.proc.stdout, on_line))
+        self.pumps.add(child.pump)
+        child.pump.add_done_callback(self.pumps.discard)
+        child.started = asyncio.get_running_loop().time()
+
+    async def _drained(self, child: Child) -> None:
+        """Wait (a while) until ``child``'s output is read to its end."""
+        if child.pump is None:
+            return
+        done, _ = await asyncio.wait({child.pump}, timeout=OUTPUT_DRAIN_S)
+        if not done:  # it goes on reading in the background, so nothing blocks on the pipe
+            log.warn("output_still_open", component=child.name, waited_s=OUTPUT_DRAIN_S)
+
     async def supervise(self, child: Child) -> None:
-        """Restart ``child`` whenever it exits without being asked, with backoff."""
+        """Restart ``child`` whenever it exits without being asked, with backoff; before READY,
+        an exit with an error ends the cluster instead."""
         loop = asyncio.get_running_loop()
         while not self.stopping.is_set():
             assert child.proc is not None
             rc = await child.proc.wait()
             self.reaper.unwatch(child.proc.pid)
-            if child.pump:
-                await child.pump
+            await self._drained(child)  # its last lines, the error among them, are read
             if self.stopping.is_set():
+                return
+            if rc > 0 and not self.ready:
+                self._start_failed(child, rc)
                 return
             if loop.time() - child.started > HEALTHY_RUN_S:
                 child.backoff.reset()
             delay = child.backoff.next()
             log.warn("restart", component=child.name, rc=rc, in_s=round(delay, 2))
-            try:
-                await asyncio.wait_for(self.stopping.wait(), delay)
-                return
-            except TimeoutError:
-                pass
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+                if self.stopping.is_set():
+                    return
+                try:
+                    await self.spawn(child)
+                    break
+                except OSError:
+                    log.exception("spawn_failed", component=child.name)
+                    delay = child.backoff.next()
             child.restarts += 1
-            await self.spawn(child)
+
+    def _start_failed(self, child: Child, rc: int) -> None:
+        why = child.last_error
+        log.error("start_failed", component=child.name, rc=rc, reason=why or "")
+        self.failure = f"{child.name} failed to start (exit code {rc})" + (f": {why}" if why else "")
+        self.stopping.set()
 
     async def wait_serving(self, addr: str, service: str, section: ServerConfig) -> None:
         # The section's TLS settings: a cluster configured for TLS answers nothing in plaintext.
@@ -267,35 +268,39 @@ class Cluster:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # not routable yet
                     async with http.get(f"{url}/readiness", ssl=ssl_ctx) as resp:
                         if resp.status == 200:
+                            self.ready = True
                             print(f"READY {url}", flush=True)
                             return
                 await asyncio.sleep(0.05)
 
     async def run(self) -> int:
+        """0 after a stop that was asked for, 1 when start-up failed (``self.failure``)."""
         self.plan()
-        reaping = asyncio.create_task(self.reaper.run())
-        supervisors = []
+        running = [tasks.spawn("reaper", self.reaper.run)]
         core, nodes = self.children[:2], self.children[2:]
-        for child in core:
-            await self.spawn(child)
-            supervisors.append(asyncio.create_task(self.supervise(child)))
-        await asyncio.gather(
-            self.wait_serving(self.controller_addr, "motor.v1.Controller", self.cfg.controller),
-            self.wait_serving(self.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
-        )
-        for child in nodes:
-            if self.stopping.is_set():
-                break
-            await self.spawn(child)
-            supervisors.append(asyncio.create_task(self.supervise(child)))
-        ready = asyncio.create_task(self.announce_ready())
-        await self.stopping.wait()
-        ready.cancel()
-        await self.shutdown()
-        for s in supervisors:
-            s.cancel()
-        reaping.cancel()
-        return 0
+        try:
+            for child in core:
+                await self.spawn(child)
+                running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
+            await asyncio.gather(
+                self.wait_serving(self.controller_addr, "motor.v1.Controller", self.cfg.controller),
+                self.wait_serving(self.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
+            )
+            for child in nodes:
+                if self.stopping.is_set():
+                    break
+                await self.spawn(child)
+                running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
+            running.append(tasks.start("announce-ready", self.announce_ready()))
+            await self.stopping.wait()
+        except OSError as exc:  # a child could not even be started (spawn() raised)
+            log.exception("spawn_failed")
+            self.failure = f"cannot start the cluster: {exc}"
+        finally:
+            await self.shutdown()
+            for task in [*running, *self.pumps]:
+                await tasks.cancel_quietly(task)
+        return 1 if self.failure else 0
 
     async def shutdown(self) -> None:
         """NodeManagers first (they stop their engines), then the Coordinator and Controller."""
@@ -312,8 +317,8 @@ class Cluster:
 
     async def _terminate(self, children: list[Child], budget: float) -> None:
         for c in children:
-            if c.proc and c.proc.returncode is None:
-                c.proc.send_signal(signal.SIGTERM)
+            if c.proc and c.proc.returncode is None and c.proc.stdin is not None:
+                c.proc.stdin.close()  # the stop request (see the module's docstring)
         waits = [c.proc.wait() for c in children if c.proc and c.proc.returncode is None]
         if waits:
             _, pending = await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=budget)
@@ -323,8 +328,14 @@ class Cluster:
                         c.proc.kill()
                 await asyncio.gather(*pending, return_exceptions=True)
         for c in children:
-            if c.pump:
-                await asyncio.gather(c.pump, return_exceptions=True)
+            await self._drained(c)
+
+    def kill_all(self) -> None:
+        """The forced exit (a second signal), which must not wait for anything: SIGKILL every
+        process we started and every process group of theirs (engines), and remove our
+        temporary state directory."""
+        kill_descendants(os.getpid())
+        remove_state_dir(self.state, self.own_state)
 
 
 def main(argv: list[str]) -> int:
@@ -342,19 +353,27 @@ def main(argv: list[str]) -> int:
         )
         return 1
     log.setup("up", cfg.controller.log_format)
+    own_state = not args.state_dir
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="motor-up-"))
-    state.mkdir(parents=True, exist_ok=True)
-    # Orphaned engines (their NodeManager killed) re-parent to us, so we can reap and stop them.
-    become_subreaper()
+    cluster: Cluster | None = None
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        # Orphaned engines (their NodeManager killed) re-parent to us, so we can reap and stop them.
+        become_subreaper()
 
-    async def amain() -> int:
-        cluster = Cluster(args, cfg, state)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, cluster.stopping.set)
-        log.event(
-            "starting", component="up", state_dir=str(state), http=f"{cluster.host}:{cluster.http_port}"
-        )
-        return await cluster.run()
+        async def amain() -> int:
+            nonlocal cluster
+            cluster = Cluster(args, cfg, state, own_state=own_state)
+            install_stop_signals(cluster.stopping.set, before_forced_exit=cluster.kill_all)
+            log.event(
+                "starting", component="up", state_dir=str(state), http=f"{cluster.host}:{cluster.http_port}"
+            )
+            return await cluster.run()
 
-    return asyncio.run(amain())
+        rc = asyncio.run(amain())
+    finally:
+        remove_state_dir(state, own_state)
+    if cluster is not None and cluster.failure:
+        # Last, after every child's own last words: the one line that says what went wrong.
+        print(f"motor up: {cluster.failure}", file=sys.stderr, flush=True)
+    return rc

@@ -2,12 +2,19 @@
 
 Every line carries ``event=<name>``; values are quoted only when they need to be, so
 ``grep event=listening`` and ``cut``-style tooling keep working.
+
+A line is always one line of printable text, whatever the values hold: a job name or a client's
+string carrying ``\\r``, ``\\n`` or an ANSI escape must not forge a second line or repaint the
+operator's terminal. Control characters (C0, DEL, C1), Unicode line separators and bidi overrides
+are escaped (``\\x1b``, ``\\n``, ``\\u2028``), in keys as in values; JSON mode gets the same
+from ``json.dumps``, which escapes everything outside printable ASCII.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 import traceback
@@ -18,11 +25,45 @@ _FORMAT = "kv"
 _SECRET_HINTS = ("key", "token", "secret", "password", "authorization")
 
 
+# Characters no log line may carry raw: C0, DEL, C1, line/paragraph separators, bidi controls.
+_CONTROL = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROLS = re.compile(f"[{_CONTROL}]")
+_ESCAPED = re.compile(f'[{_CONTROL}\\\\"]')
+# What makes a value need quotes (or a key need escapes): the above, and whatever ends a pair.
+_UNSAFE = re.compile(f'[{_CONTROL}\\s"=\\\\]')
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+
+
+def _code(c: str) -> str:
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def _in_quotes(m: re.Match[str]) -> str:
+    c = m.group()
+    return '\\"' if c == '"' else _NAMED.get(c) or _code(c)
+
+
+def _named_or_code(m: re.Match[str]) -> str:
+    return _NAMED.get(m.group()) or _code(m.group())
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``, ``\\n``): one line, safe to
+    show on a terminal. For text that is not a log value (a message printed as is)."""
+    return _CONTROLS.sub(_named_or_code, text)
+
+
 def _quote(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), default=str)
-    if text == "" or any(c in text for c in ' "=\n\t'):
-        return json.dumps(text)
+    if text == "" or _UNSAFE.search(text):
+        return '"' + _ESCAPED.sub(_in_quotes, text) + '"'
     return text
+
+
+def _key(key: Any) -> str:
+    # Keys stay unquoted (``grep name=`` keeps working): a space, ``=`` or quote in one becomes
+    # its hex code, like a control character.
+    return _UNSAFE.sub(_named_or_code, str(key))
 
 
 def _redact(fields: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +95,9 @@ class _Formatter(logging.Formatter):
             # One line still: the kv and JSON encoders escape the newlines.
             fields["traceback"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
         if _FORMAT == "json":
-            return json.dumps(fields, separators=(",", ":"), default=str)
-        return " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
+            # ensure_ascii (the default) is what keeps control characters out: keep it.
+            return json.dumps(fields, separators=(",", ":"), default=str, ensure_ascii=True)
+        return " ".join(f"{_key(k)}={_quote(v)}" for k, v in fields.items())
 
 
 def setup(service: str, log_format: str = "kv", level: int = logging.INFO) -> None:

@@ -3,13 +3,17 @@
 Health (``""`` plus each served service), reflection, keepalive policy, ``so_reuseport = 0``,
 message-size limits, raw-bytes method wrappers, interceptors (tracing, access log, management key),
 optional TLS/mTLS, the exposure warning (:mod:`services.common.exposure`), the
-``event=listening`` line, and the graceful stop sequence.
+``event=listening`` line, and the graceful stop sequence (SIGTERM/SIGINT; a second one forces
+the exit at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,9 @@ def read_public_file(path: str, what: str) -> bytes:
         raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or type(exc).__name__}") from None
 
 
+MAX_STREAMS_PER_CONNECTION = 1024
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         # Clients ping every 20 s on idle streams; allow down to 10 s so none is cut off with
@@ -65,6 +72,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # Streams one client connection may hold open at once (heartbeats, watches): a peer
+        # cannot pin unbounded handler tasks; the fleet load generators stay well under it.
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ]
 
 
@@ -152,24 +162,98 @@ class MotorServer:
         await self.health.enter_graceful_shutdown()
         await asyncio.sleep(SHUTDOWN_DRAIN_S)
         for hook in self._stop_hooks:
-            result = hook()
-            if asyncio.iscoroutine(result):
-                await result
+            # One failing hook must not leave the server running or skip the others.
+            try:
+                result = hook()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("stop_hook_failed", service=self.name, hook=getattr(hook, "__qualname__", "?"))
         await self._server.stop(grace=STOP_GRACE_S)
         telemetry.shutdown()
         log.event("stopped", service=self.name)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Set by ``motor up`` for its children: stop when stdin closes (stop_when_stdin_closes).
+STDIN_GUARD_ENV = "MOTOR_STOP_ON_STDIN_EOF"
+
+
+def install_stop_signals(
+    on_stop: Callable[[], None], *, before_forced_exit: Callable[[], None] | None = None
+) -> None:
+    """SIGTERM/SIGINT call ``on_stop`` (the graceful stop); the next one forces the exit at
+    once: one log line, ``before_forced_exit()`` (kill what must not outlive us; it must not
+    block), then exit code 128 + the signal's number, as a shell reports a process it killed.
+
+    An operator who signals twice does not want to wait for a drain, and a supervisor's second
+    signal (or Ctrl-C pressed again) is how a stuck stop is cut short without SIGKILL, which
+    would leave no word in the log."""
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def handle(sig: int) -> None:
+        received.append(sig)
+        if len(received) == 1:
+            on_stop()
+            return
+        rc = 128 + sig
+        log.warn("forced_exit", signal=signal.Signals(sig).name, rc=rc, reason="second stop signal")
+        if before_forced_exit is not None:
+            try:
+                before_forced_exit()
+            except Exception:
+                log.exception("forced_exit_cleanup_failed")
+        # Whatever the graceful stop was waiting on stays unfinished: skip it (and every
+        # finally block, atexit hook and thread join) on purpose.
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(rc)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, handle, sig)
+
+
+def stop_when_stdin_closes(on_stop: Callable[[], None]) -> None:
+    """Call ``on_stop`` once stdin reaches EOF. ``motor up`` gives each child a pipe it never
+    writes to and closes it to stop the child; the pipe also closes when ``motor up`` is gone,
+    even killed with SIGKILL, so the child stops (engines included) instead of living on as an
+    orphan holding its ports. Not a signal, so it does not count towards a forced exit."""
+    loop = asyncio.get_running_loop()
+    fd = 0
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            log.event("stdin_closed", action="stopping")
+            on_stop()
+
+    try:
+        loop.add_reader(fd, readable)
+    except (OSError, ValueError) as exc:  # not a pipe (a file, /dev/null): nothing to watch
+        log.warn("stdin_watch_unavailable", reason=str(exc) or type(exc).__name__)
+
+
 def run(amain: Callable[[asyncio.Event], Awaitable[int]], *, fast_loop: bool = False) -> int:
-    """Run one service's ``amain(stop)`` on a fresh loop; SIGTERM/SIGINT set ``stop``.
+    """Run one service's ``amain(stop)`` on a fresh loop; SIGTERM/SIGINT set ``stop``, a
+    second one exits at once (:func:`install_stop_signals`).
     ``fast_loop``: uvloop, for the processes that serve inference traffic (about twice the
     throughput of the default loop there; bench/results/http_stack.md)."""
 
+    # Read before anything starts a process of its own: it is for us, not for our children.
+    guard_stdin = os.environ.pop(STDIN_GUARD_ENV, "") == "1"
+
     async def wrapper() -> int:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        install_stop_signals(stop.set)
+        if guard_stdin:
+            stop_when_stdin_closes(stop.set)
         return await amain(stop)
 
     if fast_loop:

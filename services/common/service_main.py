@@ -2,7 +2,8 @@
 
 Parses ``--config`` and the few flags that override config keys, loads the configuration
 (printing every error and exiting 1 before anything binds), sets up logging, then runs the
-service's ``serve(cfg, stop)`` coroutine until SIGTERM/SIGINT.
+service's ``serve(cfg, stop)`` coroutine until SIGTERM/SIGINT (a second one exits at once, and
+under ``motor up`` stdin closing stops it too: :func:`services.common.server.run`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""Stop signals of the services ``motor up`` runs (each also runs alone, as in a container): the
+first SIGTERM/SIGINT starts the graceful stop, a second one ends the process at once."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.procs import Proc, grpcurl_bin
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize(
+    ("command", "sig"),
+    [("controller", signal.SIGTERM), ("coordinator", signal.SIGINT), ("nodemanager", signal.SIGTERM)],
+)
+def test_a_second_signal_cuts_a_slow_graceful_stop_short(motor_proc, command: str, sig: int) -> None:
+    extra = ["--http-port", "0"] if command == "coordinator" else []
+    proc = motor_proc(command, "--port", "0", *extra, env={"MOTOR_COORDINATOR_WORKERS": "1"})
+    addr, _ = proc.listening()
+    # An open health Watch: the graceful stop drains, then waits out its whole grace period for
+    # this stream, seconds in all.
+    watch = Proc([grpcurl_bin(), "-plaintext", "-d", '{"service": ""}', addr, "grpc.health.v1.Health/Watch"])
+    try:
+        watch.wait_line('"status"')
+        proc.signal(sig)
+        proc.wait_line("event=stopping")
+        proc.signal(sig)
+        assert proc.popen.wait(timeout=30) == 128 + sig
+    finally:
+        watch.kill()
+    out = proc.output()
+    assert out.count("event=forced_exit") == 1
+    assert f"event=forced_exit signal={signal.Signals(sig).name} rc={128 + sig}" in out
+    assert "event=stopped" not in out  # the graceful stop never finished: it was skipped
+
+
+def test_one_signal_still_stops_gracefully(motor_proc) -> None:
+    proc = motor_proc("controller", "--port", "0")
+    proc.listening()
+    proc.signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=30) == 0
+    out = proc.output()
+    assert "event=stopped" in out and "event=forced_exit" not in out
