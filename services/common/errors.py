@@ -19,11 +19,71 @@ from grpc_status import rpc_status
 
 DOMAIN = "motor"
 
+# The status travels in trailers (grpc-message, percent-encoded, and grpc-status-details-bin,
+# base64), and a gRPC client drops a call whose metadata passes its limit (8 KiB by default):
+# the caller would see RESOURCE_EXHAUSTED "Stream removed" instead of the real status. Error
+# texts quote what the request held (a 100 kB host name, thousands of bad elements), so both are
+# bounded: the message, every string inside a detail, and the entries of a repeated detail field.
+MAX_MESSAGE_BYTES = 512
+MAX_DETAIL_TEXT_BYTES = 160
+MAX_DETAIL_ENTRIES = 8
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (whole characters), saying how much went."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= limit:
+        return text
+    marker = f"... ({len(raw)} bytes)"
+    kept = raw[: max(0, limit - len(marker))].decode("utf-8", "ignore")
+    return kept + marker
+
+
+def _bounded(detail: Message) -> Message:
+    """A copy of ``detail`` whose strings and repeated entries fit the trailer budget."""
+    out = type(detail)()
+    out.CopyFrom(detail)
+    _bound(out)
+    return out
+
+
+def _bound(msg: Message) -> None:
+    for field, value in msg.ListFields():
+        name = field.name
+        if field.type == field.TYPE_STRING:
+            if field.is_repeated:
+                kept = [clip(v, MAX_DETAIL_TEXT_BYTES) for v in value[:MAX_DETAIL_ENTRIES]]
+                del value[:]
+                value.extend(kept)
+            else:
+                setattr(msg, name, clip(value, MAX_DETAIL_TEXT_BYTES))
+        elif field.type == field.TYPE_MESSAGE:
+            entry = field.message_type
+            if entry is not None and entry.GetOptions().map_entry:  # ErrorInfo.metadata
+                items = list(value.items())
+                value.clear()
+                for k, v in items[:MAX_DETAIL_ENTRIES]:
+                    if isinstance(v, str):
+                        value[clip(k, MAX_DETAIL_TEXT_BYTES)] = clip(v, MAX_DETAIL_TEXT_BYTES)
+            elif field.is_repeated:
+                extra = len(value) - MAX_DETAIL_ENTRIES
+                del value[MAX_DETAIL_ENTRIES:]
+                for item in value:
+                    _bound(item)
+                if extra > 0 and isinstance(msg, error_details_pb2.BadRequest):
+                    value.add(field="", description=f"and {extra} more problems")
+            else:
+                _bound(value)
+
 
 class MotorError(Exception):
-    """An RPC failure with a precise code, a one-line message and google.rpc details."""
+    """An RPC failure with a precise code, a one-line message and google.rpc details.
+
+    The message and the details are bounded (:data:`MAX_MESSAGE_BYTES` and friends) so the
+    status always reaches the caller."""
 
     def __init__(self, code: grpc.StatusCode, message: str, details: Iterable[Message] = ()) -> None:
+        message = clip(message, MAX_MESSAGE_BYTES)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -33,7 +93,7 @@ class MotorError(Exception):
         packed = []
         for d in self.details:
             a = any_pb2.Any()
-            a.Pack(d)
+            a.Pack(_bounded(d))
             packed.append(a)
         proto = status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
         return rpc_status.to_status(proto)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Protocol
 
-from services.common.http_errors import OpenAIError
+from services.common.http_errors import OpenAIError, invalid_request
 
 
 class Wire(Protocol):
@@ -69,13 +69,17 @@ def _head(status: int, headers: Headers, extra: bytes) -> bytes:
 
 
 class Responder:
-    """How a handler answers: :meth:`send` once, or :meth:`start` then :meth:`write`..."""
+    """How a handler answers: :meth:`send` once, or :meth:`start` then :meth:`write`...
 
-    __slots__ = ("_conn", "close_after", "finished", "started", "status")
+    ``head_only``: the answer to a HEAD request, which is the head alone (RFC 9110 9.3.2); a
+    body after it would be read as the next response on a keep-alive connection."""
 
-    def __init__(self, conn: Wire, close: bool) -> None:
+    __slots__ = ("_conn", "close_after", "finished", "head_only", "started", "status")
+
+    def __init__(self, conn: Wire, close: bool, head_only: bool = False) -> None:
         self._conn = conn
         self.close_after = close
+        self.head_only = head_only
         self.started = False
         self.finished = False
         self.status = 0
@@ -88,7 +92,7 @@ class Responder:
         self.status = status
         conn = b"Connection: close\r\n" if self.close_after else b""
         extra = b"Content-Type: %s\r\nContent-Length: %d\r\n%s" % (content_type, len(body), conn)
-        self._conn.write(_head(status, headers, extra) + b"\r\n" + body)
+        self._conn.write(_head(status, headers, extra) + b"\r\n" + (b"" if self.head_only else body))
 
     def error(self, err: OpenAIError) -> None:
         headers = list(err.headers.items()) if err.headers else None
@@ -105,9 +109,15 @@ class Responder:
         self._conn.pending_head = _head(status, headers, extra) + b"\r\n"
 
     async def write(self, data: bytes) -> None:
-        if data:
+        if self.head_only:
+            self._flush_head()
+        elif data:
             self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
             await self._conn.drain()
+
+    def _flush_head(self) -> None:
+        if self._conn.pending_head:
+            self._conn.write(b"")  # the connection prepends the pending head
 
     def abort(self) -> None:
         """Drop the connection without finishing the answer (the client sees it cut)."""
@@ -119,6 +129,9 @@ class Responder:
         """Finish a chunked answer, with its last ``data`` in the same write."""
         if not self.finished:
             self.finished = True
+            if self.head_only:
+                self._flush_head()
+                return
             last = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
             self._conn.write(last + b"0\r\n\r\n")
 
@@ -127,25 +140,28 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 
 
 def not_found(req: Request) -> OpenAIError:
-    return OpenAIError(404, f"no route {req.method} {req.path}", "invalid_request_error", "unknown_route")
+    return invalid_request(f"no route {req.method} {req.path}", "unknown_route", status=404)
 
 
 def method_not_allowed(req: Request, allow: str) -> OpenAIError:
-    return OpenAIError(
-        405,
+    return invalid_request(
         f"method {req.method} is not allowed on {req.path}",
-        "invalid_request_error",
         "method_not_allowed",
+        status=405,
         headers={"Allow": allow},
     )
 
 
 def route_table(routes: dict[tuple[str, str], Handler]) -> Handler:
     """One handler dispatching on (method, path): 404 for an unknown path, 405 for a method
-    the path does not take (with ``Allow``)."""
+    the path does not take (with ``Allow``). A path that takes GET takes HEAD too (the server
+    leaves out the body)."""
     by_path: dict[str, dict[str, Handler]] = {}
     for (method, path), h in routes.items():
         by_path.setdefault(path, {})[method] = h
+    for methods in by_path.values():
+        if "GET" in methods:
+            methods.setdefault("HEAD", methods["GET"])
 
     async def dispatch(req: Request, resp: Responder) -> None:
         methods = by_path.get(req.path)

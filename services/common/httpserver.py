@@ -23,7 +23,7 @@ from typing import cast
 import httptools
 
 from services.common import log
-from services.common.http_errors import INTERNAL_MESSAGE, OpenAIError
+from services.common.http_errors import OpenAIError, internal_error, invalid_request
 from services.common.httpmessages import Handler, Request, Responder
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -37,6 +37,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_body_bytes",
+        "_broken",
         "_busy",
         "_header_bytes",
         "_headers",
@@ -46,6 +47,7 @@ class _Connection(asyncio.Protocol):
         "_paused_reading",
         "_peer",
         "_queue",
+        "_rejected",
         "_task",
         "_url",
         "_write_ready",
@@ -67,6 +69,10 @@ class _Connection(asyncio.Protocol):
         self._body_bytes = 0
         self._queue: collections.deque[Request] = collections.deque()
         self._busy = False
+        # The stream stopped parsing (malformed, too large): what is still owed is the answers
+        # to the requests before the bad one, then ``_rejected``, then the connection closes.
+        self._broken = False
+        self._rejected: OpenAIError | None = None
         self._task: asyncio.Task[None] | None = None
         self._write_ready: asyncio.Future[None] | None = None
         self._paused_reading = False
@@ -94,6 +100,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
+        if self._broken:
+            return  # past a rejected request nothing can be trusted to start a request
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -179,22 +187,34 @@ class _Connection(asyncio.Protocol):
 
     def _reject(self, status: int, message: str, code: str) -> None:
         """Answer an unparseable or over-limit request and close: the rest of the stream cannot
-        be trusted to start at a request boundary."""
+        be trusted to start at a request boundary. Requests that arrived whole before it (a
+        pipelined GET, then garbage) are answered first, in order; the refusal comes last."""
         hook = self.server.on_reject
         if hook is not None:
             hook(self._url.split(b"?", 1)[0].decode("utf-8", "replace"), status)
-        if self.transport is None or self._busy:
-            if self.transport is not None:
-                self.transport.close()
+        self._broken = True
+        if self.transport is None:
             return
-        r = Responder(self, True)
-        r.error(OpenAIError(status, message, "invalid_request_error", code))
+        err = invalid_request(message, code, status=status)
+        if self._busy:
+            self._rejected = err
+            if not self._paused_reading:
+                self._paused_reading = True
+                self.transport.pause_reading()
+            return
+        self._answer_rejection(err)
+
+    def _answer_rejection(self, err: OpenAIError) -> None:
+        if self.transport is None:
+            return
+        Responder(self, True).error(err)
         self.transport.close()
 
     def _dispatch(self, req: Request) -> None:
         self._busy = True
         close = not req.keep_alive or self.server.closing
-        self._task = self.server.loop.create_task(self._serve(req, Responder(self, close)))
+        resp = Responder(self, close, head_only=req.method == "HEAD")
+        self._task = self.server.loop.create_task(self._serve(req, resp))
 
     async def _serve(self, req: Request, resp: Responder) -> None:
         server = self.server
@@ -212,7 +232,7 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("http_handler_failed", method=req.method, path=req.path)
             if not resp.started:
-                resp.error(OpenAIError(500, INTERNAL_MESSAGE, "server_error", "internal_error"))
+                resp.error(internal_error())
             else:
                 self.abort()  # a second answer cannot follow the first one's bytes
         finally:
@@ -223,7 +243,7 @@ class _Connection(asyncio.Protocol):
             if resp.started:
                 resp.end()
             else:
-                resp.error(OpenAIError(500, INTERNAL_MESSAGE, "server_error", "internal_error"))
+                resp.error(internal_error())
         self.last_active = time.monotonic()
         self._busy = False
         self._task = None
@@ -233,6 +253,11 @@ class _Connection(asyncio.Protocol):
             return
         if self._queue:
             self._dispatch(self._queue.popleft())
+        elif self._rejected is not None:
+            self._answer_rejection(self._rejected)
+            return
+        if self._broken:
+            return
         if self._paused_reading and len(self._queue) < PIPELINE_MAX and self.transport is not None:
             self._paused_reading = False
             self.transport.resume_reading()

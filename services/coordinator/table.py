@@ -70,11 +70,19 @@ class TableState:
         return [i for i in self.instances.values() if self.is_available(i)]
 
 
+def _role(role: int) -> str:
+    """The role's name; the number for one this proto does not define (never raises)."""
+    try:
+        return common_pb2.Role.Name(role)  # type: ignore[arg-type]
+    except ValueError:
+        return str(role)
+
+
 def _conflict(i: int, iid: int, held: common_pb2.Instance) -> errors.MotorError:
     return errors.already_exists(
         "INSTANCE_ID_CONFLICT",
         f"instances[{i}]: id {iid} is held by another instance "
-        f"(role {common_pb2.Role.Name(held.role)}, job {held.job_name!r})",
+        f"(role {_role(held.role)}, job {held.job_name!r})",
         field=f"instances[{i}].id",
         instance_id=str(iid),
     )
@@ -90,7 +98,7 @@ def _not_found(path: str, iid: int) -> errors.MotorError:
 def _mismatch(inst: common_pb2.Instance, held: common_pb2.Instance) -> str | None:
     """Which identity field given in a Delete request differs from the stored instance."""
     if inst.role != ROLE_UNSPECIFIED and inst.role != held.role:
-        return f"role {common_pb2.Role.Name(inst.role)} != stored {common_pb2.Role.Name(held.role)}"
+        return f"role {_role(inst.role)} != stored {_role(held.role)}"
     if inst.job_name and inst.job_name != held.job_name:
         return f"job_name {inst.job_name!r} != stored {held.job_name!r}"
     if inst.endpoints and identity(inst)[2] != identity(held)[2]:

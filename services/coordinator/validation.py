@@ -80,6 +80,8 @@ def add_instances(req: coordinator_pb2.AddInstancesRequest) -> list[tuple[str, s
 
 
 def delete_instances(req: coordinator_pb2.DeleteInstancesRequest) -> list[tuple[str, str]]:
+    """Only the id is required; role, job_name and endpoints are compared when given, so a role
+    this proto does not define can never match: refused here, by name."""
     bad: list[tuple[str, str]] = []
     seen: set[int] = set()
     for i, inst in enumerate(req.instances):
@@ -88,6 +90,8 @@ def delete_instances(req: coordinator_pb2.DeleteInstancesRequest) -> list[tuple[
         elif inst.id in seen:
             bad.append((f"instances[{i}].id", f"duplicate id {inst.id}"))
         seen.add(inst.id)
+        if inst.role != ROLE_UNSPECIFIED and inst.role not in _ROLES:
+            bad.append((f"instances[{i}].role", f"unknown role {inst.role}"))
     return bad
 
 

@@ -107,14 +107,22 @@ def seconds(lo: float, hi: float, *, above: bool = False) -> Check:
     return Check(f"seconds (number), {low} and <= {hi}", check)
 
 
+_NUL = "must not contain a NUL character"
+
+
 def text(pattern: str = r"(?s:.*)", what: str = "", spec: str = "") -> Check:
-    """A string matching ``pattern``; ``what`` names it in the error, ``spec`` in the docs."""
+    """A string matching ``pattern``; ``what`` names it in the error, ``spec`` in the docs.
+
+    No string key takes a NUL: every one ends up in an argv, an environment, a path, an address
+    or a log line, where a NUL is refused (``ValueError: embedded null byte``) or cuts it."""
 
     def check(value: Any) -> Result:
         if not isinstance(value, str):
             return _expected("string", value)
         if not re.fullmatch(pattern, value):
             return value, [("", f"expected {what}, got {short(value)}")]
+        if "\0" in value:
+            return value, [("", _NUL)]
         return value, []
 
     return Check(f"string: {spec or what}" if spec or what else "string", check)
@@ -145,6 +153,8 @@ _HOSTPORT_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})")
 def _hostport(value: Any) -> Result:
     if not isinstance(value, str):
         return _expected("string", value)
+    if "\0" in value:
+        return value, [("", _NUL)]
     match = _HOSTPORT_RE.fullmatch(value)
     # Port 0 is fine for a listener but never for an address to connect to.
     if not match or not 1 <= int(match.group(1)) <= 65535:
@@ -205,8 +215,33 @@ PARALLEL = Check(
 
 
 def _json_object(value: Any) -> Result:
-    # engine.args: any JSON values; the NodeManager decides how each becomes a flag.
-    return (value, []) if isinstance(value, dict) else _expected("object", value)
+    # engine.args: any JSON values; the NodeManager decides how each becomes a flag. Each key
+    # becomes a flag name and every string an argument: neither may be empty / hold a NUL.
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            return value, [("", f"flag names must not be empty, got {short(key)}")]
+        if "\0" in key:
+            return value, [("", f"flag name {short(key)} {_NUL}")]
+        if _holds_nul(item):
+            return value, [(f".{display_name(key)}", _NUL)]
+    return value, []
+
+
+def _holds_nul(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\0" in v:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+    return False
 
 
 JSON_OBJECT = Check("object (any JSON values)", _json_object)

@@ -67,12 +67,13 @@ def load_config(
             config[sec][key] = copy.deepcopy(stored)
 
     if path is not None:
+        shown = shown_path(path)
         for sec, values in _read_file(path, section, errors).items():
             for key, value in values.items():
                 if key in SCHEMA[sec]:
-                    put(f"{path}: {sec}.{key}", sec, key, value)
+                    put(f"{shown}: {sec}.{key}", sec, key, value)
                 else:
-                    errors.append(f"{path}: {sec}.{display_name(key)}: {unknown_key(key, SCHEMA[sec])}")
+                    errors.append(f"{shown}: {sec}.{display_name(key)}: {unknown_key(key, SCHEMA[sec])}")
 
     for var, raw in sorted((os.environ if env is None else env).items()):
         owner = next((s for s in SECTIONS if var.startswith(f"MOTOR_{s.upper()}_")), None)
@@ -128,16 +129,26 @@ def _parse_env(raw: str, text_key: bool) -> Any:
     return raw if text_key and not isinstance(value, str) else value
 
 
+def shown_path(path: str) -> str:
+    """``path`` as error lines show it: as is, or quoted when it holds characters (a newline, a
+    NUL) that would break the one-line format."""
+    return path if path.isprintable() else short(path)
+
+
 def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, dict[str, Any]]:
     """The file's values by section; problems go to ``errors``."""
+    where = shown_path(path)
     try:
         with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except OSError as exc:
-        errors.append(f"{path}: cannot read: {exc.strerror or type(exc).__name__}")
+        errors.append(f"{where}: cannot read: {exc.strerror or type(exc).__name__}")
         return {}
-    except UnicodeDecodeError:
-        errors.append(f"{path}: not UTF-8 text")
+    except ValueError as exc:  # UnicodeDecodeError, or a path holding a NUL
+        if not isinstance(exc, UnicodeDecodeError):
+            errors.append(f"{where}: cannot read: not a valid path")
+            return {}
+        errors.append(f"{where}: not UTF-8 text")
         return {}
 
     duplicates: list[str] = []
@@ -153,17 +164,17 @@ def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, d
     try:
         data = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as exc:
-        errors.append(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+        errors.append(f"{where}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}")
         return {}
     except RecursionError:
-        errors.append(f"{path}: invalid JSON: nested too deeply")
+        errors.append(f"{where}: invalid JSON: nested too deeply")
         return {}
     except ValueError as exc:  # e.g. an integer literal over Python's 4300-digit limit
-        errors.append(f"{path}: invalid JSON: {exc}")
+        errors.append(f"{where}: invalid JSON: {exc}")
         return {}
-    errors.extend(f"{path}: duplicate key {short(key)}" for key in duplicates)
+    errors.extend(f"{where}: duplicate key {short(key)}" for key in duplicates)
     if not isinstance(data, dict):
-        errors.append(f"{path}: expected a JSON object at the top level, got {kind(data)}")
+        errors.append(f"{where}: expected a JSON object at the top level, got {kind(data)}")
         return {}
 
     sectioned = all(key in SECTIONS for key in data)
@@ -173,7 +184,7 @@ def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, d
         sectioned = all(isinstance(value, dict) for value in data.values())
     if not sectioned:
         if section is None:
-            errors.append(f"{path}: flat config needs --section")
+            errors.append(f"{where}: flat config needs --section")
             return {}
         return {section: data}
     result: dict[str, dict[str, Any]] = {}
@@ -181,5 +192,5 @@ def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, d
         if isinstance(values, dict):
             result[sec] = values
         else:
-            errors.append(f"{path}: {sec}: expected object, got {describe(values)}")
+            errors.append(f"{where}: {sec}: expected object, got {describe(values)}")
     return result
