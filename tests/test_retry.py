@@ -56,6 +56,13 @@ def test_capped_delays_are_spread_around_the_maximum() -> None:
     assert all(5.0 <= backoff.next() <= 15.0 for _ in range(100))
 
 
+def test_a_servers_wait_lengthens_a_delay_up_to_the_maximum_only() -> None:
+    backoff = Backoff(initial=1.0, maximum=10.0, jitter=0)
+    # Longer than the backoff's own: waited. Shorter, or none: the backoff's own.
+    assert [backoff.next(3.0), backoff.next(0.5), backoff.next(None)] == pytest.approx([3.0, 2.0, 4.0])
+    assert backoff.next(3600.0) == pytest.approx(10.0)  # a server asking for an hour gets the cap
+
+
 @pytest.mark.parametrize(("initial", "maximum"), [(0.0, 1.0), (-1.0, 1.0), (2.0, 1.0)])
 def test_backoff_refuses_impossible_bounds(initial: float, maximum: float) -> None:
     with pytest.raises(ValueError):

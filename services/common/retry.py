@@ -74,10 +74,16 @@ class Backoff:
             base *= random.uniform(1 - self.jitter, 1 + self.jitter)
         return base
 
-    def next(self) -> float:
-        """The delay to wait now; the following one is longer (up to the cap)."""
+    def next(self, at_least: float | None = None) -> float:
+        """The delay to wait now; the following one is longer (up to the cap).
+
+        ``at_least`` is the server's own word on when to come back (HTTP ``Retry-After``, gRPC
+        ``RetryInfo``): the delay is no shorter, but a server's wait is honoured only up to
+        ``maximum``, so a wrong or hostile one cannot park the caller for hours."""
         delay = self.delay(self._attempt)
         self._attempt += 1
+        if at_least is not None:
+            delay = max(delay, min(at_least, self.maximum))
         return delay
 
     def reset(self) -> None:

@@ -15,7 +15,7 @@ from services.common import log
 from services.common.enums import ROLE_NAMES
 from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
 from services.common.tasks import supervise
-from services.coordinator.routes import RoutingView, Target, Upstream
+from services.coordinator.routes import RoutingView, Upstream
 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
@@ -46,7 +46,7 @@ class Breaker:
                 return
         target.set_down(ep, True)
         log.warn("endpoint_out_of_rotation", instance=target.id, endpoint=ep.base, role=role)
-        self._on_count(Target.down_total)
+        self._on_count(self._view().down_total)
 
     def start(self) -> None:
         self._task = asyncio.create_task(supervise("breaker_probes", self._probe_loop))
@@ -60,12 +60,13 @@ class Breaker:
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            if not Target.down_total:
+            view = self._view()
+            if not view.down_total:
                 continue
-            down = [ep for t in self._view().targets for ep in t.endpoints if ep.down]
+            down = [ep for t in view.targets for ep in t.endpoints if ep.down]
             if down:
                 await asyncio.gather(*(self._probe(ep) for ep in down))
-            self._on_count(Target.down_total)
+            self._on_count(self._view().down_total)
 
     async def _probe(self, ep: Upstream) -> None:
         deadline = asyncio.get_running_loop().time() + PROBE_TIMEOUT_S

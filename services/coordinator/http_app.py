@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 
 from services.common.config import CoordinatorConfig, read_private_file
-from services.common.http_errors import OpenAIError, model_not_found
+from services.common.http_errors import OpenAIError, invalid_request, model_not_found
 from services.common.httpmessages import Handler, Request, Responder, route_table
 from services.coordinator.admission import Admission
 from services.coordinator.bodies import BadBody, estimate_tokens, parse_request
@@ -37,10 +37,6 @@ def _not_routable() -> OpenAIError:
         "no_routable_instance",
         headers={"Retry-After": "1"},
     )
-
-
-def _bad_request(message: str, code: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", code, param)
 
 
 class ApiKeys:
@@ -135,8 +131,8 @@ class InferenceApp:
 
     def _check_key(self, req: Request) -> None:
         if self._keys is not None and not self._keys.allows(req.headers.get(b"authorization")):
-            raise OpenAIError(
-                401, "invalid or missing API key", "invalid_request_error", "invalid_api_key",
+            raise invalid_request(
+                "invalid or missing API key", "invalid_api_key", status=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
 
@@ -203,7 +199,7 @@ class InferenceApp:
             else:  # seconds of parsing for the largest bodies: let the loop serve meanwhile
                 req, raw = await asyncio.to_thread(parse_request, body, self._max_depth)
         except BadBody as exc:
-            raise _bad_request(str(exc), "invalid_json") from None
+            raise invalid_request(str(exc), "invalid_json") from None
         view = self._view()  # the newest view: the wait in the queue may have been long
         if not view.routable:
             raise _not_routable()
@@ -211,7 +207,7 @@ class InferenceApp:
         if model is None and len(view.models) == 1:
             model = next(iter(view.models))  # the engine fills in its default the same way
         if not isinstance(model, str):
-            raise _bad_request("model is required and must be a string", "invalid_request", "model")
+            raise invalid_request("model is required and must be a string", "invalid_request", "model")
         routes = view.models.get(model)
         if routes is None:
             raise model_not_found(model)

@@ -55,6 +55,14 @@ def use_shared_dir(path: str) -> None:
     values.ValueClass = values.MultiProcessValue()
 
 
+def use_own_process() -> None:
+    """Keep every metric in this process's memory, whatever the environment says: a
+    PROMETHEUS_MULTIPROC_DIR inherited from a parent (another Coordinator's workers, a
+    container's defaults) names a directory this process does not own and that may be gone."""
+    os.environ.pop(MULTIPROC_ENV, None)
+    values.ValueClass = values.MutexValue
+
+
 def forget_process(pid: int) -> None:
     """A worker died: its live gauges (in flight, queue) stop counting; its counters stay."""
     path = os.environ.get(MULTIPROC_ENV)

@@ -20,7 +20,7 @@ from typing import Any
 
 from services.common import log
 from services.common.enums import PD_SGLANG, ROLE_NAMES
-from services.common.http_errors import OpenAIError
+from services.common.http_errors import server_error
 from services.common.httpclient import Response
 from services.common.httpmessages import Responder
 from services.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
@@ -83,10 +83,10 @@ class Router:
             return await self._whole(call, routes.prefill_only, self.prefill_policy, "prefill", call.raw)
         except NoUpstream as exc:
             log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
-            raise OpenAIError(502, str(exc), "server_error", "upstream_unreachable") from None
+            raise server_error(502, str(exc), "upstream_unreachable") from None
         except PhaseTimeout as exc:
             log.warn("upstream_timeout", role=exc.role, model=call.model, error=str(exc))
-            raise OpenAIError(504, str(exc), "server_error", "upstream_timeout") from None
+            raise server_error(504, str(exc), "upstream_timeout") from None
 
     # -- vLLM: prefill first, then decode with the prefill's kv_transfer_params ----------------
 

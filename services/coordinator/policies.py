@@ -23,7 +23,8 @@ _load = attrgetter("load")
 def _candidates(targets: Sequence[Target], exclude: Collection[int]) -> Sequence[Target]:
     if exclude:
         targets = [t for t in targets if t.id not in exclude]
-    if Target.down_total and len(targets) > 1:
+    # Every candidate is of one table: its count says whether any endpoint of it is out.
+    if len(targets) > 1 and targets[0].downs.n:
         healthy = [t for t in targets if t.healthy]
         return healthy or targets
     return targets

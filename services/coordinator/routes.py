@@ -5,7 +5,9 @@ routing on one revision finishes on it. The per-instance *runtime* state (in-fli
 round-robin cursor over its endpoints, endpoints that refused connections) lives in
 :class:`Target` / :class:`Upstream` objects that are carried over from one view to the next
 while the instance keeps its identity, so a table change never resets load accounting or
-re-admits an endpoint the circuit breaker took out.
+re-admits an endpoint the circuit breaker took out. How many endpoints are out is counted per
+routing table (:class:`DownCount`, shared by the views built one from the other), never per
+process: several Coordinators in one process (tests start many) keep their own count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ from services.coordinator.table import TableState, identity
 
 def netloc(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class DownCount:
+    """Endpoints out of rotation in one routing table: shared by its targets and views.
+
+    Zero almost always, and then the policies skip the health filter entirely: a routing
+    decision stays O(1) in the common case.
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
 
 
 class Upstream:
@@ -41,13 +56,21 @@ class Upstream:
 class Target:
     """One routable instance and its runtime state."""
 
-    __slots__ = ("_rr", "endpoints", "id", "key", "load", "model", "n_down", "protocol", "remote", "role")
+    __slots__ = (
+        "_rr",
+        "downs",
+        "endpoints",
+        "id",
+        "key",
+        "load",
+        "model",
+        "n_down",
+        "protocol",
+        "remote",
+        "role",
+    )
 
-    # Endpoints out of rotation in this process. Zero almost always, and then the policies skip
-    # the health filter entirely: a routing decision stays O(1) in the common case.
-    down_total = 0
-
-    def __init__(self, inst: common_pb2.Instance) -> None:
+    def __init__(self, inst: common_pb2.Instance, downs: DownCount) -> None:
         self.id = inst.id
         self.role = inst.role
         self.model = inst.model_name
@@ -61,6 +84,7 @@ class Target:
         self.load = 0
         self.remote = 0
         self.n_down = 0
+        self.downs = downs  # the count of the table this target belongs to
         self._rr = 0
 
     @property
@@ -80,12 +104,14 @@ class Target:
             ep.down = down
             step = 1 if down else -1
             self.n_down += step
-            Target.down_total += step
+            self.downs.n += step
 
     def retire(self) -> None:
-        """This target left the routing view: its endpoints no longer count as down."""
-        Target.down_total -= self.n_down
+        """This target left the routing view: its endpoints no longer count as down, and a
+        refusal still reported for one (a request that was in flight) counts in no table."""
+        self.downs.n -= self.n_down
         self.n_down = 0
+        self.downs = DownCount()
 
     def pick_endpoint(self) -> Upstream:
         """Round-robin over the endpoints that are not known to refuse connections."""
@@ -136,19 +162,29 @@ class RoutingView:
     targets: tuple[Target, ...] = ()
     # routable: one usable prefill+decode pair of the same model (and protocol) or one union.
     routable: bool = False
+    downs: DownCount = field(default_factory=DownCount, compare=False)
+
+    @property
+    def down_total(self) -> int:
+        """Endpoints of this view's table out of rotation (the circuit breaker's count)."""
+        return self.downs.n
 
     def model_names(self) -> list[str]:
         return sorted(self.models)
 
 
 def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingView:
-    """The routing view of ``state``, reusing the runtime state of unchanged instances."""
+    """The routing view of ``state``, reusing the runtime state of unchanged instances.
+
+    ``previous`` are the targets of the view this one replaces: the new view counts its down
+    endpoints with theirs (one count per table, whatever else the process routes)."""
     previous = tuple(previous)
+    downs = previous[0].downs if previous else DownCount()
     old = {t.id: t for t in previous}
     targets: list[Target] = []
     for inst in sorted(state.available(), key=lambda i: i.id):
         prev = old.get(inst.id)
-        target = prev if prev is not None and prev.key == _runtime_key(inst) else Target(inst)
+        target = prev if prev is not None and prev.key == _runtime_key(inst) else Target(inst, downs)
         if target.endpoints:
             targets.append(target)
     kept = {id(t) for t in targets}
@@ -175,4 +211,4 @@ def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingVie
         routable = routable or bool(groups or union)
         if groups or union or prefill_only:
             models[model] = ModelRoutes(tuple(groups), union, prefill_only)
-    return RoutingView(state.revision, models, tuple(targets), routable)
+    return RoutingView(state.revision, models, tuple(targets), routable, downs)

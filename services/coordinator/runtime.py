@@ -16,7 +16,7 @@ from services.common.enums import ROLE_NAMES
 from services.common.server import MotorServer
 from services.coordinator.health import Breaker
 from services.coordinator.inference import InferenceServer, api_keys, https, make_router
-from services.coordinator.metrics import Metrics
+from services.coordinator.metrics import Metrics, use_own_process
 from services.coordinator.pd import Router
 from services.coordinator.precision.reporter import AlarmReporter, service_ip
 from services.coordinator.precision.sampler import GroupGone, PrecisionMonitor
@@ -50,6 +50,8 @@ class Coordinator:
         if self.workers > 1:
             # Before Metrics() and before any gRPC object: the workers are fork+exec'd children.
             self.pool = WorkerPool(cfg, self.workers)
+        else:
+            use_own_process()
         self.metrics = Metrics()
         self._ready_lock = asyncio.Lock()
         self.service = CoordinatorService(self.table, self._on_change, self._dismiss_precision)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common import log
-from services.common.http_errors import OpenAIError
+from services.common.http_errors import server_error
 from services.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
 from services.common.httpmessages import JSON_CT, Responder
 from services.coordinator.bodies import SseFilter, strip_kv
@@ -147,10 +147,10 @@ class Engines:
                 log.warn("upstream_broken", role=role, error=kind)
                 if kind == "timeout":
                     msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
-                    out.error(OpenAIError(504, msg, "server_error", "upstream_timeout"))
+                    out.error(server_error(504, msg, "upstream_timeout"))
                 else:
                     msg = f"the {role} engine dropped the connection mid-answer"
-                    out.error(OpenAIError(502, msg, "server_error", "upstream_disconnected"))
+                    out.error(server_error(502, msg, "upstream_disconnected"))
                 return
             if resp.status >= 400:
                 self.metrics.upstream_error(role, "status")
@@ -182,10 +182,8 @@ class Engines:
             log.warn("upstream_broken", role=role, error=kind, streaming=True)
             if kind == "timeout":
                 msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
-                err = OpenAIError(504, msg, "server_error", "upstream_timeout")
+                err = server_error(504, msg, "upstream_timeout")
             else:
-                err = OpenAIError(
-                    502, f"the {role} engine dropped the stream", "server_error", "upstream_disconnected"
-                )
+                err = server_error(502, f"the {role} engine dropped the stream", "upstream_disconnected")
             await out.write(b"data: " + err.body() + b"\n\n")
         out.end()

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from services.common import log
-from services.common.http_errors import OpenAIError
+from services.common.http_errors import OpenAIError, invalid_request
 from services.common.httpmessages import Handler, Request, Responder, route_table
 from services.simengine import pd
 from services.simengine.completion import Completions, hang
@@ -227,7 +227,7 @@ class Engine:
             mode, after_requests, after_s, status = parse_fault_body(json.loads(req.body))
         except ValueError as exc:  # FaultError and JSONDecodeError alike
             msg = str(exc) if isinstance(exc, FaultError) else f"invalid JSON: {exc}"
-            raise OpenAIError(400, msg, "invalid_request_error") from None
+            raise invalid_request(msg) from None
         self.faults.arm(mode, after_requests, after_s, status)
         log.event("fault_armed", mode=mode, after_requests=after_requests, after_s=after_s)
         out.send(200, _json(self.faults.snapshot()))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from services.common import log
-from services.common.http_errors import OpenAIError, model_not_found
+from services.common.http_errors import invalid_request, model_not_found, server_error
 from services.common.httpclient import Pool
 from services.common.httpmessages import Request, Responder
 from services.simengine import pd
@@ -266,7 +266,7 @@ class Completions:
                 if fault in ("hang", "crash"):
                     await hang()
                 if fault == "error":
-                    raise OpenAIError(faults.status, "injected fault", "server_error", faults.status)
+                    raise server_error(faults.status, "injected fault", faults.status)
         body = request.body
         plan: Plan | None = None
         cut: Cut | None = None
@@ -311,9 +311,7 @@ class Completions:
             and plan.proto == "sglang"
             and any(b.host is None or b.port is None for b in rooms)
         ):
-            raise OpenAIError(
-                400, "a decode leg needs bootstrap_host and bootstrap_port", "invalid_request_error"
-            )
+            raise invalid_request("a decode leg needs bootstrap_host and bootstrap_port")
         arrived = self.engine.loop.time()  # TTFT includes the wait for a slot
         slots = self.slots
         if not slots.try_acquire():
@@ -353,11 +351,9 @@ class Completions:
         try:
             req = parse_request(json.loads(body), chat)
         except RequestError as exc:
-            raise OpenAIError(400, str(exc), "invalid_request_error", "invalid_request", exc.param) from None
+            raise invalid_request(str(exc), "invalid_request", exc.param) from None
         except ValueError as exc:
-            raise OpenAIError(
-                400, f"invalid JSON body: {exc}", "invalid_request_error", "invalid_json"
-            ) from None
+            raise invalid_request(f"invalid JSON body: {exc}", "invalid_json") from None
         engine = self.engine
         if req.model is not None and req.model not in engine.accepted:
             raise model_not_found(req.model)
@@ -415,7 +411,7 @@ class Completions:
                 except pd.RoomTimeout as exc:
                     m.bootstrap_timeouts += 1
                     log.warn("bootstrap_timeout", rooms=[b.room for b in rooms])
-                    raise OpenAIError(504, str(exc), "server_error", "bootstrap_timeout") from None
+                    raise server_error(504, str(exc), "bootstrap_timeout") from None
             else:
                 known = engine.tickets.redeem((kv or {}).get("remote_request_id"))
                 m.tickets["known" if known else "unknown"] += 1

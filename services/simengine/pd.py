@@ -26,7 +26,7 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from services.common.http_errors import OpenAIError
+from services.common.http_errors import invalid_request
 from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
 from services.common.httpmessages import Handler, Request, Responder, method_not_allowed, not_found
 
@@ -159,7 +159,7 @@ class Rendezvous:
             if req.method not in ("GET", "POST"):
                 raise method_not_allowed(req, "GET, POST")
             if room is None:
-                raise _room_error(400, "room must be an integer", "invalid_room")
+                raise invalid_request("room must be an integer", "invalid_room")
             if req.method == "GET":
                 await self._get_room(room, req, out)
             else:
@@ -176,11 +176,11 @@ class Rendezvous:
         try:
             timeout_s = min(MAX_POLL_S, max(0.0, float(raw)))
         except ValueError:
-            raise _room_error(400, "timeout_s must be a number", "invalid_timeout") from None
+            raise invalid_request("timeout_s must be a number", "invalid_timeout") from None
         try:
             info = await self.wait(room, timeout_s)
         except RoomTimeout as exc:
-            raise _room_error(408, str(exc), "bootstrap_timeout") from None
+            raise invalid_request(str(exc), "bootstrap_timeout", status=408) from None
         out.send(200, info)
 
     def _post_room(self, room: int, req: Request, out: Responder) -> None:
@@ -189,16 +189,11 @@ class Rendezvous:
             try:
                 info = json.loads(req.body)
             except ValueError:
-                raise _room_error(400, "body must be JSON", "invalid_json") from None
+                raise invalid_request("body must be JSON", "invalid_json") from None
             if not isinstance(info, dict):
-                raise _room_error(400, "body must be a JSON object", "invalid_json")
+                raise invalid_request("body must be a JSON object", "invalid_json")
         self.register(room, info)
         out.send(200, json.dumps({"room": room}).encode())
-
-
-def _room_error(status: int, message: str, code: str) -> OpenAIError:
-    """Every error of the bootstrap server is the caller's: a bad room or one never filled."""
-    return OpenAIError(status, message, "invalid_request_error", code)
 
 
 def parse_room(value: object) -> int | None:

@@ -10,15 +10,23 @@ import pytest
 from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import UNION
+from services.common.http_errors import (
+    OpenAIError,
+    internal_error,
+    invalid_request,
+    model_not_found,
+    server_error,
+)
 from services.coordinator import http_app
-from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance
-from tests.http import ERROR_FIELDS, json_request
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, instance
+from tests.http import ERROR_FIELDS, assert_internal_error, json_request
+from tests.ports import reserved_port
 
 
 async def _routable(coord: Running) -> None:
     """A union instance nobody listens on: enough to get past routing checks, never reached."""
     await coord.stub.SetInstances(
-        pb.SetInstancesRequest(instances=[instance(5, UNION, dead_port())]), timeout=5
+        pb.SetInstancesRequest(instances=[instance(5, UNION, reserved_port())]), timeout=5
     )
 
 
@@ -36,17 +44,7 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
     status, _, body = await json_request(
         "POST", base + "/v1/completions", json={"model": MODEL, "prompt": "x"}
     )
-    assert status == 500
-    assert body == {
-        "error": {
-            "message": "internal server error; see the server log",
-            "type": "server_error",
-            "param": None,
-            "code": "internal_error",
-        }
-    }
-    assert "http_handler_failed" in caplog.text
-    assert "Traceback" in caplog.text and "RuntimeError: estimator broke" in caplog.text
+    assert_internal_error(status, body, caplog.text, "RuntimeError: estimator broke")
     # Counted as the 500 the client got, and the server goes on serving.
     async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
         assert (
@@ -80,3 +78,26 @@ async def test_unknown_route_wrong_method_and_oversized_body_have_the_openai_sha
         assert (
             'motor_coordinator_requests_total{route="/v1/completions",status="413"} 1.0' in await resp.text()
         )
+
+
+def test_every_builder_makes_the_one_openai_body() -> None:
+    def answer(err: OpenAIError) -> tuple[int, dict[str, Any]]:
+        return err.status, json.loads(err.body())
+
+    assert answer(invalid_request("bad n", "invalid_n", "n")) == (
+        400,
+        {"error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": "invalid_n"}},
+    )
+    assert answer(invalid_request("never came", "bootstrap_timeout", status=408))[0] == 408
+    assert answer(model_not_found("m")) == (
+        404,
+        {"error": {"message": "The model `m` does not exist.", "type": "invalid_request_error",
+                   "param": "model", "code": "model_not_found"}},
+    )  # fmt: skip
+    assert answer(server_error(502, "gone", "upstream_unreachable")) == (
+        502,
+        {"error": {"message": "gone", "type": "server_error", "param": None, "code": "upstream_unreachable"}},
+    )
+    status, body = answer(internal_error())
+    assert status == 500 and body["error"]["code"] == "internal_error"
+    assert body["error"]["message"] == "internal server error; see the server log"

@@ -94,3 +94,23 @@ def test_bad_api_keys_file_exits_before_binding(motor_proc: Callable[..., Proc],
     proc = motor_proc("coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0")
     assert proc.popen.wait(20) == 1
     assert "api_keys_file" in proc.output() and "event=listening" not in proc.output()
+
+
+def test_an_inherited_multiprocess_metrics_dir_is_not_used(
+    motor_proc: Callable[..., Proc], tmp_path: Path
+) -> None:
+    # What a parent (another Coordinator's workers, a container's defaults) may leave behind:
+    # a directory this Coordinator does not own, here already removed.
+    gone = tmp_path / "gone"
+    proc = motor_proc(
+        "coordinator",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        env={"PROMETHEUS_MULTIPROC_DIR": str(gone), "MOTOR_COORDINATOR_WORKERS": "1"},
+    )
+    _, http = proc.listening()
+    status, _, body = _get(f"http://{http}/metrics")
+    assert status == 200 and b"motor_coordinator_requests_in_flight" in body
+    assert not gone.exists()

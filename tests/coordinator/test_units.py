@@ -11,9 +11,10 @@ from services.common.enums import DECODE, PREFILL, UNION
 from services.coordinator import bodies
 from services.coordinator.health import Breaker
 from services.coordinator.policies import RoundRobin, least_load, power_of_two
-from services.coordinator.routes import RoutingView, Target, build_view
+from services.coordinator.routes import DownCount, RoutingView, Target, build_view
 from services.coordinator.table import RoutingTable
-from tests.coordinator.conftest import instance
+from tests.coordinator.conftest import MODEL, instance
+from tests.simengine.test_sim_pd import PREFILL_KV
 
 
 def test_with_fields_splices_or_merges() -> None:
@@ -35,14 +36,7 @@ def test_prefill_body() -> None:
     leg = json.loads(bodies.prefill_body(req))
     assert leg["stream"] is False and leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
     assert "stream_options" not in leg
-    assert leg["kv_transfer_params"] == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    assert leg["kv_transfer_params"] == PREFILL_KV
     assert "max_completion_tokens" not in json.loads(bodies.prefill_body({"model": "m"}))
     assert req["stream"] is True  # the client's request is untouched
 
@@ -79,7 +73,8 @@ def test_estimate_tokens() -> None:
 
 
 def _targets(n: int) -> list[Target]:
-    return [Target(instance(i + 1, DECODE, 10000 + i)) for i in range(n)]
+    downs = DownCount()  # one table's
+    return [Target(instance(i + 1, DECODE, 10000 + i), downs) for i in range(n)]
 
 
 def test_policies() -> None:
@@ -122,19 +117,62 @@ def test_view_pairs_by_model_and_protocol_and_keeps_runtime_state() -> None:
 
 
 def test_breaker_never_takes_out_the_last_instance_of_a_role() -> None:
-    down_before = Target.down_total
     table = RoutingTable()
     table.add([instance(1, PREFILL, 10000), instance(2, PREFILL, 10002), instance(3, DECODE, 10004)])
     view = build_view(table.state)
     breaker = Breaker(lambda: view)
     p1, p2, d = (next(t for t in view.targets if t.id == i) for i in (1, 2, 3))
     breaker.refused(p1.endpoints[0], "prefill")
-    assert p1.endpoints[0].down
+    assert p1.endpoints[0].down and view.down_total == 1
     breaker.refused(p2.endpoints[0], "prefill")
     assert not p2.endpoints[0].down  # the last healthy prefill stays
     breaker.refused(d.endpoints[0], "decode")
-    assert not d.endpoints[0].down
+    assert not d.endpoints[0].down and view.down_total == 1
     table.set([])
-    assert not build_view(table.state, view.targets).targets  # retiring p1 clears its mark
-    assert Target.down_total == down_before
+    empty = build_view(table.state, view.targets)
+    assert not empty.targets and empty.down_total == 0  # retiring p1 clears its mark
     assert RoutingView().routable is False
+
+
+def test_two_tables_in_one_process_count_and_route_apart() -> None:
+    """Two Coordinators in one process (as in the tests): an endpoint out of rotation in one
+    table is out of that table's count and routing only."""
+    a, b = RoutingTable(), RoutingTable()
+    for table in (a, b):  # the same instances, ids and ports in both
+        table.add([instance(1, UNION, 10000), instance(2, UNION, 10002)])
+    va, vb = build_view(a.state), build_view(b.state)
+    down = va.targets[0]
+    counts_a: list[int] = []
+    counts_b: list[int] = []
+    Breaker(lambda: va, counts_a.append).refused(down.endpoints[0], "union")
+    assert (va.down_total, vb.down_total) == (1, 0) and counts_a == [1]
+    # b's breaker reports b's count (its metrics gauge), a's endpoint not in it.
+    Breaker(lambda: vb, counts_b.append).refused(vb.targets[0].endpoints[0], "union")
+    assert counts_b == [1]
+    vb.targets[0].set_down(vb.targets[0].endpoints[0], False)
+    assert not any(ep.down for t in vb.targets for ep in t.endpoints)
+
+    # a routes around its down instance; b, with nothing down, keeps using both of its own.
+    ua, ub = va.models[MODEL].union, vb.models[MODEL].union
+    rr = RoundRobin()
+    assert [rr(ua, ()).id for _ in range(4)] == [2, 2, 2, 2]  # type: ignore[union-attr]
+    assert [rr(ub, ()).id for _ in range(4)] == [1, 2, 1, 2]  # type: ignore[union-attr]
+    assert {least_load(ub, ()).id for _ in range(50)} == {1, 2}  # type: ignore[union-attr]
+    assert all(least_load(ua, ()) is ua[1] for _ in range(50))
+    assert all(least_load(ub, ()) in ub and power_of_two(ub, ()) in ub for _ in range(50))
+
+    # The count follows each table from view to view: a change to b leaves a's count alone,
+    # and a's down endpoint is still out after a's own rebuild.
+    b.add([instance(3, UNION, 10004)])
+    vb = build_view(b.state, vb.targets)
+    va = build_view(a.state, va.targets)
+    assert (va.down_total, vb.down_total) == (1, 0) and va.targets[0] is down
+    a.set([instance(2, UNION, 10002)])  # the down instance leaves a
+    va = build_view(a.state, va.targets)
+    assert (va.down_total, vb.down_total) == (0, 0)
+    # A refusal reported late for a target that left b (a request was in flight) counts nowhere.
+    gone = vb.targets[0]
+    b.set([instance(2, UNION, 10002), instance(3, UNION, 10004)])
+    vb = build_view(b.state, vb.targets)
+    Breaker(lambda: vb).refused(gone.endpoints[0], "union")
+    assert gone.endpoints[0].down and (va.down_total, vb.down_total) == (0, 0)

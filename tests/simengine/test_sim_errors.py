@@ -16,7 +16,7 @@ from services.common.httpserver import HttpServer
 from services.simengine import app as sim_app
 from services.simengine import completion
 from services.simengine.config import EngineConfig
-from tests.http import ERROR_FIELDS, json_request
+from tests.http import ERROR_FIELDS, assert_internal_error, json_request
 
 
 @pytest.fixture
@@ -43,17 +43,7 @@ async def test_a_handler_bug_answers_500_without_its_text_and_logs_the_traceback
     monkeypatch.setattr(completion, "full_response", broken_response)
     request = {"model": "motor-sim", "prompt": "x", "max_tokens": 1}
     status, _, body = await json_request("POST", base + "/v1/completions", json=request)
-    assert status == 500
-    assert body == {
-        "error": {
-            "message": "internal server error; see the server log",
-            "type": "server_error",
-            "param": None,
-            "code": "internal_error",
-        }
-    }
-    assert "http_handler_failed" in caplog.text
-    assert "Traceback" in caplog.text and "RuntimeError: response builder broke" in caplog.text
+    assert_internal_error(status, body, caplog.text, "RuntimeError: response builder broke")
     async with aiohttp.ClientSession() as s, s.get(base + "/health") as resp:
         assert resp.status == 200  # still serving
 

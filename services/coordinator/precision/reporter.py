@@ -147,7 +147,7 @@ class AlarmReporter:
                 )
             except grpc.aio.AioRpcError as err:
                 failure = errors.RpcFailure.of(err)
-                delay = max(self._backoff.next(), failure.retry_after or 0.0)
+                delay = self._backoff.next(failure.retry_after)
                 # Every code is retried: the alarm must get through, and a Controller that is
                 # down, restarting or not yet upgraded all heal on their own. A code that only
                 # an operator can fix (a wrong key) is logged as an error.
