@@ -11,9 +11,6 @@ import asyncio
 import json
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from bench.loadgen.harness import Proc, cpu_seconds, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "engine.md"
@@ -54,27 +53,6 @@ class Result:
         return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _start_engine(log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    argv = [sys.executable, "-m", "services.cli", "engine-sim", "--port", "0"]
-    with log.open("wb") as f:
-        proc = subprocess.Popen(argv, cwd=ROOT, stderr=f, stdout=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"event=listening http=(\S+)", log.read_text())
-        if m:
-            return proc, f"http://{m.group(1)}/v1/chat/completions"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"engine did not start:\n{log.read_text()}")
-
-
 async def _load(url: str, clients: int, seconds: float, pid: int) -> Result:
     latencies: list[float] = []
     errors = 0
@@ -98,9 +76,9 @@ async def _load(url: str, clients: int, seconds: float, pid: int) -> Result:
 
         warm_until = time.perf_counter() + WARMUP_S
         await asyncio.gather(*(worker(warm_until, False) for _ in range(clients)))
-        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(worker(t0 + seconds, True) for _ in range(clients)))
-        elapsed, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     return Result(clients, len(latencies), errors, elapsed, latencies, cpu)
 
 
@@ -153,26 +131,26 @@ def _report(results: list[Result], load_before: float) -> str:
     )
 
 
-def main() -> int:
+async def amain() -> int:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = _start_engine(Path(tmp) / "engine.log")
+        engine = await Proc.start(
+            "engine", ["-m", "services.cli", "engine-sim", "--port", "0"], Path(tmp) / "engine.log"
+        )
         try:
+            url = f"http://{(await engine.listening(30))['http']}/v1/chat/completions"
             results = [
-                asyncio.run(_load(url, 1, min(DURATION_S, 5.0), proc.pid)),
-                asyncio.run(_load(url, 32, DURATION_S, proc.pid)),
+                await _load(url, 1, min(DURATION_S, 5.0), engine.pid),
+                await _load(url, 32, DURATION_S, engine.pid),
             ]
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    text = _report(results, load_before)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
+            await engine.stop()
+    publish(RESULTS, _report(results, load_before))
     return 1 if any(r.errors for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(amain())
 
 
 if __name__ == "__main__":

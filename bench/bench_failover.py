@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,14 +42,15 @@ import openai
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from openai.types.chat import ChatCompletionMessageParam
 
-from bench.loadgen.harness import machine
+from bench.loadgen.harness import machine, publish
+from bench.loadgen.up import CONTROLLER, NM, Up
 from services.cli.up import HEALTHY_RUN_S
-from tests.e2e.cluster import CONTROLLER, HTTP, NM, free_offset, nodemanager_pid
 
 RESULTS = Path(__file__).parent / "results" / "failover.md"
 DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
 ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
 DECODE = common_pb2.ROLE_DECODE
+LISTENING_HTTP = re.compile(r"event=listening .*?http=(\S+)")
 
 
 @dataclass
@@ -82,22 +83,25 @@ class Load:
 
 
 def engine_start_s(runs: int = 5) -> float:
-    """Median time from spawning the simulated engine to its /health answering 200."""
+    """Median time from spawning the simulated engine (on a port it picks) to its /health
+    answering 200."""
     times = []
     for _ in range(runs):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         start = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "engine-sim", "serve", "motor-sim", "--port", str(port)],
+            [sys.executable, "-m", "services.cli", "engine-sim", "serve", "motor-sim", "--port", "0"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
+            assert proc.stderr is not None
+            where = next(
+                m for line in proc.stderr if (m := re.search(r"event=listening .*?http=(\S+)", line))
+            )
             while True:
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    with urllib.request.urlopen(f"http://{where[1]}/health", timeout=1) as r:
                         if r.status == 200:
                             break
                 except OSError:
@@ -111,26 +115,13 @@ def engine_start_s(runs: int = 5) -> float:
 
 class Cluster:
     def __init__(self, relaunch: bool) -> None:
-        self.off = free_offset(3)
         self.tmp = tempfile.TemporaryDirectory()
         cfg = Path(self.tmp.name) / "cfg.json"
         cfg.write_text(json.dumps({"controller": {"enable_engine_relaunch": relaunch}}))
-        argv = ["up", "--prefill", "1", "--decode", "2", "--config", str(cfg), "--port-offset", str(self.off)]
-        argv += ["--state-dir", str(Path(self.tmp.name) / "state")]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("READY "):
-            raise RuntimeError(f"motor up did not get ready: {line!r}")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{CONTROLLER + self.off}")
+        self.up = Up(["--prefill", "1", "--decode", "2", "--config", str(cfg)], Path(self.tmp.name))
+        self.channel = grpc.insecure_channel(self.up.addr(CONTROLLER))
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
-        self.url = f"http://127.0.0.1:{HTTP + self.off}"
+        self.url = self.up.url
 
     def instances(self) -> list[common_pb2.Instance]:
         return list(self.stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances)
@@ -144,13 +135,14 @@ class Cluster:
             time.sleep(0.05)
         raise RuntimeError("the cluster did not come back to three ACTIVE instances")
 
+    def nodemanager_pid(self, index: int) -> int:
+        """NodeManager ``index`` (motor up numbers them prefill, decode, decode)."""
+        [pid] = self.up.children("nodemanager", str(NM + index + self.up.offset))
+        return pid
+
     def close(self) -> None:
         self.channel.close()
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.up.stop()
         self.tmp.cleanup()
 
 
@@ -162,7 +154,7 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     # motor up restarts a child that crashed within HEALTHY_RUN_S of its last start with a
     # growing delay (crash-loop backoff): every kill waits until the node has run that long, so
     # each round measures the failover, not the backoff.
-    nm_pid = nodemanager_pid(NM + nm_index + c.off)
+    nm_pid = c.nodemanager_pid(nm_index)
     time.sleep(max(0.0, HEALTHY_RUN_S + 1 - process_age_s(nm_pid)))
     failed_before = load.failed
     start = time.perf_counter()
@@ -275,10 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         *(f"- {mode}: {verdict(rounds, engine_s)}" for mode, rounds in results.items()),
         "",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+    return publish(RESULTS, "\n".join(lines))
 
 
 if __name__ == "__main__":

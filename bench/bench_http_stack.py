@@ -20,11 +20,9 @@ bench/results/http_stack.md whole.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
-import re
 import resource
 import statistics
 import sys
@@ -38,7 +36,7 @@ import aiohttp
 
 from bench.bench_router import body
 from bench.loadgen import peers, wrk
-from bench.loadgen.harness import CLK_TCK, Proc, machine, system_cpu, wait_quiet
+from bench.loadgen.harness import CLK_TCK, Proc, entry, machine, system_cpu, wait_quiet
 from bench.loadgen.stack_proxy import STACKS
 
 RESULTS = Path(__file__).parent / "results" / "http_stack.md"
@@ -212,17 +210,7 @@ async def start_stack(
     ]
     proc = await Proc.start(stack, argv, tmp / f"{stack}-{n}.log")
     try:
-        deadline = time.monotonic() + timeout_s
-        port = None
-        while port is None:
-            m = re.search(r"LISTENING port=(\d+)", proc.log.read_text(errors="replace"))
-            if m:
-                port = int(m.group(1))
-            elif proc.proc.returncode is not None or time.monotonic() > deadline:
-                tail = proc.log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{stack} did not start listening:\n{tail}")
-            else:
-                await asyncio.sleep(0.05)
+        port = (await proc.log_match(r"LISTENING port=(\d+)", timeout_s)).group(1)
         url = f"http://127.0.0.1:{port}{PATH}"
         await peers.wait_serving(proc, url, json.dumps(body(False)).encode())
     except BaseException:
@@ -576,8 +564,7 @@ def render(targets: list[Target], args: argparse.Namespace, deaths: list[str]) -
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse([] if argv is None else argv)))
+main = entry(amain, parse)
 
 
 if __name__ == "__main__":

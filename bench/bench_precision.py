@@ -29,7 +29,7 @@ import aiohttp
 import grpc
 from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from bench.loadgen.harness import Proc, machine, percentile, system_cpu, wait_quiet
+from bench.loadgen.harness import Proc, entry, machine, percentile, publish, system_cpu, wait_quiet
 
 RESULTS = Path(__file__).parent / "results" / "precision.md"
 TARGET = 1.02
@@ -273,14 +273,10 @@ async def amain(args: argparse.Namespace) -> int:
             for p in procs:
                 await p.stop()
     text = render(runs, args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return 0
+    return publish(RESULTS, text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse([] if argv is None else argv)))
+main = entry(amain, parse)
 
 
 if __name__ == "__main__":

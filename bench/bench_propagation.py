@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from bench.loadgen.fakenm import FakeNodeManagers
-from bench.loadgen.harness import Proc, clean_env, machine, percentile, system_cpu
+from bench.loadgen.harness import Proc, clean_env, entry, machine, percentile, publish, system_cpu
 from bench.loadgen.node import ABNORMAL, NORMAL, FakeNode, NodeSpec, Stats
 
 RESULTS = Path(__file__).parent / "results" / "propagation.md"
@@ -249,14 +249,10 @@ async def amain(args: argparse.Namespace) -> int:
         result = await measure(args, tmp)
         stages(tmp, result["flips"], result["decode_id"])
     text = render(result)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return 0
+    return publish(RESULTS, text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse([] if argv is None else argv)))
+main = entry(amain, parse)
 
 
 if __name__ == "__main__":

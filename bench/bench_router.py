@@ -32,7 +32,7 @@ from motor.v1 import coordinator_pb2_grpc
 
 from bench.bench_precision import table
 from bench.loadgen import peers, profile, wrk
-from bench.loadgen.harness import Proc, machine, system_cpu, wait_quiet
+from bench.loadgen.harness import Proc, entry, machine, system_cpu, wait_quiet
 
 RESULTS = Path(__file__).parent / "results" / "router.md"
 PEERS = ("vllm-router", "sglang-router")
@@ -169,16 +169,22 @@ async def start_motor(prefill: str, decode: str, tmp: Path, workers: int = 0) ->
     return coord, url
 
 
-async def start_peer(name: str, argv_for: Callable[[int], list[str]], tmp: Path) -> tuple[Proc | None, str]:
-    port = peers.free_port()
-    proc = await peers.start_router(name, argv_for(port), tmp)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    try:
-        await peers.wait_serving(proc, url, json.dumps(body(False)).encode())
-    except BaseException:
-        await proc.stop()
-        raise
-    return proc, url
+async def start_peer(
+    name: str, argv_for: Callable[[int, int], list[str]], tmp: Path
+) -> tuple[Proc | None, str]:
+    """A peer router on ``port`` (its metrics on ``port + 1``)."""
+
+    async def launch(port: int) -> tuple[Proc | None, str]:
+        proc = await peers.start_router(name, argv_for(port, port + 1), tmp)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        try:
+            await peers.wait_serving(proc, url, json.dumps(body(False)).encode())
+        except BaseException:
+            await proc.stop()
+            raise
+        return proc, url
+
+    return await peers.on_free_ports(launch)
 
 
 async def nothing(url: str) -> tuple[Proc | None, str]:
@@ -257,13 +263,13 @@ async def amain(args: argparse.Namespace) -> int:
             else:
                 if wanted("vllm"):
                     vr_start = start_peer(
-                        "vllm-router", lambda p: peers.vllm_router_argv(p, pf_url, de_url), tmp
+                        "vllm-router", lambda p, m: peers.vllm_router_argv(p, pf_url, de_url, m), tmp
                     )
                     await run_target(vr, vr_start, pair, pf_url, args, tmp)
                 if wanted("sglang"):
                     sr_start = start_peer(
                         "sglang-router",
-                        lambda p: peers.sglang_router_argv(p, spf_url, str(boot), sde_url),
+                        lambda p, m: peers.sglang_router_argv(p, spf_url, str(boot), sde_url, m),
                         tmp,
                     )
                     await run_target(sr, sr_start, sg_pair, spf_url, args, tmp)
@@ -437,8 +443,7 @@ def render(targets: list[Target], args: argparse.Namespace, versions: str) -> st
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse([] if argv is None else argv)))
+main = entry(amain, parse)
 
 
 if __name__ == "__main__":

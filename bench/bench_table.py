@@ -23,7 +23,6 @@ restart until the Controller has sent it the full set again.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen.coordinator_restart import RestartRound, measure_restarts
-from bench.loadgen.harness import machine, percentile
+from bench.loadgen.harness import entry, machine, percentile, publish
 from bench.loadgen.table_sets import INSTANCES, MODELS, STAGE_RUNS, SetRound, measure_sets
 from services.cli.up import HEALTHY_RUN_S
 from services.controller.coordinator_watch import RETRY
@@ -233,14 +232,10 @@ async def amain(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-table-up-") as d:
         restarts = await measure_restarts(args, Path(d))
     text = render(sets, restarts, args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    return 0
+    return publish(RESULTS, text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse([] if argv is None else argv)))
+main = entry(amain, parse)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.e2e.cluster import free_offset
+from bench.loadgen.harness import publish
+from bench.loadgen.up import Up
 
 RUNS = 5
 TARGET_S = 5.0
@@ -24,30 +22,10 @@ SHAPES = (1, 2)  # --dp
 
 
 def one_run(dp: int) -> float:
-    off = free_offset(2, dp)
-    with tempfile.TemporaryDirectory() as state:
-        start = time.perf_counter()
-        argv = ["up", "--dp", str(dp), "--port-offset", str(off), "--state-dir", state]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            elapsed = time.perf_counter() - start
-            if not line.startswith("READY "):
-                raise RuntimeError(f"motor up did not get ready: {line!r}")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    return elapsed
+    with tempfile.TemporaryDirectory() as tmp:
+        up = Up(["--dp", str(dp)], Path(tmp))
+        up.stop(20)
+    return up.ready_s
 
 
 def main() -> None:
@@ -74,9 +52,7 @@ def main() -> None:
             "",
         ]
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(table)
-    print(table)
+    publish(RESULTS, table)
 
 
 if __name__ == "__main__":

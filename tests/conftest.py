@@ -1,3 +1,15 @@
+"""Fixtures for every test. The shared helpers, one of each, are modules beside this one:
+
+- tests/procs.py: ``Proc`` (any real process: its own process group, output read line by line,
+  ``wait_line`` / ``await_line``, ``listening``, ``stop``, ``kill``), ``SimEngine``,
+  ``motor_argv``, and the /proc readers (``child_pids``, ``pids_with``, ``exited``,
+  ``group_alive``, ``group_gone``);
+- tests/poll.py: ``until`` (async) and ``wait_until`` (sync), the one way to wait for something;
+- tests/ports.py: ports for what cannot bind port 0 (``reserved_port``, ``reserved_pair``,
+  ``reserve`` for ``motor up``'s offset) and ``port_free``;
+- tests/http.py: HTTP requests and the error body shapes.
+"""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

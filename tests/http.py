@@ -16,3 +16,21 @@ async def json_request(method: str, url: str, **kw: Any) -> tuple[int, dict[str,
     async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as resp:
         assert resp.content_type == "application/json"
         return resp.status, dict(resp.headers), json.loads(await resp.read())
+
+
+# What a request whose handler raised gets: no detail of the failure leaves the server.
+INTERNAL_ERROR = {
+    "error": {
+        "message": "internal server error; see the server log",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+}
+
+
+def assert_internal_error(status: int, body: dict[str, Any], log: str, cause: str) -> None:
+    """A 500 with the generic body, and the traceback (naming ``cause``) in the server log only."""
+    assert (status, body) == (500, INTERNAL_ERROR)
+    assert "http_handler_failed" in log
+    assert "Traceback" in log and cause in log

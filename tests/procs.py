@@ -1,7 +1,11 @@
-"""Helpers to run Motor commands as real processes and learn what they bound."""
+"""The real processes of the tests: ``Proc``, the one wrapper for everything a test starts
+(``motor ...`` through ``motor_argv``, or any other program), and the /proc readers the tests
+need. Ports: tests/ports.py; waiting: tests/poll.py."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import os
 import re
 import shutil
@@ -10,34 +14,56 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.poll import until, wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
-_LISTEN = re.compile(r"event=listening .*?grpc=(\S+)(?: http=(\S+))?")
+_FIELD = re.compile(r"(\w+)=(\S+)")
+LineTest = str | re.Pattern[str] | Callable[[str], Any]
+
+
+class Exited(Exception):
+    """The process ended before writing what was waited for (not a "not yet": polls stop)."""
 
 
 def motor_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def _matcher(test: LineTest) -> Callable[[str], Any]:
+    if isinstance(test, str):
+        return lambda line: test in line
+    if isinstance(test, re.Pattern):
+        return test.search
+    return test
+
+
 class Proc:
-    """A running ``motor`` process whose stderr is collected line by line."""
+    """A child in a session of its own (its process group: ``kill()`` takes its children too),
+    with stdout and stderr read as they come into ``lines`` (stdout alone also into
+    ``stdout_lines``), and the ``time.monotonic()`` each line was read at into ``read_at``
+    (``lines_since`` / ``index_at``: what it wrote from a moment on)."""
 
     def __init__(self, args: list[str], cwd: Path | str | None = None, env: dict[str, str] | None = None):
+        self.args = args
         self.lines: list[str] = []
         self.stdout_lines: list[str] = []  # what the process wrote to stdout alone
-        self._cond = threading.Condition()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.read_at: list[float] = []  # read_at[i]: when lines[i] was read (monotonic, in order)
+        self._lock = threading.Lock()
+        self._open_streams = 2
+        self._exited_at = 0.0
         self.popen = subprocess.Popen(
             args,
             cwd=cwd,
-            env=full_env,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            errors="replace",
             start_new_session=True,
         )
         assert self.popen.stdout is not None and self.popen.stderr is not None
@@ -45,45 +71,108 @@ class Proc:
         threading.Thread(target=self._pump, args=(self.popen.stderr, False), daemon=True).start()
 
     def _pump(self, stream: Any, is_stdout: bool) -> None:
-        for line in stream:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
+        for raw in stream:
+            line = raw.rstrip("\n")
+            with self._lock:
+                self.lines.append(line)
+                self.read_at.append(time.monotonic())
                 if is_stdout:
-                    self.stdout_lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
+                    self.stdout_lines.append(line)
+        with self._lock:
+            self._open_streams -= 1
 
-    def wait_line(self, pred: Callable[[str], bool] | str, timeout: float = 20.0) -> str:
-        test = (lambda s: pred in s) if isinstance(pred, str) else pred
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._cond:
-            while True:
-                for line in self.lines[seen:]:
-                    if test(line):
-                        return line
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.popen.poll() is not None and seen == len(self.lines)):
-                    tail = "\n".join(self.lines[-30:])
-                    raise AssertionError(f"line not seen (rc={self.popen.poll()}); output:\n{tail}")
-                self._cond.wait(min(left, 0.2))
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
-    def listening(self, timeout: float = 20.0) -> tuple[str, str | None]:
-        m = _LISTEN.search(self.wait_line("event=listening", timeout))
-        assert m is not None
-        return m.group(1), m.group(2)
+    def alive(self) -> bool:
+        return self.popen.poll() is None
 
     def output(self) -> str:
-        with self._cond:
+        with self._lock:
             return "\n".join(self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        with self._lock:
+            return "\n".join(self.lines[-n:])
+
+    def index_at(self, t: float) -> int:
+        """The index in ``lines`` of the first line read at monotonic time ``t`` or later (as
+        ``wait_line``'s ``start``: a line written from ``t`` on)."""
+        with self._lock:
+            return bisect.bisect_left(self.read_at, t)
+
+    def lines_since(self, t: float, test: LineTest | None = None) -> list[str]:
+        """The lines read at monotonic time ``t`` or later (those matching ``test``, if given)."""
+        match = _matcher(test) if test is not None else None
+        with self._lock:
+            lines = self.lines[bisect.bisect_left(self.read_at, t) :]
+        return [line for line in lines if match is None or match(line)]
+
+    def search(self, pattern: str) -> re.Match[str] | None:
+        """``re.search`` over everything written so far."""
+        return re.search(pattern, self.output())
+
+    # -- waiting for a line (the sync and async forms share _seen and the poll) -----------------
+    def _seen(self, test: Callable[[str], Any], start: int) -> str | None:
+        with self._lock:
+            lines, drained = self.lines[start:], self._open_streams == 0
+        found = next((line for line in lines if test(line)), None)
+        if found is None and self.popen.poll() is not None:
+            # Gone: once its output is all read (or a second on, if a child still holds it open).
+            self._exited_at = self._exited_at or time.monotonic()
+            if drained or time.monotonic() - self._exited_at > 1.0:
+                raise Exited(f"exited rc={self.popen.returncode}; output:\n{self.tail()}")
+        return found
+
+    def wait_line(self, test: LineTest, timeout: float = 20.0, start: int = 0) -> str:
+        """The first line (from line ``start`` on) with ``test`` in it (a str), matching it (a
+        compiled pattern) or for which it is true (a function)."""
+        match = _matcher(test)
+        with self._showing_output():
+            return wait_until(lambda: self._seen(match, start), timeout, self._what(test))
+
+    async def await_line(self, test: LineTest, within: float = 20.0, start: int = 0) -> str:
+        match = _matcher(test)
+        with self._showing_output():
+            return await until(lambda: self._seen(match, start), within, self._what(test))
+
+    def _what(self, test: LineTest) -> str:
+        motor = self.args[1:3] == ["-m", "services.cli"]
+        who = " ".join(["motor", *self.args[3:4]] if motor else [Path(self.args[0]).name])
+        return f"line {getattr(test, 'pattern', test)!r} from {who} (pid {self.pid})"
+
+    @contextlib.contextmanager
+    def _showing_output(self) -> Iterator[None]:
+        try:
+            yield
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; output:\n{self.tail()}") from None
+
+    def listen_fields(self, timeout: float = 20.0) -> dict[str, str]:
+        """The ``key=value`` fields of the ``event=listening`` line (grpc, http, bootstrap, ...)."""
+        return dict(_FIELD.findall(self.wait_line("event=listening", timeout)))
+
+    def listening(self, timeout: float = 20.0) -> tuple[str, str | None]:
+        """(gRPC address, HTTP address or None) from the ``event=listening`` line."""
+        fields = self.listen_fields(timeout)
+        return fields["grpc"], fields.get("http")
+
+    async def await_listening(self, within: float = 20.0) -> tuple[str, str | None]:
+        fields = dict(_FIELD.findall(await self.await_line("event=listening", within)))
+        return fields["grpc"], fields.get("http")
+
+    # -- ending it ---------------------------------------------------------------------------
+    async def await_exit(self, within: float = 15.0) -> int:
+        await until(lambda: self.popen.poll() is not None, within, f"exit of pid {self.pid}")
+        return int(self.popen.returncode)
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
 
     def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, its exit status; whatever of its group is left is killed after."""
         self.signal(signal.SIGTERM)
         try:
             return self.popen.wait(timeout)
@@ -91,6 +180,7 @@ class Proc:
             self.kill()
 
     def kill(self) -> None:
+        """SIGKILL to the whole group."""
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -101,9 +191,38 @@ class Proc:
             pass
 
 
-def child_pids(parent: int, word: str) -> list[int]:
-    """The pids of ``parent``'s children whose command line has the argument ``word``."""
-    found = []
+class SimEngine(Proc):
+    """``motor engine-sim ARGS`` (give it ``--port 0``); ``start()`` waits for its listening line
+    and reads where it listens."""
+
+    def __init__(self, *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None):
+        super().__init__(motor_argv("engine-sim", *args), cwd=cwd, env=env)
+        self.host, self.port, self.bootstrap_port = "127.0.0.1", 0, 0
+
+    def start(self, timeout: float = 30.0) -> SimEngine:
+        fields = self.listen_fields(timeout)
+        self.host, port = fields["http"].rsplit(":", 1)
+        self.port = int(port)
+        self.bootstrap_port = int(fields["bootstrap"].rsplit(":", 1)[1]) if "bootstrap" in fields else 0
+        return self
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def worker_pids(self) -> list[int]:
+        return [int(p) for p in re.findall(r"event=worker_started index=\d+ pid=(\d+)", self.output())]
+
+
+# -- /proc -----------------------------------------------------------------------------------
+
+
+def _processes() -> Iterator[tuple[int, list[str], list[bytes]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name, argv) of every process."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -112,9 +231,33 @@ def child_pids(parent: int, word: str) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and word.encode() in cmd:
-            found.append(int(entry.name))
-    return found
+        yield int(entry.name), stat.rsplit(")", 1)[1].split(), cmd
+
+
+def child_pids(parent: int, *words: str) -> list[int]:
+    """The pids of ``parent``'s children whose command line has every one of these arguments."""
+    want = [w.encode() for w in words]
+    return [pid for pid, stat, cmd in _processes() if int(stat[1]) == parent and all(w in cmd for w in want)]
+
+
+def pids_with(*words: str) -> list[int]:
+    """The pids of every process whose command line has all of these arguments."""
+    want = [w.encode() for w in words]
+    return [pid for pid, _, cmd in _processes() if all(w in cmd for w in want)]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group exists and is not a zombie."""
+    return any(int(stat[2]) == pgid and stat[0] != "Z" for _, stat, _ in _processes())
+
+
+def group_gone(pgid: int) -> bool:
+    """What the NodeManager waits for: ``killpg(pgid, 0)`` raises ESRCH (zombies count as alive)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def exited(pid: int) -> bool:

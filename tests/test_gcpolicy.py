@@ -4,6 +4,7 @@ measured (services/common/gcpolicy.py)."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -53,9 +54,23 @@ def test_shrink_reclaims_frozen_garbage(guard: GcGuard) -> None:
     assert all(r() is None for r in refs)
 
 
+class SlowToFree:
+    """Cyclic garbage whose finalizer takes ``ms``: only a collection frees it, and the
+    collection's pause includes the finalizer."""
+
+    def __init__(self, ms: float) -> None:
+        self.me = self
+        self.ms = ms
+
+    def __del__(self) -> None:
+        time.sleep(self.ms / 1000)
+
+
 def test_collections_and_pauses_are_reported(guard: GcGuard) -> None:
     guard.take_stats()
+    SlowToFree(20)
     gc.collect()
     collections, longest_ms = guard.take_stats()
-    assert collections >= 1 and longest_ms >= 0
+    assert collections >= 1
+    assert 20 <= longest_ms < 5000  # the collection that ran the 20 ms finalizer, measured
     assert guard.take_stats() == (0, 0.0)

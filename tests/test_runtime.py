@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from services.common.config import ConfigError, ControllerConfig, load
 from services.common.server import MotorServer
 from services.controller import validation as controller_validation
 from services.coordinator import validation as coordinator_validation
+from tests.ports import reserved_port
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
 COORDINATOR = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
@@ -219,9 +219,7 @@ async def test_second_server_on_same_port_fails_loudly(server: MotorServer) -> N
 
 
 async def test_channel_waits_for_a_peer_that_starts_late() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()
     srv = MotorServer("controller", section(), [(CONTROLLER, StubController())], port=port)
 
     async def start_later() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from services.common import tasks
 from services.common.retry import Backoff
-from tests.controller.fakes import until
+from tests.poll import until
 
 
 def failed(caplog: pytest.LogCaptureFixture) -> list:

@@ -20,9 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
-from bench.loadgen.harness import REPO, Proc, clean_env
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, HTTP, free_offset
-from tests.procs import child_pids, exited
+from bench.loadgen.up import CONTROLLER, COORDINATOR, Up, gone
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 ROUTABLE = (common_pb2.INSTANCE_STATUS_ACTIVE, common_pb2.INSTANCE_STATUS_PAUSED)
@@ -107,23 +105,23 @@ async def routable_ids(ctrl: controller_pb2_grpc.ControllerAsyncStub) -> set[int
 
 
 async def restart_round(
-    up: Proc, ctrl: controller_pb2_grpc.ControllerAsyncStub, http: aiohttp.ClientSession, off: int
+    up: Up, ctrl: controller_pb2_grpc.ControllerAsyncStub, http: aiohttp.ClientSession
 ) -> RestartRound:
-    addr, url = f"127.0.0.1:{COORDINATOR + off}", f"http://127.0.0.1:{HTTP + off}/v1/chat/completions"
+    addr, url = up.addr(COORDINATOR), f"{up.url}/v1/chat/completions"
     want = await routable_ids(ctrl)
     _, old_incarnation = await synced_at(addr, want)
     t = time.perf_counter()
     if not await chat_ok(http, url):
         raise RuntimeError("a chat completion failed before the kill")
     steady_ms = (time.perf_counter() - t) * 1000
-    pids = child_pids(up.pid, "coordinator")
+    pids = up.children("coordinator")
     if len(pids) != 1:
         raise RuntimeError(f"expected one coordinator under motor up, found {pids}")
     pid = pids[0]
     killed, kill_wall = time.perf_counter(), time.time()
     os.kill(pid, signal.SIGKILL)
     while True:
-        if exited(pid):
+        if gone(pid):
             break
         await asyncio.sleep(0.001)
     chat = asyncio.create_task(first_chat_at(http, url))
@@ -152,39 +150,20 @@ async def restart_round(
 
 
 async def measure_restarts(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    off = free_offset(2)
-    log = tmp / "up.log"
-    argv = ["-m", "services.cli", "up", "--prefill", "1", "--decode", "1", "--port-offset", str(off)]
-    argv += ["--state-dir", str(tmp / "state")]
-    with log.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-            env=clean_env(),
-            cwd=REPO,
-            start_new_session=True,
-        )
-    up = Proc("up", proc, log)
+    up = await asyncio.to_thread(Up, ["--prefill", "1", "--decode", "1"], tmp)
     rounds: list[RestartRound] = []
     try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        if not line.startswith(b"READY "):
-            raise RuntimeError(f"motor up did not get ready: {line!r}\n{log.read_text()[-2000:]}")
         timeout = aiohttp.ClientTimeout(total=10)
         async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{CONTROLLER + off}") as ch,
+            grpc.aio.insecure_channel(up.addr(CONTROLLER)) as ch,
             aiohttp.ClientSession(timeout=timeout) as http,
         ):
             ctrl = controller_pb2_grpc.ControllerStub(ch)
             for _ in range(args.rounds):
-                rounds.append(await restart_round(up, ctrl, http, off))
+                rounds.append(await restart_round(up, ctrl, http))
     finally:
-        await up.stop(30)
-    text = log.read_text(errors="replace")
+        await asyncio.to_thread(up.stop)
+    text = up.log.read_text(errors="replace")
     delays = [float(m.group(1)) for m in RESTART_RE.finditer(text)]
     reachable = [_wall(m.group(1)) for m in REACHABLE_RE.finditer(text)]
     listening = [_wall(m.group(1)) for m in LISTENING_RE.finditer(text)]

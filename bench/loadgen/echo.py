@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator
 import grpc
 from motor.v1 import controller_pb2 as pb
 
+from bench.loadgen.harness import rpc_handlers
+
 STATS_WINDOW_S = 10.0
 
 
@@ -64,20 +66,10 @@ class ReadWriteEchoController(EchoController):
 
 def handlers(servicer: EchoController) -> grpc.GenericRpcHandler:
     """Register and Heartbeat only: every other motor.v1.Controller method answers UNIMPLEMENTED."""
-    return grpc.method_handlers_generic_handler(
+    return rpc_handlers(
         "motor.v1.Controller",
-        {
-            "Register": grpc.unary_unary_rpc_method_handler(
-                servicer.Register,
-                request_deserializer=pb.RegisterRequest.FromString,
-                response_serializer=pb.RegisterResponse.SerializeToString,
-            ),
-            "Heartbeat": grpc.stream_stream_rpc_method_handler(
-                servicer.Heartbeat,
-                request_deserializer=pb.HeartbeatRequest.FromString,
-                response_serializer=pb.HeartbeatResponse.SerializeToString,
-            ),
-        },
+        {"Register": (servicer.Register, pb.RegisterRequest, pb.RegisterResponse)},
+        {"Heartbeat": (servicer.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatResponse)},
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 from motor.v1 import nodemanager_pb2
 
+from bench.loadgen.harness import rpc_handlers
 from bench.loadgen.node import FakeNode
 
 
@@ -37,19 +38,11 @@ class FakeNodeManagers:
     def _handlers(self) -> grpc.GenericRpcHandler:
         """GetStatus and StartEngines only: the rest answer UNIMPLEMENTED."""
         pb = nodemanager_pb2
-        return grpc.method_handlers_generic_handler(
+        return rpc_handlers(
             "motor.v1.NodeManager",
             {
-                "GetStatus": grpc.unary_unary_rpc_method_handler(
-                    self.GetStatus,
-                    request_deserializer=pb.GetStatusRequest.FromString,
-                    response_serializer=pb.GetStatusResponse.SerializeToString,
-                ),
-                "StartEngines": grpc.unary_unary_rpc_method_handler(
-                    self.StartEngines,
-                    request_deserializer=pb.StartEnginesRequest.FromString,
-                    response_serializer=pb.StartEnginesResponse.SerializeToString,
-                ),
+                "GetStatus": (self.GetStatus, pb.GetStatusRequest, pb.GetStatusResponse),
+                "StartEngines": (self.StartEngines, pb.StartEnginesRequest, pb.StartEnginesResponse),
             },
         )
 

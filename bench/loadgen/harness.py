@@ -12,15 +12,25 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import grpc
+
+T = TypeVar("T")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PIN = (
     "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
 )
 REPO = Path(__file__).resolve().parents[2]
+# What a server that found its port taken says: Motor's components, the simulated engine, Rust.
+PORT_TAKEN = re.compile(r"address in use|event=bind_failed|Address already in use")
+
+
+class PortTaken(RuntimeError):
+    """A server of the benchmark could not bind its port: launch it again on another."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,18 +110,23 @@ class Proc:
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
 
-    async def listening(self, timeout_s: float = 20.0) -> dict[str, str]:
-        """The fields of the ``event=listening`` line on stderr."""
+    async def log_match(self, pattern: str, timeout_s: float = 20.0) -> re.Match[str]:
+        """The first match of ``pattern`` in the stderr log, once it is there."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for line in self.log.read_text(errors="replace").splitlines():
-                if "event=listening" in line:
-                    return dict(re.findall(r"(\w+)=(\S+)", line))
+            m = re.search(pattern, self.log.read_text(errors="replace"))
+            if m:
+                return m
             if self.proc.returncode is not None:
                 break
             await asyncio.sleep(0.05)
         tail = self.log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{self.name} did not start listening:\n{tail}")
+        raise RuntimeError(f"{self.name}: no /{pattern}/ in its log:\n{tail}")
+
+    async def listening(self, timeout_s: float = 20.0) -> dict[str, str]:
+        """The fields of the ``event=listening`` line on stderr."""
+        line = (await self.log_match(r"(?m)^.*event=listening.*$", timeout_s)).group(0)
+        return dict(re.findall(r"(\w+)=(\S+)", line))
 
     async def send(self, command: str, timeout_s: float = 60.0) -> dict[str, Any]:
         """One command to a fleet process, its one JSON answer."""
@@ -173,3 +188,37 @@ def machine() -> str:
         f"{time.strftime('%Y-%m-%d %H:%M')}, nproc {os.cpu_count()}, Python {platform.python_version()}, "
         f"{platform.machine()}, kernel {platform.release()}"
     )
+
+
+def publish(path: Path, text: str) -> int:
+    """Write a benchmark's result file and show it; 0, for ``main`` to return."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    return 0
+
+
+def entry(
+    amain: Callable[[T], Coroutine[Any, Any, int]], parse: Callable[[list[str]], T]
+) -> Callable[[list[str] | None], int]:
+    """The ``main(argv)`` of an asyncio benchmark (``python -m bench NAME`` passes no arguments)."""
+
+    def main(argv: list[str] | None = None) -> int:
+        return asyncio.run(amain(parse([] if argv is None else argv)))
+
+    return main
+
+
+Method = tuple[Callable[..., Any], Any, Any]  # handler, request class, response class
+
+
+def rpc_handlers(service: str, unary: dict[str, Method], streams: dict[str, Method] | None = None) -> Any:
+    """A grpc generic handler serving only these methods of ``service`` (request/response
+    streams for those in ``streams``); every other method answers UNIMPLEMENTED."""
+
+    def method(make: Callable[..., Any], fn: Callable[..., Any], req: Any, resp: Any) -> Any:
+        return make(fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+
+    table = {name: method(grpc.unary_unary_rpc_method_handler, *m) for name, m in unary.items()}
+    table |= {name: method(grpc.stream_stream_rpc_method_handler, *m) for name, m in (streams or {}).items()}
+    return grpc.method_handlers_generic_handler(service, table)

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
+import random
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 
-from bench.loadgen.harness import CLK_TCK, REPO, Proc, clean_env
+from bench.loadgen.harness import CLK_TCK, PORT_TAKEN, REPO, PortTaken, Proc, T, clean_env
 
 VENV = REPO / ".bench-venv"
 PINS = ("vllm-router==0.1.17", "sglang-router==0.3.2")
@@ -57,10 +58,17 @@ def group_cpu(pid: int) -> float:
     return total
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+async def on_free_ports(launch: Callable[[int], Awaitable[T]], tries: int = 4) -> T:
+    """``launch(port)`` for a server that binds ``port`` and ``port + 1`` and cannot be given port
+    0 (the peer routers refuse it): an even port under the kernel's ephemeral range, and another
+    if the server reports it taken."""
+    for _ in range(tries):
+        port = random.randrange(10_000, 32_000, 2)
+        try:
+            return await launch(port)
+        except PortTaken as exc:
+            print(f"  {exc}; another port", file=sys.stderr)
+    raise RuntimeError(f"a port was taken {tries} times in a row")
 
 
 async def engine(name: str, model_dir: Path, tmp: Path, extra: list[str]) -> tuple[Proc, str, str | None]:
@@ -87,22 +95,26 @@ async def start_router(name: str, argv: list[str], tmp: Path) -> Proc:
     return Proc(name, proc, log)
 
 
-def vllm_router_argv(port: int | str, prefill: str, decode: str) -> list[str]:
+def vllm_router_argv(
+    port: int | str, prefill: str, decode: str, metrics: int | str = "METRICS_PORT"
+) -> list[str]:
     return [
         str(VENV / "bin" / "vllm-router"),
         *("--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"),
         *("--prefill", prefill, "--decode", decode, "--policy", "random", "--log-level", "warning"),
-        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)),
     ]
 
 
-def sglang_router_argv(port: int | str, prefill: str, bootstrap: str, decode: str) -> list[str]:
+def sglang_router_argv(
+    port: int | str, prefill: str, bootstrap: str, decode: str, metrics: int | str = "METRICS_PORT"
+) -> list[str]:
     return [
         str(VENV / "bin" / "python"),
         *("-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)),
         *("--pd-disaggregation", "--prefill", prefill, bootstrap, "--decode", decode),
         *("--policy", "random", "--log-level", "warn"),
-        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)),
     ]
 
 
@@ -122,7 +134,10 @@ async def wait_serving(proc: Proc, url: str, body: bytes, timeout_s: float = 60.
             except aiohttp.ClientError as exc:
                 last = repr(exc)
             await asyncio.sleep(0.25)
-    tail = [ln.strip() for ln in proc.log.read_text(errors="replace").splitlines() if ln.strip()][-2:]
+    log = proc.log.read_text(errors="replace")
+    if PORT_TAKEN.search(log):
+        raise PortTaken(f"{proc.name}: its port is taken")
+    tail = [ln.strip() for ln in log.splitlines() if ln.strip()][-2:]
     raise RuntimeError(f"{proc.name} not serving ({last[:200]}); its log ends: {' / '.join(tail)}")
 
 

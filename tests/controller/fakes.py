@@ -27,6 +27,7 @@ from services.common.config import ControllerConfig, load
 from services.common.rpc import service_handler
 from services.common.server import MotorServer
 from services.controller.app import Controller
+from tests.poll import until
 
 R = TypeVar("R")
 NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
@@ -38,31 +39,6 @@ INITIAL = common_pb2.INSTANCE_STATUS_INITIAL
 INACTIVE = common_pb2.INSTANCE_STATUS_INACTIVE
 PAUSED = common_pb2.INSTANCE_STATUS_PAUSED
 DELETED = common_pb2.INSTANCE_STATUS_DELETED
-
-
-async def until(
-    fn: Callable[[], Any],
-    timeout: float = 30.0,  # noqa: ASYNC109  (a poll's bound, not an operation's deadline)
-    every: float = 0.02,
-    what: str = "condition",
-) -> Any:
-    """Poll ``fn`` (sync or async) until it returns something truthy; fail after ``timeout``
-    naming ``what`` was waited for."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            result = fn()
-            if asyncio.iscoroutine(result):
-                result = await result
-            if result:
-                return result
-            last = result
-        except (AssertionError, grpc.aio.AioRpcError) as exc:
-            last = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
-        await asyncio.sleep(every)
 
 
 # ---- the two sides of the Controller → Coordinator contract --------------------------------------

@@ -8,8 +8,6 @@ import asyncio
 import logging
 import re
 import shutil
-import socket
-import subprocess
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +22,9 @@ from motor.v1 import alarm_pb2
 from services.common.retry import Backoff
 from services.controller.alarms import dedupe_key
 from services.controller.alertmanager import AlertmanagerSink
-from tests.controller.fakes import until
+from tests.poll import until
+from tests.ports import reserved_port
+from tests.procs import Exited, Proc
 
 ALARM, CLEAR, EVENT = (
     alarm_pb2.ALARM_CATEGORY_ALARM,
@@ -191,12 +191,6 @@ class Receiver:
         ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def receiver() -> AsyncIterator[Receiver]:
     r = await Receiver().start()
@@ -312,7 +306,7 @@ async def test_a_refused_batch_is_dropped_with_one_error_line(
 
 
 async def test_an_unreachable_alertmanager_gets_the_alarm_once_it_is_up(sinks: Any) -> None:
-    port = free_port()
+    port = reserved_port()
     store = Store()
     sink = sinks(f"http://127.0.0.1:{port}/api/v2/alerts", store)
     sink.start()
@@ -420,6 +414,7 @@ async def test_a_new_severity_resolves_the_old_label_set(receiver: Receiver, sin
 # ---- a real Alertmanager, when installed ---------------------------------------------------------
 
 AM_CONFIG = 'route:\n  receiver: "null"\nreceivers:\n  - name: "null"\n'
+LISTENING = 'msg="Listening on"'
 
 
 def alertmanager_binary() -> str | None:
@@ -431,38 +426,48 @@ def alertmanager_binary() -> str | None:
 
 
 class RealAlertmanager:
-    """An Alertmanager on a loopback port, no gossip, its state in ``tmp``."""
+    """An Alertmanager on loopback, no gossip, its state in ``tmp``. Port 0 (the default): where
+    it bound, read from its ``msg="Listening on"`` line by ``started()`` / ``await_started()``."""
 
-    def __init__(self, binary: str, tmp: Path, port: int) -> None:
-        self.port = port
-        self.base = f"http://127.0.0.1:{port}"
+    def __init__(self, binary: str, tmp: Path, port: int = 0) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "alertmanager.yml").write_text(AM_CONFIG)
-        self.log = tmp / "alertmanager.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={tmp / 'alertmanager.yml'}",
-                    f"--storage.path={tmp / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--cluster.listen-address=",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        self.proc = Proc(
+            [
+                binary,
+                f"--config.file={tmp / 'alertmanager.yml'}",
+                f"--storage.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+            ],
+            cwd=tmp,
+        )
+        self.port = port
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _bound(self, line: str) -> RealAlertmanager:
+        m = re.search(r"address=\S+:(\d+)", line)
+        assert m is not None, line
+        self.port = int(m.group(1))
+        return self
+
+    def started(self) -> RealAlertmanager:
+        return self._bound(self.proc.wait_line(LISTENING, 30))
+
+    async def await_started(self) -> RealAlertmanager:
+        return self._bound(await self.proc.await_line(LISTENING, 30))
 
     async def wait_ready(self, http: aiohttp.ClientSession) -> None:
         async def ready() -> bool:
-            assert self.proc.poll() is None, f"alertmanager exited:\n{self.log.read_text()[-2000:]}"
-            try:
-                async with http.get(f"{self.base}/-/ready") as resp:
-                    return resp.status == 200
-            except aiohttp.ClientError:
-                return False
+            if not self.proc.alive():
+                raise Exited(f"alertmanager exited:\n{self.proc.tail()}")
+            async with http.get(f"{self.base}/-/ready") as resp:  # refused until it is up: not yet
+                return resp.status == 200
 
-        await until(ready, timeout=30.0)
+        await until(ready, timeout=30.0, what="alertmanager /-/ready")
 
     async def active_alerts(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
         async with http.get(f"{self.base}/api/v2/alerts", params={"active": "true"}) as resp:
@@ -470,12 +475,7 @@ class RealAlertmanager:
             return list(await resp.json())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.proc.stop(10)
 
 
 def require_alertmanager() -> None:
@@ -496,11 +496,12 @@ class Alertmanagers:
         self.tmp, self.http = tmp, http
         self.started: list[RealAlertmanager] = []
 
-    async def start(self, port: int | None = None) -> RealAlertmanager:
+    async def start(self, port: int = 0) -> RealAlertmanager:
         binary = alertmanager_binary()
         assert binary is not None, "call require_alertmanager() first"
-        am = RealAlertmanager(binary, self.tmp / f"am-{len(self.started)}", port or free_port())
+        am = RealAlertmanager(binary, self.tmp / f"am-{len(self.started)}", port)
         self.started.append(am)
+        await am.await_started()
         await am.wait_ready(self.http)
         return am
 
@@ -547,7 +548,7 @@ async def test_real_alertmanager_started_late_still_gets_the_alarm(
     alertmanagers: Alertmanagers, sinks: Any
 ) -> None:
     require_alertmanager()
-    port = free_port()
+    port = reserved_port()
     store = Store()
     sink = sinks(f"http://127.0.0.1:{port}/api/v2/alerts", store)
     sink.start()
@@ -561,7 +562,8 @@ async def test_real_alertmanager_hears_active_alarms_again_after_it_restarts(
     alertmanagers: Alertmanagers, sinks: Any
 ) -> None:
     require_alertmanager()
-    am, http = await alertmanagers.start(), alertmanagers.http
+    # A reserved port: the restarted Alertmanager binds it again.
+    am, http = await alertmanagers.start(reserved_port()), alertmanagers.http
     store = Store()
     store.report(alarm())  # raised before the sink exists: the first resend announces it
     sink = sinks(f"{am.base}/api/v2/alerts", store, resend_s=0.3)

@@ -13,7 +13,8 @@ from services.common import errors
 from services.common.errors import details_of
 from services.controller import assembler, assembly, validation
 from services.controller.model import JobSpec, Member
-from tests.controller.fakes import ACTIVE, DELETED, INACTIVE, INITIAL, NORMAL, running_controller, until
+from tests.controller.fakes import ACTIVE, DELETED, INACTIVE, INITIAL, NORMAL, running_controller
+from tests.poll import until
 
 SIM, SGLANG = common_pb2.ENGINE_TYPE_SIM, common_pb2.ENGINE_TYPE_SGLANG
 

@@ -14,7 +14,8 @@ from motor.v1 import controller_pb2, nodemanager_pb2
 from services.common import errors
 from services.controller import faults
 from services.controller.strategies import EngineRelaunch
-from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller, until
+from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller
+from tests.poll import until
 
 RESTART, ABORT = nodemanager_pb2.RESTART_ACTION_RESTART, nodemanager_pb2.RESTART_ACTION_ABORT
 UNAVAILABLE = errors.error_info(grpc.StatusCode.UNAVAILABLE, "TEST_DOWN", "test: down")

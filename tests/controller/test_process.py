@@ -12,7 +12,8 @@ import grpc
 import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
-from tests.controller.fakes import ACTIVE, NORMAL, NodeAgent, until
+from tests.controller.fakes import ACTIVE, NORMAL, NodeAgent
+from tests.poll import until
 from tests.procs import Proc, motor_argv
 
 
@@ -30,7 +31,7 @@ async def start_controller(tmp_path: Path, coordinator_address: str) -> tuple[Pr
         )
     )
     proc = Proc(motor_argv("controller", "--config", str(cfg), "--port", "0"), cwd=tmp_path)
-    target, _ = await asyncio.to_thread(proc.listening)
+    target, _ = await proc.await_listening()
     return proc, target
 
 
@@ -86,7 +87,7 @@ async def test_restart_keeps_instances_without_restarting_engines(
         proc.signal(signal.SIGTERM)
         with pytest.raises(grpc.aio.AioRpcError):
             await asyncio.wait_for(back.call.read(), 10)
-        assert await asyncio.to_thread(proc.popen.wait, 10) == 0
+        assert await proc.await_exit(10) == 0
     finally:
         for a in agents:
             await a.close()
@@ -100,7 +101,7 @@ async def test_second_controller_on_the_same_state_dir_refuses_to_start(tmp_path
             motor_argv("controller", "--config", str(tmp_path / "controller.json"), "--port", "0"),
             cwd=tmp_path,
         )
-        await asyncio.to_thread(second.wait_line, "in use by another Controller")
-        assert await asyncio.to_thread(second.popen.wait, 20) == 1
+        await second.await_line("in use by another Controller")
+        assert await second.await_exit(20) == 1
     finally:
         await asyncio.to_thread(proc.kill)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,9 @@ from tests.controller.fakes import (
     controller_side,
     coordinator_side,
     running_controller,
-    until,
 )
+from tests.poll import until
+from tests.ports import reserved_port
 from tests.procs import Proc, motor_argv
 
 
@@ -69,9 +69,9 @@ class World:
         listed = [instance_pb(i) for i in self.table.find()]  # what Controller.ListInstances answers
         return await coordinator_side(self.address) == controller_side(listed)
 
-    def instance(self, status: int = sm.ACTIVE) -> Instance:
+    async def instance(self, status: int = sm.ACTIVE) -> Instance:
         """A new instance, taken from INITIAL to ``status`` through the table."""
-        iid = self.store.next_instance_id()
+        iid = await self.store.next_instance_id()
         port, self._next_port = self._next_port, self._next_port + 2
         ep = common_pb2.Endpoint(id=0, host="127.0.0.1", port=port, status=common_pb2.ENDPOINT_STATUS_NORMAL)
         spec = JobSpec(role=common_pb2.ROLE_PREFILL, model_name="m", engine_type=3, pd_protocol=1)
@@ -79,12 +79,12 @@ class World:
         inst = Instance(
             id=iid, job_name=f"job{iid}", spec=spec, status=sm.INITIAL, endpoints=[ep], members=[m]
         )
-        self.store.assemble(inst)
+        await self.store.assemble(inst)
         self.table.add(inst)
         if status != sm.INITIAL:
-            self.table.transition(inst, sm.ACTIVE, "test")
+            await self.table.transition(inst, sm.ACTIVE, "test")
         if status not in (sm.INITIAL, sm.ACTIVE):
-            self.table.transition(inst, status, "test")  # type: ignore[arg-type]
+            await self.table.transition(inst, status, "test")  # type: ignore[arg-type]
         return inst
 
 
@@ -95,19 +95,19 @@ async def world(tmp_path: Path, coordinator: FakeCoordinator) -> AsyncIterator[W
     await until(lambda: coordinator.count("Set", ok=True) == 1)  # the start-up sync
     yield w
     await w.sync.close()
-    w.store.close()
+    await w.store.close()
 
 
 async def test_transitions_become_incremental_calls(world: World, coordinator: FakeCoordinator) -> None:
-    inst = world.instance(sm.ACTIVE)
+    inst = await world.instance(sm.ACTIVE)
     await until(lambda: inst.id in coordinator.table)
     [add] = coordinator.ok_calls("Add")
     assert add.instances[0].endpoints[0].port == inst.endpoints[0].port
-    world.table.transition(inst, sm.PAUSED, "test")
+    await world.table.transition(inst, sm.PAUSED, "test")
     await until(lambda: inst.id in coordinator.paused)
-    world.table.transition(inst, sm.ACTIVE, "test")
+    await world.table.transition(inst, sm.ACTIVE, "test")
     await until(lambda: coordinator.count("Resume", ok=True) == 1)
-    world.table.transition(inst, sm.INACTIVE, "test")
+    await world.table.transition(inst, sm.INACTIVE, "test")
     await until(lambda: inst.id not in coordinator.table)
     [delete] = coordinator.ok_calls("Delete")
     # Delete names the identity: id, role, job name, endpoints.
@@ -120,14 +120,14 @@ async def test_transitions_become_incremental_calls(world: World, coordinator: F
 
 async def test_failures_coalesce_into_exactly_one_set(world: World, coordinator: FakeCoordinator) -> None:
     coordinator.fail_next = 3  # the Add, then two Set attempts fail
-    a = world.instance(sm.ACTIVE)
-    b = world.instance(sm.ACTIVE)
-    world.table.transition(a, sm.PAUSED, "test")
+    a = await world.instance(sm.ACTIVE)
+    b = await world.instance(sm.ACTIVE)
+    await world.table.transition(a, sm.PAUSED, "test")
     await until(lambda: coordinator.count("Set", ok=True) == 2)
     assert coordinator.table.keys() == {a.id, b.id}
     assert coordinator.paused == {a.id}
     # Barrier: one more change; everything queued before it has been sent once it arrives.
-    c = world.instance(sm.ACTIVE)
+    c = await world.instance(sm.ACTIVE)
     await until(lambda: c.id in coordinator.table)
     failed = [m for m, _, ok in coordinator.calls if not ok]
     assert failed == ["Add", "Set", "Set"]  # a failed Set never queues another Set
@@ -137,20 +137,20 @@ async def test_failures_coalesce_into_exactly_one_set(world: World, coordinator:
 
 
 async def test_new_incarnation_triggers_a_set(world: World, coordinator: FakeCoordinator) -> None:
-    a = world.instance(sm.ACTIVE)
+    a = await world.instance(sm.ACTIVE)
     await until(lambda: a.id in coordinator.table)
     coordinator.restart_state()  # as if the Coordinator restarted with an empty table
-    b = world.instance(sm.ACTIVE)
+    b = await world.instance(sm.ACTIVE)
     await until(lambda: coordinator.table.keys() == {a.id, b.id})
     assert coordinator.count("Set", ok=True) == 2
 
 
 async def test_delete_not_found_counts_as_done(world: World, coordinator: FakeCoordinator) -> None:
-    a = world.instance(sm.ACTIVE)
+    a = await world.instance(sm.ACTIVE)
     await until(lambda: a.id in coordinator.table)
     coordinator.table.clear()  # someone else removed it
-    world.table.transition(a, sm.DELETED, "test")
-    b = world.instance(sm.ACTIVE)  # barrier
+    await world.table.transition(a, sm.DELETED, "test")
+    b = await world.instance(sm.ACTIVE)  # barrier
     await until(lambda: b.id in coordinator.table)
     assert coordinator.count("Delete", ok=False) == 1
     assert coordinator.count("Set") == 1  # NOT_FOUND did not force a full sync
@@ -163,22 +163,16 @@ async def test_periodic_set(tmp_path: Path, coordinator: FakeCoordinator) -> Non
         await until(lambda: coordinator.count("Set", ok=True) >= 3)
     finally:
         await w.sync.close()
-        w.store.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        await w.store.close()
 
 
 async def test_coordinator_down_then_up_gets_a_full_set(tmp_path: Path) -> None:
-    port = _free_port()
+    port = reserved_port()
     w = World(tmp_path, f"127.0.0.1:{port}")
     w.sync.start()
     late = FakeCoordinator()
     try:
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: w.pusher.stats["set_failed"] >= 2)
         await late.start(port)
         await until(lambda: a.id in late.table, timeout=5)
@@ -186,7 +180,7 @@ async def test_coordinator_down_then_up_gets_a_full_set(tmp_path: Path) -> None:
     finally:
         await w.sync.close()
         await late.stop()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_watch_break_and_return_resyncs(tmp_path: Path, coordinator: FakeCoordinator) -> None:
@@ -194,7 +188,7 @@ async def test_watch_break_and_return_resyncs(tmp_path: Path, coordinator: FakeC
     w.sync.start()
     try:
         await until(lambda: coordinator.count("Set", ok=True) == 1)
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: a.id in coordinator.table)
         # Same servicer (same incarnation) behind a new server: only the Watch sees the break.
         port = coordinator.port
@@ -205,7 +199,7 @@ async def test_watch_break_and_return_resyncs(tmp_path: Path, coordinator: FakeC
         assert coordinator.count("Set", ok=True) == 2
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_a_lost_event_is_corrected_by_the_resync(
@@ -216,30 +210,34 @@ async def test_a_lost_event_is_corrected_by_the_resync(
     w.sync.start()
     try:
         await until(lambda: coordinator.count("Set", ok=True) == 1)
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: a.id in coordinator.table, timeout=5)
-        w.table.transition(a, sm.PAUSED, "test")
+        await w.table.transition(a, sm.PAUSED, "test")
         await until(lambda: a.id in coordinator.paused, timeout=5)
-        w.table.transition(a, sm.INACTIVE, "test")
+        await w.table.transition(a, sm.INACTIVE, "test")
         await until(lambda: a.id not in coordinator.table, timeout=5)
         # The resync sent the differences, not a full Set.
         assert [coordinator.count(m, ok=True) for m in ("Set", "Add", "Pause", "Delete")] == [1, 1, 1, 1]
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_a_change_made_while_a_call_is_in_flight_follows_it(
     world: World, coordinator: FakeCoordinator
 ) -> None:
-    a = world.instance(sm.INITIAL)
+    a = await world.instance(sm.INITIAL)
+
+    pausing: list[asyncio.Task[None]] = []
 
     def pause_during_add(method: str) -> None:
         if method == "Add":  # the Coordinator has taken the Add; its answer is not back yet
-            world.table.transition(a, sm.PAUSED, "test")
+            pausing.append(
+                asyncio.get_running_loop().create_task(world.table.transition(a, sm.PAUSED, "test"))
+            )
 
     coordinator.on_answer = pause_during_add
-    world.table.transition(a, sm.ACTIVE, "test")
+    await world.table.transition(a, sm.ACTIVE, "test")
     await until(lambda: a.id in coordinator.paused)
     [add] = coordinator.ok_calls("Add")
     assert add.instances[0].status == sm.ACTIVE and coordinator.count("Pause", ok=True) == 1
@@ -268,10 +266,10 @@ async def test_a_channel_closed_under_an_in_flight_call(
 ) -> None:
     w = await started(World(tmp_path, coordinator.address))
     try:
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: a.id in coordinator.table)
         coordinator.hang = True
-        b = w.instance(sm.ACTIVE)
+        b = await w.instance(sm.ACTIVE)
         await until(lambda: coordinator.hung == ["Add"])
         # grpc.aio raises CancelledError inside the awaiting Add: the bug that once ended the
         # pusher for good.
@@ -280,14 +278,14 @@ async def test_a_channel_closed_under_an_in_flight_call(
         coordinator.hang = False
         await until(w.in_step)
         assert b.id in coordinator.table
-        c = w.instance(sm.ACTIVE)  # and it keeps going
+        c = await w.instance(sm.ACTIVE)  # and it keeps going
         await until(lambda: c.id in coordinator.table)
         first = logged(caplog)[0]
         assert (first["call"], first["code"], first["detail"]) == ("add", "CHANNEL_CLOSED", "CancelledError")
         assert bugs(caplog) == []
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_without_health_a_closed_channel_is_replaced_by_the_pusher(
@@ -300,7 +298,7 @@ async def test_without_health_a_closed_channel_is_replaced_by_the_pusher(
         # Nobody else would open a new channel: the Watch ended for good on UNIMPLEMENTED.
         assert w.pusher._channel is not None
         await w.pusher._channel.close()
-        a = w.instance(sm.ACTIVE)  # its Add finds the channel closed (UsageError)
+        a = await w.instance(sm.ACTIVE)  # its Add finds the channel closed (UsageError)
         await until(lambda: a.id in coordinator.table)
         assert await w.in_step()
         assert [(f["call"], f["detail"]) for f in logged(caplog)] == [("add", "UsageError")]
@@ -308,7 +306,7 @@ async def test_without_health_a_closed_channel_is_replaced_by_the_pusher(
         assert bugs(caplog) == [] and len(logged(caplog, "coordinator_health_unavailable")) == 1
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
         await coordinator.stop()
 
 
@@ -317,11 +315,11 @@ async def test_a_hanging_coordinator(
 ) -> None:
     w = await started(World(tmp_path, coordinator.address, call_timeout_s=0.3))
     try:
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: a.id in coordinator.table)
         coordinator.hang = True
-        b = w.instance(sm.ACTIVE)
-        w.table.transition(a, sm.PAUSED, "test")
+        b = await w.instance(sm.ACTIVE)
+        await w.table.transition(a, sm.PAUSED, "test")
         # Each call ends at its deadline and is tried again, as a full Set.
         await until(lambda: len(coordinator.hung) >= 4)
         assert coordinator.hung[:2] == ["Add", "Set"] and set(coordinator.hung[1:]) == {"Set"}
@@ -336,7 +334,7 @@ async def test_a_hanging_coordinator(
         assert bugs(caplog) == []
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 @pytest.mark.parametrize(
@@ -348,11 +346,11 @@ async def test_a_refusing_coordinator(
 ) -> None:
     w = await started(World(tmp_path, coordinator.address))
     try:
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(lambda: a.id in coordinator.table)
         coordinator.refuse = code
-        b = w.instance(sm.ACTIVE)
-        w.table.transition(a, sm.PAUSED, "test")
+        b = await w.instance(sm.ACTIVE)
+        await w.table.transition(a, sm.PAUSED, "test")
         await until(lambda: w.pusher.stats["set_failed"] >= 3)
         assert not await w.in_step()
         coordinator.refuse = None
@@ -362,13 +360,13 @@ async def test_a_refusing_coordinator(
         assert bugs(caplog) == []
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_a_coordinator_restarted_during_a_set(tmp_path: Path, coordinator: FakeCoordinator) -> None:
     w = await started(World(tmp_path, coordinator.address))
     try:
-        a, b = w.instance(sm.ACTIVE), w.instance(sm.PAUSED)
+        a, b = await w.instance(sm.ACTIVE), await w.instance(sm.PAUSED)
         await until(w.in_step)
         coordinator.hang = True
         w.pusher.request_full_sync("test")
@@ -383,7 +381,7 @@ async def test_a_coordinator_restarted_during_a_set(tmp_path: Path, coordinator:
         assert w.pusher.incarnation == coordinator.incarnation != old
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 async def test_a_set_taken_by_a_coordinator_on_its_way_out_is_sent_again(
@@ -391,7 +389,7 @@ async def test_a_set_taken_by_a_coordinator_on_its_way_out_is_sent_again(
 ) -> None:
     w = await started(World(tmp_path, coordinator.address))
     try:
-        a = w.instance(sm.ACTIVE)
+        a = await w.instance(sm.ACTIVE)
         await until(w.in_step)
         # A graceful stop: NOT_SERVING first, and calls are still taken while it drains.
         assert isinstance(coordinator.server, MotorServer)
@@ -408,7 +406,7 @@ async def test_a_set_taken_by_a_coordinator_on_its_way_out_is_sent_again(
         assert a.id in coordinator.table and coordinator.count("Set", ok=True) == 3
     finally:
         await w.sync.close()
-        w.store.close()
+        await w.store.close()
 
 
 class ScriptedHealth:
@@ -488,16 +486,6 @@ async def test_only_a_coordinator_without_health_ends_the_watch(caplog: pytest.L
     assert bugs(caplog) == [] and logged(caplog, "task_restarting") == []
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _unread_bytes(port: int) -> int:
     """Bytes that arrived for the listener on ``port`` and sit unread in its sockets (a stopped
     process cannot read them): the request is on the wire."""
@@ -513,12 +501,13 @@ def _unread_bytes(port: int) -> int:
 async def test_a_real_coordinator_killed_during_a_set(
     tmp_path: Path, node_managers: Callable[..., Awaitable[FakeNodeManager]]
 ) -> None:
-    grpc_port, http_port = _free_ports(2)
+    # The same ports after the restart: reserved, not port 0.
+    grpc_port, http_port = reserved_port(), reserved_port()
     argv = motor_argv("coordinator", "--port", str(grpc_port), "--http-port", str(http_port))
 
     async def coordinator_process() -> tuple[Proc, str]:
         proc = Proc(argv, cwd=tmp_path)
-        address, _ = await asyncio.to_thread(proc.listening)
+        address, _ = await proc.await_listening()
         return proc, address
 
     proc, address = await coordinator_process()

@@ -12,7 +12,7 @@ import pytest
 from services.common.retry import Backoff
 from services.controller.reconciler import Reconciler, Result, Retry, Terminal
 from services.controller.workqueue import WorkQueue
-from tests.controller.fakes import until
+from tests.poll import until
 
 FAST = Backoff(0.01, 0.04, jitter=0)
 

@@ -10,7 +10,8 @@ from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 from services.controller import recovery
 from services.controller.alarms import INSTANCE_FAULT, PRECISION, precision_moi
-from tests.controller.fakes import ACTIVE, running_controller, until
+from tests.controller.fakes import ACTIVE, running_controller
+from tests.poll import until
 
 MOI = precision_moi("127.0.0.1", 1, 2)
 

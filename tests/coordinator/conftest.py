@@ -4,7 +4,6 @@ instance builders, real simulated-engine processes, and a fake Controller that r
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,7 @@ from motor.v1 import common_pb2 as c
 from services.common import server as common_server
 from services.common.config import load
 from services.coordinator.runtime import Coordinator
-from tests.controller.fakes import until  # noqa: F401  (the one poll helper, re-exported)
-from tests.procs import Proc, motor_argv
+from tests.procs import SimEngine
 
 MODEL = "motor-sim"
 
@@ -47,13 +45,6 @@ def instance(
         endpoints=[endpoint(p, id=j, bootstrap_port=bootstrap) for j, p in enumerate(ports)],
         **kw,
     )
-
-
-def dead_port() -> int:
-    """A loopback port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -104,19 +95,7 @@ async def coord(start_coordinator: StartCoordinator) -> Running:
 
 # -- simulated engines ------------------------------------------------------------------------
 
-_HTTP = re.compile(r"\bhttp=(\S+)")
-_BOOT = re.compile(r"\bbootstrap=(\S+)")
-
-
-@dataclass
-class Engine:
-    proc: Proc
-    port: int
-    bootstrap_port: int = 0
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+Engine = SimEngine  # what these tests call a simulated engine
 
 
 def _kv(role: str, engine_id: str) -> list[str]:
@@ -139,32 +118,20 @@ ENGINE_ARGS: dict[str, list[str]] = {
 }
 
 
-def _start_engines(args_by_name: dict[str, list[str]], procs: list[Proc]) -> dict[str, Engine]:
+def _start_engines(args_by_name: dict[str, list[str]], procs: list[SimEngine]) -> dict[str, SimEngine]:
     """Start one engine per entry (all at once), then wait until each listens. Every process
     started is appended to ``procs``, for the caller to kill."""
     started = {}
     for name, args in args_by_name.items():
-        proc = Proc(motor_argv("engine-sim", "serve", MODEL, "--host", "127.0.0.1", "--port", "0", *args))
-        procs.append(proc)
-        started[name] = proc
-    out: dict[str, Engine] = {}
-    for name, proc in started.items():
-        line = proc.wait_line("event=listening", timeout=30)
-        http = _HTTP.search(line)
-        assert http is not None, line
-        boot = _BOOT.search(line)
-        out[name] = Engine(
-            proc,
-            int(http.group(1).rsplit(":", 1)[1]),
-            int(boot.group(1).rsplit(":", 1)[1]) if boot else 0,
-        )
-    return out
+        started[name] = SimEngine("serve", MODEL, "--host", "127.0.0.1", "--port", "0", *args)
+        procs.append(started[name])
+    return {name: eng.start() for name, eng in started.items()}
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
     """One simulated engine per kind, shared by the module (tests compare counter deltas)."""
-    procs: list[Proc] = []
+    procs: list[SimEngine] = []
     try:
         yield _start_engines(ENGINE_ARGS, procs)
     finally:
@@ -179,7 +146,7 @@ SpawnEngines = Callable[..., dict[str, Engine]]
 def spawn_engines() -> Iterator[SpawnEngines]:
     """``spawn_engines(name=[flags...], ...)``: engines of the test's own (to arm faults on, or
     slow down), killed at teardown."""
-    procs: list[Proc] = []
+    procs: list[SimEngine] = []
 
     def spawn(**args_by_name: list[str]) -> dict[str, Engine]:
         return _start_engines(args_by_name, procs)

@@ -5,9 +5,7 @@ Which engine served which leg is read from each engine's ``motor_sim_pd_legs_tot
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import aiohttp
 import openai
@@ -17,17 +15,20 @@ from openai import AsyncOpenAI
 
 from services.common.enums import DECODE, PREFILL, UNION
 from tests.coordinator.conftest import (
+    ENGINE_ARGS,
     MODEL,
     Engine,
     Running,
     StartCoordinator,
-    dead_port,
     get_text,
     instance,
     legs,
     running,
     set_table,
 )
+from tests.poll import until
+from tests.ports import reserved_port
+from tests.procs import SimEngine
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -235,7 +236,10 @@ async def test_dead_prefill_is_skipped_and_leaves_rotation(
     coord = await start_coordinator(prefill_policy="round_robin")
     p, d = engines["vllm_p2"], engines["vllm_d"]
     await set_table(
-        coord, instance(1, PREFILL, dead_port()), instance(2, PREFILL, p.port), instance(3, DECODE, d.port)
+        coord,
+        instance(1, PREFILL, reserved_port()),
+        instance(2, PREFILL, p.port),
+        instance(3, DECODE, d.port),
     )
     before = await _legs_of(http, {"p": p})
     async with _client(coord) as client:
@@ -250,7 +254,7 @@ async def test_dead_prefill_is_skipped_and_leaves_rotation(
 
 async def test_unreachable_everywhere_is_502(start_coordinator: StartCoordinator) -> None:
     coord = await start_coordinator()
-    await set_table(coord, instance(1, UNION, dead_port()))
+    await set_table(coord, instance(1, UNION, reserved_port()))
     async with _client(coord) as client:
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -271,10 +275,11 @@ async def test_client_disconnect_cancels_the_upstream(
         await resp.content.readline()  # the stream is flowing
         assert await running(http, d) == 1.0
         resp.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 10
-    while await running(http, d) != 0.0:
-        assert time.monotonic() < deadline, "the decode engine kept generating for a gone client"
-        await asyncio.sleep(0.05)
+
+    async def stopped() -> bool:
+        return await running(http, d) == 0.0
+
+    await until(stopped, 10, "the decode engine to stop generating for a gone client")
 
 
 async def test_api_keys(
@@ -299,26 +304,23 @@ async def test_api_keys(
 async def test_refused_endpoint_is_probed_back_into_rotation(
     start_coordinator: StartCoordinator, engines: dict[str, Engine], http: aiohttp.ClientSession
 ) -> None:
-    from tests.coordinator.conftest import ENGINE_ARGS
-    from tests.procs import Proc, motor_argv
-
     coord = await start_coordinator(prefill_policy="round_robin")
-    port = dead_port()
+    port = reserved_port()
     await set_table(
         coord, instance(1, PREFILL, port), instance(2, PREFILL, engines["vllm_p2"].port),
         instance(3, DECODE, engines["vllm_d"].port),
     )  # fmt: skip
     async with _client(coord) as client:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=1)  # takes port out
-        revived = Proc(motor_argv("engine-sim", MODEL, "--port", str(port), *ENGINE_ARGS["vllm_p"]))
+        revived = SimEngine(MODEL, "--port", str(port), *ENGINE_ARGS["vllm_p"])
         try:
-            revived.wait_line("event=listening", timeout=30)
-            engine = Engine(revived, port)
-            deadline = time.monotonic() + 15
-            while (await legs(http, engine)).get("prefill/vllm", 0.0) == 0.0:
-                assert time.monotonic() < deadline, "the revived prefill never came back into rotation"
+            revived.start()
+
+            async def served_by_revived() -> bool:
                 await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
-                await asyncio.sleep(0.1)
+                return (await legs(http, revived)).get("prefill/vllm", 0.0) > 0
+
+            await until(served_by_revived, 15, "the revived prefill back in rotation", every=0.1)
         finally:
             revived.kill()
 
@@ -331,7 +333,7 @@ async def test_sglang_retries_another_pair_when_a_prefill_is_unreachable(
     sg = c.ENGINE_TYPE_SGLANG
     await set_table(
         coord,
-        instance(1, PREFILL, dead_port(), engine_type=sg, bootstrap=dead_port()),
+        instance(1, PREFILL, reserved_port(), engine_type=sg, bootstrap=reserved_port()),
         instance(2, PREFILL, p.port, engine_type=sg, bootstrap=p.bootstrap_port),
         instance(3, DECODE, d.port, engine_type=sg),
     )
@@ -354,7 +356,7 @@ async def test_decode_that_cannot_connect_is_retried_on_another(
     coord = await start_coordinator(decode_policy="round_robin")
     p, d = engines["vllm_p"], engines["vllm_d2"]
     await set_table(
-        coord, instance(1, PREFILL, p.port), instance(2, DECODE, dead_port()), instance(3, DECODE, d.port)
+        coord, instance(1, PREFILL, p.port), instance(2, DECODE, reserved_port()), instance(3, DECODE, d.port)
     )
     before = await _legs_of(http, {"d": d})
     async with _client(coord) as client:

@@ -18,8 +18,9 @@ from motor.v1 import common_pb2 as c
 
 from services.common.enums import DECODE, PREFILL, UNION
 from services.coordinator import bodies
-from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, instance, set_table
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, instance, set_table
 from tests.http import ERROR_FIELDS
+from tests.ports import reserved_port
 
 HANDOFF = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 EVIL_KV = {
@@ -254,7 +255,9 @@ async def test_whole_requests_carry_no_handoff_fields(
     if mode == "union":
         await set_table(coord, instance(1, UNION, e.port))
     else:  # a prefill with no decode serves whole requests; routable thanks to another model
-        await set_table(coord, instance(1, PREFILL, e.port), instance(2, UNION, dead_port(), model="other"))
+        await set_table(
+            coord, instance(1, PREFILL, e.port), instance(2, UNION, reserved_port(), model="other")
+        )
     for path in PATHS:
         for stream in (False, True):
             status, answer = await _post(http, coord, path, _encode(_client_body(path, stream), spelling))

@@ -13,7 +13,8 @@ from motor.v1 import coordinator_pb2 as pb
 from services.common.enums import DECODE, PREFILL, UNION
 from services.common.errors import details_of
 from services.coordinator.precision.groups import Completed
-from tests.coordinator.conftest import MODEL, Running, StartCoordinator, dead_port, endpoint, instance
+from tests.coordinator.conftest import MODEL, Running, StartCoordinator, endpoint, instance
+from tests.ports import reserved_port
 
 T = 5.0
 
@@ -253,7 +254,7 @@ async def test_clear_precision_alarm_needs_a_decode_instance_and_holds_nothing_w
 
 async def test_clear_precision_alarm_drops_the_group_state_once(start_coordinator: StartCoordinator) -> None:
     # The Controller is never reached here: nothing is sampled (no instance is routable).
-    r = await start_coordinator(precision_check_enabled=True, controller=f"127.0.0.1:{dead_port()}")
+    r = await start_coordinator(precision_check_enabled=True, controller=f"127.0.0.1:{reserved_port()}")
     monitor = r.co.precision
     assert monitor is not None
     asked = Completed("/v1/chat/completions", MODEL, {"messages": [{"role": "user", "content": "hi"}]})

@@ -20,8 +20,9 @@ import pytest
 from motor.v1 import coordinator_pb2 as pb
 
 from services.common.enums import UNION
-from tests.coordinator.conftest import MODEL, Engine, Running, SpawnEngines, StartCoordinator, instance, until
+from tests.coordinator.conftest import MODEL, Engine, Running, SpawnEngines, StartCoordinator, instance
 from tests.http import ERROR_FIELDS
+from tests.poll import until
 
 TTFT_MS = 500
 SUCCESS = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} ([0-9.]+)$', re.M)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -32,8 +33,8 @@ from tests.coordinator.conftest import (
     legs,
     running,
     set_table,
-    until,
 )
+from tests.poll import until
 
 SG = c.ENGINE_TYPE_SGLANG
 UPSTREAM_ERRORS = re.compile(
@@ -143,6 +144,24 @@ def _sgl(iid: int, role: int, e: Engine) -> c.Instance:
     return instance(iid, role, e.port, engine_type=SG, bootstrap=e.bootstrap_port)
 
 
+HANG_AFTER_ONE = ["--fault", "hang", "--fault-after-requests", "1"]
+
+
+async def _vllm_pair(
+    start: StartCoordinator,
+    spawn: SpawnEngines,
+    p: Sequence[str] = (),
+    d: Sequence[str] = (),
+    **cfg: Any,
+) -> tuple[Running, dict[str, Engine]]:
+    """Engines of the test's own, a vLLM prefill (extra flags ``p``) and decode (``d``), routed by
+    a Coordinator of its own (``cfg``) as instances 1 and 2."""
+    e = spawn(p=[*ENGINE_ARGS["vllm_p"], *p], d=[*ENGINE_ARGS["vllm_d"], *d])
+    coord = await start(**cfg)
+    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    return coord, e
+
+
 def _target(coord: Running, iid: int) -> Target:
     return next(t for t in coord.co.view.targets if t.id == iid)
 
@@ -172,7 +191,7 @@ async def test_decode_killed_during_prefill_is_retried_on_another_pair(
 
     request = asyncio.create_task(_complete(coord, stream=stream))
     await until(lambda: running(http, e["p"]), timeout=10, what="the prefill leg running")
-    e["d1"].proc.kill()  # SIGKILL while the prefill is under way
+    e["d1"].kill()  # SIGKILL while the prefill is under way
     answer = await asyncio.wait_for(request, 15)
 
     assert answer.status == 200, answer.body
@@ -193,16 +212,14 @@ async def test_decode_killed_during_prefill_is_retried_on_another_pair(
 async def test_only_decode_killed_during_prefill_is_502(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines, http: aiohttp.ClientSession
 ) -> None:
-    e = spawn_engines(p=[*ENGINE_ARGS["vllm_p"], "--ttft-ms", "800"], d=ENGINE_ARGS["vllm_d"])
-    coord = await start_coordinator()
-    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
+    coord, e = await _vllm_pair(start_coordinator, spawn_engines, p=["--ttft-ms", "800"])
     await _warm(coord)
     leaks = NoLeaks(coord)
     before_p = await legs(http, e["p"])
 
     request = asyncio.create_task(_complete(coord))
     await until(lambda: running(http, e["p"]), timeout=10, what="the prefill leg running")
-    e["d"].proc.kill()
+    e["d"].kill()
     answer = await asyncio.wait_for(request, 15)
 
     err = _error_of(answer, 502, "upstream_unreachable")
@@ -249,7 +266,7 @@ async def test_sglang_prefill_killed_while_decode_waits_on_its_room(
     request = asyncio.create_task(_complete(coord, stream=True))
     await until(lambda: running(http, e["p1"]), timeout=10, what="the prefill leg running")
     await until(lambda: running(http, e["d"]), timeout=10, what="the decode leg waiting on its room")
-    e["p1"].proc.kill()
+    e["p1"].kill()
     answer = await asyncio.wait_for(request, 15)
     # Well within every deadline: no decode leg waits on a room that will never fill.
     assert answer.elapsed < 10
@@ -288,7 +305,7 @@ async def test_sglang_decode_killed_while_waiting_cancels_its_prefill_and_retrie
 
     request = asyncio.create_task(_complete(coord))
     await until(lambda: running(http, e["d1"]), timeout=10, what="the decode leg waiting on its room")
-    e["d1"].proc.kill()
+    e["d1"].kill()
     answer = await asyncio.wait_for(request, 15)
 
     assert answer.status == 200, answer.body
@@ -397,11 +414,9 @@ async def test_hung_prefill_is_504_naming_prefill_timeout(
 async def test_hung_decode_is_504_naming_decode_first_byte_timeout(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines
 ) -> None:
-    e = spawn_engines(
-        p=ENGINE_ARGS["vllm_p"], d=[*ENGINE_ARGS["vllm_d"], "--fault", "hang", "--fault-after-requests", "1"]
+    coord, _ = await _vllm_pair(
+        start_coordinator, spawn_engines, d=HANG_AFTER_ONE, decode_first_byte_timeout_s=1
     )
-    coord = await start_coordinator(decode_first_byte_timeout_s=1)
-    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
     for stream in (False, True):
@@ -416,12 +431,9 @@ async def test_stream_that_goes_quiet_ends_with_an_error_event(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines
 ) -> None:
     # The decode's first stream sends its first token, then the engine hangs for good.
-    e = spawn_engines(
-        p=ENGINE_ARGS["vllm_p"],
-        d=[*ENGINE_ARGS["vllm_d"], "--tpot-ms", "50", "--fault", "hang", "--fault-after-requests", "1"],
+    coord, _ = await _vllm_pair(
+        start_coordinator, spawn_engines, d=["--tpot-ms", "50", *HANG_AFTER_ONE], decode_idle_timeout_s=0.5
     )
-    coord = await start_coordinator(decode_idle_timeout_s=0.5)
-    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     # No warm-up on the decode (it would be the one stream that gets its first token):
     # the pools start with this request, and the leak snapshot allows their sweeps.
     leaks = NoLeaks(coord)
@@ -442,12 +454,9 @@ async def test_stream_that_goes_quiet_ends_with_an_error_event(
 async def test_reset_mid_stream_ends_with_an_error_event_and_non_stream_is_502(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines
 ) -> None:
-    e = spawn_engines(
-        p=ENGINE_ARGS["vllm_p"],
-        d=[*ENGINE_ARGS["vllm_d"], "--fault", "disconnect", "--fault-after-requests", "1"],
+    coord, _ = await _vllm_pair(
+        start_coordinator, spawn_engines, d=["--fault", "disconnect", "--fault-after-requests", "1"]
     )
-    coord = await start_coordinator()
-    await set_table(coord, _vllm(1, PREFILL, e["p"]), _vllm(2, DECODE, e["d"]))
     await _warm(coord)
     leaks = NoLeaks(coord)
 
@@ -497,7 +506,7 @@ async def test_decode_killed_under_load_is_routed_around_then_back(
         try:
             await until(lambda: len(statuses) >= 50, timeout=20, what="load under way")
             assert (await legs(http, e["d1"]))["decode/vllm"] > 0  # d1 was taking its share
-            e["d1"].proc.kill()
+            e["d1"].kill()
             await until(lambda: d1_ep.down, timeout=10, what="the killed decode leaving rotation")
             after_kill = (await _upstream_errors(http, coord)).get("decode/connect", 0)
             served = len(statuses)

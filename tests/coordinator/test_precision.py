@@ -32,19 +32,21 @@ from tests.coordinator.conftest import (
     Running,
     SpawnEngines,
     StartCoordinator,
-    dead_port,
+    get_text,
     instance,
+    legs,
+    running,
     serve_controller,
-    until,
+    set_table,
 )
+from tests.poll import until
+from tests.ports import reserved_port
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 ALARM = alarm_pb2.ALARM_CATEGORY_ALARM
 CLEAR = alarm_pb2.ALARM_CATEGORY_CLEAR
-LEGS = re.compile(r'^motor_sim_pd_legs_total\{protocol="(\w+)",side="(\w+)"\} ([0-9.]+)$', re.M)
-RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 
 
 def detection(fake: FakeController, **more: Any) -> dict[str, Any]:
@@ -67,17 +69,27 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def _route(coord: Running, *insts: c.Instance) -> None:
-    await coord.stub.SetInstances(pb.SetInstancesRequest(instances=insts), timeout=5)
+async def _detecting(start: StartCoordinator, fake: FakeController, p: Engine, d: Engine) -> Running:
+    """A Coordinator with detection on, routing the pair p (instance 1) → d (instance 2)."""
+    coord = await start(**detection(fake))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    return coord
 
 
-async def _text(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url) as resp:
-        return await resp.text()
+Pair = tuple[Running, Engine, Engine]
+
+
+@pytest.fixture
+async def vllm_pair(
+    start_coordinator: StartCoordinator, engines: dict[str, Engine], fake_controller: FakeController
+) -> Pair:
+    """The shared vLLM pair behind a Coordinator with detection on: (coordinator, p, d)."""
+    p, d = engines["vllm_p"], engines["vllm_d"]
+    return await _detecting(start_coordinator, fake_controller, p, d), p, d
 
 
 async def _samples(http: aiohttp.ClientSession, coord: Running) -> dict[str, float]:
-    text = await _text(http, f"http://{coord.http}/metrics")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     found = re.findall(r'^motor_coordinator_precision_samples_total\{result="(\w+)"\} ([0-9.]+)$', text, re.M)
     return {result: float(n) for result, n in found}
 
@@ -87,20 +99,9 @@ async def _has(http: aiohttp.ClientSession, coord: Running, result: str, n: int)
 
 
 async def _gauge(http: aiohttp.ClientSession, coord: Running, name: str) -> float:
-    text = await _text(http, f"http://{coord.http}/metrics")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     m = re.search(rf"^{name} ([0-9.]+)$", text, re.M)
     assert m is not None, name
-    return float(m.group(1))
-
-
-async def _legs(http: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
-    text = await _text(http, f"{engine.base}/metrics")
-    return {f"{side}/{proto}": float(n) for proto, side, n in LEGS.findall(text)}
-
-
-async def _running(http: aiohttp.ClientSession, engine: Engine) -> float:
-    m = RUNNING.search(await _text(http, f"{engine.base}/metrics"))
-    assert m is not None
     return float(m.group(1))
 
 
@@ -191,8 +192,7 @@ async def test_alarm_with_retry_then_clear_then_dismiss(
 ) -> None:
     eng = spawn_engines(p=ENGINE_ARGS["vllm_p"], d=ENGINE_ARGS["vllm_d"])
     p, d = eng["p"], eng["d"]
-    coord = await start_coordinator(**detection(fake_controller))
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    coord = await _detecting(start_coordinator, fake_controller, p, d)
     fake = fake_controller
     fake.refuse = True  # the Controller is down when the alarm is raised
     # What a healthy engine answers (the simulated engine is deterministic per prompt).
@@ -240,7 +240,7 @@ async def test_alarm_with_retry_then_clear_then_dismiss(
     assert (clear.moi, clear.alarm_id, clear.instance_id, clear.p_instance_id) == (moi, "0xFC001009", 2, 1)
     assert clear.occur_time.ToNanoseconds() >= alarm.occur_time.ToNanoseconds()
     assert fake.alarms.index(alarm) < fake.alarms.index(clear)
-    text = await _text(http, f"http://{coord.http}/metrics")
+    text = await get_text(http, f"http://{coord.http}/metrics")
     assert 'motor_coordinator_precision_probes_total{result="fail"} 1.0' in text
 
     # ClearPrecisionAlarm: the group's state goes (once); samples in flight are waited out first.
@@ -263,17 +263,17 @@ async def test_sglang_pair_is_sampled_through_the_bootstrap_hand_off(
     p, d = engines["sgl_p"], engines["sgl_d"]
     coord = await start_coordinator(**detection(fake_controller))
     sg = c.ENGINE_TYPE_SGLANG
-    await _route(
+    await set_table(
         coord,
         instance(1, PREFILL, p.port, engine_type=sg, bootstrap=p.bootstrap_port),
         instance(2, DECODE, d.port, engine_type=sg),
     )
-    before = {"p": await _legs(http, p), "d": await _legs(http, d)}
+    before = {"p": await legs(http, p), "d": await legs(http, d)}
     async with Load(http, coord) as load:
         await until(lambda: _has(http, coord, "normal", 3), what="three normal samples")
     load.check()
     n = len(load.results)
-    after = {"p": await _legs(http, p), "d": await _legs(http, d)}
+    after = {"p": await legs(http, p), "d": await legs(http, d)}
     # Both legs of every shadow went through the rendezvous, like the clients' requests.
     assert after["p"]["prefill/sglang"] - before["p"]["prefill/sglang"] >= n + 3
     assert after["d"]["decode/sglang"] - before["d"]["decode/sglang"] >= n + 3
@@ -290,7 +290,7 @@ async def test_union_instance_alarm_names_p_zero_and_completions_are_probed(
 ) -> None:
     eng = spawn_engines(u=["--fault", "precision"])["u"]
     coord = await start_coordinator(**detection(fake_controller))
-    await _route(coord, instance(7, UNION, eng.port))
+    await set_table(coord, instance(7, UNION, eng.port))
     async with Load(http, coord, paths=(COMPLETIONS,)) as load:
         [alarm] = await until(lambda: fake_controller.of(ALARM), what="the ALARM")
         assert alarm.moi == "service name=Coordinator, service ip=127.0.0.1, pId=0, instanceId=7"
@@ -310,11 +310,11 @@ async def test_alarms_wait_for_a_controller_that_is_down(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines, http: aiohttp.ClientSession
 ) -> None:
     eng = spawn_engines(u=["--fault", "precision"])["u"]
-    port = dead_port()  # nothing listens there yet
+    port = reserved_port()  # nothing listens there yet
     fake = FakeController()
     fake.address = f"127.0.0.1:{port}"
     coord = await start_coordinator(**detection(fake))
-    await _route(coord, instance(3, UNION, eng.port))
+    await set_table(coord, instance(3, UNION, eng.port))
     async with Load(http, coord, paths=(CHAT,)) as load:
         await until(
             lambda: _gauge_at_least(http, coord, "motor_coordinator_precision_reports_pending", 1),
@@ -347,13 +347,13 @@ async def test_detection_off_sends_no_shadow_request(
     p, d = engines["vllm_p"], engines["vllm_d"]
     insts = (instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
     off = await start_coordinator(controller=fake_controller.address, precision_interval_s=0.05)
-    await _route(off, *insts)
-    before = (await _legs(http, p), await _legs(http, d))
+    await set_table(off, *insts)
+    before = (await legs(http, p), await legs(http, d))
     async with Load(http, off) as load:
         await until(lambda: len(load.results) >= 12, what="twelve client requests")
     load.check()
     n = len(load.results)
-    after = (await _legs(http, p), await _legs(http, d))
+    after = (await legs(http, p), await legs(http, d))
     assert after[0]["prefill/vllm"] - before[0]["prefill/vllm"] == n
     assert after[1]["decode/vllm"] - before[1]["decode/vllm"] == n
     assert await _samples(http, off) == {"normal": 0, "anomalous": 0, "error": 0}
@@ -361,16 +361,16 @@ async def test_detection_off_sends_no_shadow_request(
 
     # The same measurement sees shadows when detection is on: one client request, one more leg.
     on = await start_coordinator(**detection(fake_controller))
-    await _route(on, *insts)
-    before = (await _legs(http, p), await _legs(http, d))
+    await set_table(on, *insts)
+    before = (await legs(http, p), await legs(http, d))
     async with http.post(f"http://{on.http}{CHAT}", json=_body(CHAT, 0)) as resp:
         assert resp.status == 200
 
     async def shadowed() -> bool:
-        return (await _legs(http, d))["decode/vllm"] - before[1]["decode/vllm"] == 2
+        return (await legs(http, d))["decode/vllm"] - before[1]["decode/vllm"] == 2
 
     await until(shadowed, what="the shadow's decode leg")
-    assert (await _legs(http, p))["prefill/vllm"] - before[0]["prefill/vllm"] == 2
+    assert (await legs(http, p))["prefill/vllm"] - before[0]["prefill/vllm"] == 2
     assert fake_controller.calls == 0
 
 
@@ -383,8 +383,7 @@ async def test_a_slow_shadow_never_holds_up_client_requests(
     # 2 s per token after the first: a 16-token shadow takes 30 s, a 1-token answer none.
     eng = spawn_engines(p=ENGINE_ARGS["vllm_p"], d=[*ENGINE_ARGS["vllm_d"], "--tpot-ms", "2000"])
     p, d = eng["p"], eng["d"]
-    coord = await start_coordinator(**detection(fake_controller))
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    coord = await _detecting(start_coordinator, fake_controller, p, d)
     url = f"http://{coord.http}{CHAT}"
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1}
     async with http.post(url, json=body) as resp:
@@ -399,24 +398,19 @@ async def test_a_slow_shadow_never_holds_up_client_requests(
         assert _answer(answer) == _answer(first) and answer["choices"][0]["logprobs"] is None
     # Every client request was answered while the shadow was still being decoded, and the
     # group's next samples were dropped, not queued behind it.
-    assert await _running(http, d) == 1
+    assert await running(http, d) == 1
     assert coord.co.precision.in_flight == 1
     assert await _samples(http, coord) == {"normal": 0, "anomalous": 0, "error": 0}
 
 
 async def _busy(http: aiohttp.ClientSession, engine: Engine) -> bool:
-    return await _running(http, engine) >= 1
+    return await running(http, engine) >= 1
 
 
 async def test_failing_samples_never_fail_client_requests(
-    start_coordinator: StartCoordinator,
-    engines: dict[str, Engine],
-    fake_controller: FakeController,
-    http: aiohttp.ClientSession,
+    vllm_pair: Pair, fake_controller: FakeController, http: aiohttp.ClientSession
 ) -> None:
-    p, d = engines["vllm_p"], engines["vllm_d"]
-    coord = await start_coordinator(**detection(fake_controller))
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    coord = vllm_pair[0]
     co = coord.co
     assert co.precision is not None
 
@@ -441,21 +435,16 @@ def _explode(*args: Any) -> None:
 
 
 async def test_groups_whose_instances_leave_the_table_are_forgotten(
-    start_coordinator: StartCoordinator,
-    engines: dict[str, Engine],
-    fake_controller: FakeController,
-    http: aiohttp.ClientSession,
+    vllm_pair: Pair, fake_controller: FakeController, http: aiohttp.ClientSession
 ) -> None:
-    p, d = engines["vllm_p"], engines["vllm_d"]
-    coord = await start_coordinator(**detection(fake_controller))
-    await _route(coord, instance(1, PREFILL, p.port), instance(2, DECODE, d.port))
+    coord, p, d = vllm_pair
     async with http.post(f"http://{coord.http}{CHAT}", json=_body(CHAT, 0)) as resp:
         assert resp.status == 200
     co = coord.co
     assert co.precision is not None
     assert co.precision.groups.get(1, 2) is not None
     await until(lambda: co.precision is not None and co.precision.in_flight == 0, what="the sample done")
-    await _route(coord, instance(1, PREFILL, p.port), instance(3, DECODE, d.port))
+    await set_table(coord, instance(1, PREFILL, p.port), instance(3, DECODE, d.port))
     assert co.precision.groups.get(1, 2) is None
     assert await _dismiss(coord, d=2, p=1) is False
 
@@ -481,7 +470,7 @@ async def test_alarms_carry_the_controller_key(
     key.chmod(0o600)
     eng = spawn_engines(u=["--fault", "precision"])["u"]
     coord = await start_coordinator(**detection(fake_controller, controller_key_file=str(key)))
-    await _route(coord, instance(4, UNION, eng.port))
+    await set_table(coord, instance(4, UNION, eng.port))
     async with aiohttp.ClientSession() as http, Load(http, coord, paths=(CHAT,)):
         await until(lambda: fake_controller.of(ALARM), what="the ALARM")
     assert fake_controller.metadata[-1].get("x-motor-management-key") == "s3cret"

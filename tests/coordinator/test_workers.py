@@ -18,7 +18,8 @@ from motor.v1 import coordinator_pb2 as cpb
 from motor.v1 import coordinator_pb2_grpc
 
 from services.common.enums import UNION
-from tests.coordinator.conftest import MODEL, Engine, instance, until
+from tests.coordinator.conftest import MODEL, Engine, instance
+from tests.poll import until
 from tests.procs import Proc
 
 _STARTED = re.compile(r"event=worker_started index=(\d+) pid=(\d+)")

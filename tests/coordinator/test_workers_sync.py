@@ -27,7 +27,7 @@ from services.coordinator.workers import codec
 from services.coordinator.workers.hub import WorkerHub, WorkersUnavailable
 from services.coordinator.workers.link import WorkerLink
 from services.coordinator.workers.procs import WorkerSupervisor
-from tests.controller.fakes import until
+from tests.poll import until
 from tests.procs import ROOT, exited
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,84 +1,49 @@
-"""A real ``motor up`` cluster on free ports, for end-to-end tests."""
+"""A real ``motor up`` cluster on reserved ports, for end-to-end tests."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from services.nodemanager.statefile import StateFile
-from tests.procs import Proc, child_pids, grpcurl, motor_argv
+from tests.ports import reserve
+from tests.procs import Proc, child_pids, grpcurl, motor_argv, pids_with
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_offset(nodes: int, dp: int = 1) -> int:
-    """A --port-offset whose every port (services, NodeManagers, their ``dp`` engines each) is
-    free now."""
-    for _ in range(200):
-        off = random.randrange(20000, 50000, 10)
-        ports = [CONTROLLER, COORDINATOR, HTTP, *(NM + i for i in range(nodes))]
-        ports += [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
-        if all(port_free(p + off) for p in ports):
-            return off
-    raise RuntimeError("no free port offset")
+def up_ports(nodes: int, dp: int = 1) -> list[int]:
+    """Every default port ``motor up`` binds for ``nodes`` NodeManagers of ``dp`` engines each
+    (the services, the NodeManagers, each engine's port and port + 1), before --port-offset."""
+    ports = [CONTROLLER, COORDINATOR, HTTP, *(NM + i for i in range(nodes))]
+    return ports + [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
 
 
 def nodemanager_pid(port: int) -> int:
     """The pid of the NodeManager serving gRPC on ``port`` (found by its command line)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"nodemanager" in cmd and str(port).encode() in cmd:
-                return int(entry.name)
-    raise AssertionError(f"no NodeManager on port {port}")
-
-
-def poll(fn: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> Any:
-    """Call ``fn`` until it returns something truthy (exceptions count as not yet)."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            result = fn()
-            if result:
-                return result
-        except Exception as exc:
-            last = exc
-        time.sleep(every)
-    raise AssertionError(f"condition not met in {timeout}s (last error: {last!r})")
+    found = pids_with("nodemanager", str(port))
+    assert found, f"no NodeManager on port {port}"
+    return found[0]
 
 
 class Cluster:
-    """``motor up *args`` on free ports. ``nodes`` (NodeManagers) and ``dp`` (engines of each)
-    must match what ``args`` ask for: they are not parsed here. ``env`` is added to the
-    environment of ``motor up``, which every component and engine inherits (PATH, PYTHONPATH)."""
+    """``motor up *args`` on ports reserved for it (tests/ports.py: ``motor up`` binds fixed
+    ports, moved by --port-offset, so it cannot take port 0). ``nodes`` (NodeManagers) and ``dp``
+    (engines of each) must match what ``args`` ask for: they are not parsed here. ``env`` is added
+    to the environment of ``motor up``, which every component and engine inherits (PATH,
+    PYTHONPATH)."""
 
     def __init__(
         self, tmp: Path, *args: str, nodes: int = 2, dp: int = 1, env: dict[str, str] | None = None
     ) -> None:
         self.nodes, self.dp = nodes, dp
-        self.off = free_offset(nodes, dp)
+        self.ports = reserve(up_ports(nodes, dp))
+        self.off = self.ports.shift
         self.state = tmp / "state"
         self.proc = Proc(
             motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *args),
@@ -154,3 +119,4 @@ class Cluster:
                 os.killpg(g, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        self.ports.close()

@@ -17,8 +17,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.controller.test_alertmanager import RealAlertmanager, alertmanager_binary, free_port
-from tests.e2e.cluster import CONTROLLER, Cluster, poll
+from tests.controller.test_alertmanager import RealAlertmanager, alertmanager_binary
+from tests.e2e.cluster import CONTROLLER, Cluster
+from tests.poll import wait_until
 from tests.procs import Proc, grpcurl, motor_argv
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,8 +41,8 @@ def start_alertmanager(tmp: Path) -> RealAlertmanager:
         pytest.skip(
             "no Alertmanager installed (`make system-deps` installs it as root): e2e alarm test skipped"
         )
-    am = RealAlertmanager(binary, tmp / "alertmanager", free_port())
-    poll(lambda: urllib.request.urlopen(f"{am.base}/-/ready", timeout=2).status == 200, timeout=30)
+    am = RealAlertmanager(binary, tmp / "alertmanager").started()
+    wait_until(lambda: urllib.request.urlopen(f"{am.base}/-/ready", timeout=2).status == 200, timeout=30)
     return am
 
 
@@ -144,38 +145,38 @@ def test_precision_alarm_lifecycle(tmp_path: Path, cluster_with: Any) -> None:
             alarms.call("ReportAlarms", {"alarms": [event]})
             return False
 
-        poll(watching, timeout=20, every=0.5)
+        wait_until(watching, timeout=20, every=0.5)
         load = Load(c.base_url)
         try:
             # 1. The decode engine's output turns to garbage: ALARM in the store, on the watch,
             #    and firing in Alertmanager.
             set_fault(c, 1, "precision")
-            raised = poll(lambda: alarms.active(PRECISION), timeout=60)[0]
+            raised = wait_until(lambda: alarms.active(PRECISION), timeout=60)[0]
             moi = raised["moi"]
             assert moi.endswith(f"pId={p}, instanceId={d}") and raised["instance_id"] == d
-            poll(lambda: any(f'"{PRECISION}"' in ln for ln in watch.stdout_lines), timeout=20)
-            alert = poll(lambda: firing(am, PRECISION), timeout=30)[0]
+            wait_until(lambda: any(f'"{PRECISION}"' in ln for ln in watch.stdout_lines), timeout=20)
+            alert = wait_until(lambda: firing(am, PRECISION), timeout=30)[0]
             assert alert["labels"]["moi"] == moi and alert["labels"]["instance_id"] == d
 
             # 2. The Controller is SIGKILLed: the alarm is still active after its restart, and
             #    the watch (which resumes from its last sequence) misses nothing.
-            pid = poll(lambda: c.component_pid("controller"), timeout=15)
+            pid = wait_until(lambda: c.component_pid("controller"), timeout=15)
             os.kill(pid, signal.SIGKILL)
-            poll(lambda: c.component_pid("controller") not in (0, pid), timeout=30)
-            again = poll(lambda: alarms.active(PRECISION), timeout=30)[0]
+            wait_until(lambda: c.component_pid("controller") not in (0, pid), timeout=30)
+            again = wait_until(lambda: alarms.active(PRECISION), timeout=30)[0]
             assert (again["moi"], again["sequence"]) == (moi, raised["sequence"])
 
             # 3. The fault goes away: the Coordinator's normal samples send the CLEAR (same moi),
             #    and Alertmanager's alert resolves.
             set_fault(c, 1, "none")
-            poll(lambda: not alarms.active(PRECISION), timeout=60)
+            wait_until(lambda: not alarms.active(PRECISION), timeout=60)
             clear = [a for a in alarms.history() if a["alarm_id"] == PRECISION][-1]
             assert clear["category"] == "ALARM_CATEGORY_CLEAR" and clear["moi"] == moi
-            poll(lambda: not firing(am, PRECISION), timeout=30)
+            wait_until(lambda: not firing(am, PRECISION), timeout=30)
 
             # 4. Garbage again, then an operator terminates the group with precision_alarm_clear.
             set_fault(c, 1, "precision")
-            second = poll(lambda: alarms.active(PRECISION), timeout=60)[0]
+            second = wait_until(lambda: alarms.active(PRECISION), timeout=60)[0]
             resp = alarms.call(
                 "TerminateInstance",
                 {"instance_id": d, "p_instance_id": p, "precision_alarm_clear": True, "reason": "test"},
@@ -187,16 +188,16 @@ def test_precision_alarm_lifecycle(tmp_path: Path, cluster_with: Any) -> None:
             )
             assert not alarms.active(PRECISION)
             # The NodeManagers stopped and motor up restarted them: new instances serve again.
-            poll(lambda: pd_ids(alarms) != (p, d), timeout=60)
+            wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60)
             served = load.ok
-            poll(lambda: load.ok > served + 3, timeout=30)
+            wait_until(lambda: load.ok > served + 3, timeout=30)
 
             # 5. A killed engine: the instance alarm is raised, and cleared once it is back.
             p2, d2 = pd_ids(alarms)
             pgids = c.engine_pgids()
             os.killpg(pgids[-1], signal.SIGKILL)
-            poll(lambda: [a for a in alarms.history() if a["alarm_id"] == INSTANCE_FAULT], timeout=30)
-            poll(lambda: not alarms.active(INSTANCE_FAULT), timeout=60)
+            wait_until(lambda: [a for a in alarms.history() if a["alarm_id"] == INSTANCE_FAULT], timeout=30)
+            wait_until(lambda: not alarms.active(INSTANCE_FAULT), timeout=60)
             raised_ids = {a["instance_id"] for a in alarms.history() if a["alarm_id"] == INSTANCE_FAULT}
             assert raised_ids & {p2, d2}
         finally:
@@ -222,16 +223,20 @@ def test_auto_recovery_terminates_the_group_and_clears(cluster_with: Any) -> Non
     load = Load(c.base_url)
     try:
         set_fault(c, 1, "precision")
-        poll(lambda: [a for a in alarms.history() if a["alarm_id"] == PRECISION], timeout=60)
+        wait_until(lambda: [a for a in alarms.history() if a["alarm_id"] == PRECISION], timeout=60)
         # Recovered at once: the ALARM and its CLEAR, both NodeManagers stopped and restarted.
-        records = poll(lambda: [a for a in alarms.history() if a["alarm_id"] == PRECISION][1:], timeout=30)
+        records = wait_until(
+            lambda: [a for a in alarms.history() if a["alarm_id"] == PRECISION][1:], timeout=30
+        )
         assert records[0]["category"] == "ALARM_CATEGORY_CLEAR"
         assert records[0]["moi"].endswith(f"pId={p}, instanceId={d}")
         assert not alarms.active(PRECISION)
-        poll(lambda: c.proc.output().count("event=restart component=nm-") >= restarts_before + 2, timeout=60)
+        wait_until(
+            lambda: c.proc.output().count("event=restart component=nm-") >= restarts_before + 2, timeout=60
+        )
         # The instances come back (new ids) and serve.
-        poll(lambda: pd_ids(alarms) != (p, d), timeout=60)
+        wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60)
         served = load.ok
-        poll(lambda: load.ok > served + 3, timeout=30)
+        wait_until(lambda: load.ok > served + 3, timeout=30)
     finally:
         load.close()

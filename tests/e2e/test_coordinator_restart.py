@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from tests.controller.fakes import FRESH, Identity, controller_side, identity
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster, poll
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
+from tests.poll import wait_until
 from tests.procs import exited
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,22 +73,22 @@ def test_a_killed_coordinator_gets_the_full_set_back_every_time(tmp_path: Path) 
             table = controller_table(ctl)
             return table if len(table[0]) == 2 else None
 
-        want = poll(both_routable)
-        assert poll(lambda: coordinator_table(coord)[0] == want)
+        want = wait_until(both_routable)
+        assert wait_until(lambda: coordinator_table(coord)[0] == want)
         client = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="none", max_retries=0, timeout=30)
         latencies = []
         for n in range(1, ROUNDS + 1):
             _, before = coordinator_table(coord)
-            pid = poll(lambda: c.component_pid("coordinator"), timeout=15)
+            pid = wait_until(lambda: c.component_pid("coordinator"), timeout=15)
             os.kill(pid, signal.SIGKILL)  # its own pid only: it shares motor up's process group
-            poll(lambda: exited(pid), timeout=5, every=0.01)  # noqa: B023
-            up_at = poll(lambda: answering(coord) and time.monotonic(), timeout=15, every=0.01)
+            wait_until(lambda: exited(pid), timeout=5, every=0.01)  # noqa: B023
+            up_at = wait_until(lambda: answering(coord) and time.monotonic(), timeout=15, every=0.01)
 
             def synced() -> float | None:
                 table, incarnation = coordinator_table(coord)
                 return time.monotonic() if table == want and incarnation != before else None  # noqa: B023
 
-            synced_at = poll(synced, timeout=15, every=0.01)
+            synced_at = wait_until(synced, timeout=15, every=0.01)
             latencies.append(synced_at - up_at)
             delay = re.findall(r"event=restart component=coordinator .*?in_s=(\S+)", c.proc.output())[-1]
             print(

@@ -15,7 +15,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster, poll
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster
+from tests.poll import wait_until
 from tests.procs import motor_argv
 from tests.standins import prepend_path, write_vllm
 
@@ -63,7 +64,7 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
     c = Cluster(tmp_path, "--prefill", "1", "--decode", "2", nodes=3)
     try:
         c.wait_ready()
-        poll(
+        wait_until(
             lambda: len([i for i in c.controller_instances() if i["status"] == "INSTANCE_STATUS_ACTIVE"]) == 3
         )
         victim = decode_instances(c)[0]
@@ -72,13 +73,13 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
         nm_index = c.node_of_port(port)
         nm_pid = c.nodemanager_pid(nm_index)
         with Load(c.base_url) as load:
-            poll(lambda: load.ok >= 5)
+            wait_until(lambda: load.ok >= 5)
             os.killpg(old_pgid, signal.SIGKILL)
 
             def status() -> str:
                 return next(i["status"] for i in decode_instances(c) if i["id"] == victim["id"])
 
-            poll(lambda: status() != "INSTANCE_STATUS_ACTIVE", timeout=5, every=0.05)
+            wait_until(lambda: status() != "INSTANCE_STATUS_ACTIVE", timeout=5, every=0.05)
             c.proc.wait_line(lambda s: "[ENGINE RELAUNCH #1 " in s, 30)
 
             def relaunched() -> bool:
@@ -86,9 +87,9 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
                 pid = int(inst["endpoints"][0].get("pid", 0))
                 return inst["status"] == "INSTANCE_STATUS_ACTIVE" and pid not in (0, old_pgid)
 
-            poll(relaunched, timeout=60, every=0.2)
+            wait_until(relaunched, timeout=60, every=0.2)
             served_before = load.ok
-            poll(lambda: load.ok >= served_before + 10)
+            wait_until(lambda: load.ok >= served_before + 10)
             assert c.nodemanager_pid(nm_index) == nm_pid  # the NodeManager was not restarted
 
             # Now the other decode instance's NodeManager is killed outright: its instance
@@ -103,9 +104,9 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
                     for i in decode_instances(c)
                 )
 
-            poll(rebuilt, timeout=30, every=0.2)
+            wait_until(rebuilt, timeout=30, every=0.2)
             served_before = load.ok
-            poll(lambda: load.ok >= served_before + 10)
+            wait_until(lambda: load.ok >= served_before + 10)
         assert load.failed == []
 
         # The strategy ends at its next readiness poll (every 5 s by default).
@@ -116,7 +117,7 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
             ]
             return entry.get("history", [])
 
-        assert "EngineRelaunch succeeded" in poll(history, timeout=20)[0]
+        assert "EngineRelaunch succeeded" in wait_until(history, timeout=20)[0]
 
         # Operators see it, and can take the node out of routing and back with `motor faults`.
         status = motor(c, "status", "--coordinator", c.grpc(COORDINATOR))
@@ -125,9 +126,9 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
         node = c.grpc(NM + nm_index)
         out = motor(c, "faults", "report", "--node", node, "--level", "L4", "--code", "xid-79")
         assert (out.returncode, out.stdout) == (0, f"affected instances: {victim['id']}\n"), out.stderr
-        poll(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_INACTIVE")
+        wait_until(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_INACTIVE")
         assert motor(c, "faults", "clear", "--node", node).returncode == 0
-        poll(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_ACTIVE")
+        wait_until(lambda: status_of(c, victim["id"]) == "INSTANCE_STATUS_ACTIVE")
         out = motor(c, "faults", "report", "--node", "127.0.0.1:1", "--level", "L3")
         assert out.returncode == 1 and out.stderr.startswith("motor faults: NOT_FOUND: ")
     finally:
@@ -151,7 +152,9 @@ def test_a_relaunch_that_cannot_start_falls_back_to_restarting_the_node(tmp_path
     c = Cluster(tmp_path, "--engine-type", "vllm", env=env)
     try:
         c.wait_ready()
-        decode = poll(lambda: [i for i in decode_instances(c) if i["status"] == "INSTANCE_STATUS_ACTIVE"])[0]
+        decode = wait_until(
+            lambda: [i for i in decode_instances(c) if i["status"] == "INSTANCE_STATUS_ACTIVE"]
+        )[0]
         pgid = int(decode["endpoints"][0]["pid"])
         nm_pid = c.nodemanager_pid(1)
         # The engine cannot be launched again: `vllm` is no longer executable.
@@ -164,8 +167,8 @@ def test_a_relaunch_that_cannot_start_falls_back_to_restarting_the_node(tmp_path
         c.proc.wait_line(lambda s: s.startswith("[nm-1] ") and "event=unfrozen" in s, 10)
         c.proc.wait_line(lambda s: s.startswith("[nm-1] ") and "event=stop_requested" in s, 10)
         c.proc.wait_line("event=restart component=nm-1", 20)
-        poll(lambda: c.nodemanager_pid(1) != nm_pid)
-        rebuilt = poll(
+        wait_until(lambda: c.nodemanager_pid(1) != nm_pid)
+        rebuilt = wait_until(
             lambda: [
                 i
                 for i in decode_instances(c)

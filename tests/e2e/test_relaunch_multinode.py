@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from services.nodemanager.statefile import StateFile
-from tests.e2e.cluster import poll
-from tests.nodemanager.conftest import free_port_pair
+from tests.poll import wait_until
+from tests.ports import reserved_pair
 from tests.procs import Proc, grpcurl, motor_argv
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,8 +38,8 @@ def test_both_nodes_of_an_instance_relaunch_together(tmp_path: Path) -> None:
         nodes = []
         for k in range(2):
             nm_cfg = tmp_path / f"nm-{k}.json"
-            first = free_port_pair()
-            ports = [first, free_port_pair()]
+            first = reserved_pair()
+            ports = [first, reserved_pair()]
             section = {
                 "controller": target,
                 "job_name": "two-node",
@@ -60,7 +60,7 @@ def test_both_nodes_of_an_instance_relaunch_together(tmp_path: Path) -> None:
             found = [i for i in instances(target) if i.get("status") == "INSTANCE_STATUS_ACTIVE"]
             return found[0] if found else None
 
-        inst = poll(active, timeout=40)
+        inst = wait_until(active, timeout=40)
         endpoints = inst["endpoints"]
         assert [bool(e.get("headless")) for e in endpoints] == [False, False, True, True]
         old_pids = {int(e["pid"]) for e in endpoints}
@@ -74,7 +74,7 @@ def test_both_nodes_of_an_instance_relaunch_together(tmp_path: Path) -> None:
             pids = {int(e.get("pid", 0)) for e in now["endpoints"]} if now else set()
             return now if now and now["id"] == inst["id"] and not pids & old_pids and 0 not in pids else None
 
-        poll(relaunched, timeout=40)
+        wait_until(relaunched, timeout=40)
         assert all(n.popen.poll() is None for n in nodes)
     finally:
         for p in reversed(procs):

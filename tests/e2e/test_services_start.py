@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.ports import port_free, reserved_port
 from tests.procs import grpcurl
 
 SERVICES = [
@@ -59,9 +58,7 @@ def test_nodemanager_without_job_name_does_not_register(motor_proc) -> None:
 
 
 def test_config_errors_are_all_printed_and_nothing_binds(motor_proc, tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"controller": {"prot": 1, "heartbeat_interval_s": "fast", "port": port}}))
     proc = motor_proc("controller", "--config", str(bad))
@@ -70,8 +67,7 @@ def test_config_errors_are_all_printed_and_nothing_binds(motor_proc, tmp_path: P
     assert "controller.prot: unknown key; did you mean 'port'?" in out
     assert "controller.heartbeat_interval_s" in out
     assert "event=listening" not in out
-    with socket.socket() as s:  # the port was never taken
-        s.bind(("127.0.0.1", port))
+    assert port_free(port)  # never taken
 
 
 def test_grpc_port_in_use_fails_with_a_clear_message(motor_proc) -> None:
@@ -80,8 +76,5 @@ def test_grpc_port_in_use_fails_with_a_clear_message(motor_proc) -> None:
     port = addr.rsplit(":", 1)[1]
     # Its own state directory, so the port is the only thing the two share.
     second = motor_proc("controller", "--port", port, env={"MOTOR_CONTROLLER_STATE_DIR": "second"})
-    deadline = time.monotonic() + 20
-    while second.popen.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert second.popen.returncode == 1
+    assert second.popen.wait(20) == 1
     assert "cannot bind" in second.output()

@@ -12,7 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster, poll, port_free
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster
+from tests.poll import wait_until
+from tests.ports import port_free
 from tests.procs import motor_argv
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,7 +69,7 @@ def test_ready_line_and_pd_routing_vllm(vllm_cluster: Cluster) -> None:
 
 def test_operators_see_the_cluster_with_grpcurl(vllm_cluster: Cluster) -> None:
     c = vllm_cluster
-    instances = poll(
+    instances = wait_until(
         lambda: [i for i in c.controller_instances() if i.get("status") == "INSTANCE_STATUS_ACTIVE"]
     )
     assert sorted(i["role"] for i in instances) == ["ROLE_DECODE", "ROLE_PREFILL"]
@@ -99,7 +101,7 @@ def test_controller_killed_is_restarted_and_nothing_is_relaunched(vllm_cluster: 
             i["status"] == "INSTANCE_STATUS_ACTIVE" for i in now
         )
 
-    poll(same_instances_active, timeout=40)
+    wait_until(same_instances_active, timeout=40)
     assert_pd_legs(c, "vllm")
 
 
@@ -119,7 +121,7 @@ def test_nodemanager_killed_is_restarted_and_its_instance_rebuilt(vllm_cluster: 
         ]
         return bool(decode) and int(decode[0]["endpoints"][0]["pid"]) != old_pgid
 
-    poll(rebuilt, timeout=30, every=0.2)
+    wait_until(rebuilt, timeout=30, every=0.2)
 
     def old_group_gone() -> bool:  # its leader re-parented to motor up, which reaps it
         try:
@@ -128,8 +130,8 @@ def test_nodemanager_killed_is_restarted_and_its_instance_rebuilt(vllm_cluster: 
             return True
         return False
 
-    poll(old_group_gone, timeout=10)
-    poll(
+    wait_until(old_group_gone, timeout=10)
+    wait_until(
         lambda: (
             c.call(c.grpc(COORDINATOR), "grpc.health.v1.Health/Check", {"service": ""})["status"] == "SERVING"
         )

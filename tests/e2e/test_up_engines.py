@@ -15,7 +15,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.cluster import Cluster, poll
+from tests.e2e.cluster import Cluster
+from tests.poll import wait_until
 from tests.procs import motor_argv
 from tests.standins import prepend_path, read_records, write_sglang, write_vllm
 
@@ -38,7 +39,9 @@ def running(tmp: Path, engine: str, *args: str, dp: int = 1) -> Iterator[tuple[C
     c = Cluster(tmp, "--engine-type", engine, *args, dp=dp, env=env)
     try:
         c.wait_ready()
-        recs = poll(lambda: len(got := read_records(records)) == 2 * dp and list(got.values()), timeout=20)
+        recs = wait_until(
+            lambda: len(got := read_records(records)) == 2 * dp and list(got.values()), timeout=20
+        )
         yield c, recs
     finally:
         c.cleanup()
@@ -112,7 +115,7 @@ def test_vllm_dp2_ranks_share_their_master_and_serve(tmp_path: Path) -> None:
             assert all(flag(r, "--tensor-parallel-size") == "2" for r in ranks)
         assert len({side_channel(r) for r in recs}) == 4  # every engine listens on its own
         engine_lines_numbered(c)
-        instances = poll(lambda: len(got := active_instances(c)) == 2 and got)
+        instances = wait_until(lambda: len(got := active_instances(c)) == 2 and got)
         assert [len(i["endpoints"]) for i in instances] == [2, 2]  # one instance per NodeManager
         chat(c, "Two ranks, one instance.")
 
@@ -136,7 +139,7 @@ def test_dp_from_config(tmp_path: Path) -> None:
     c = Cluster(tmp_path, "--union", "1", "--config", str(cfg), nodes=1, dp=2)
     try:
         c.wait_ready()
-        (inst,) = poll(lambda: active_instances(c))
+        (inst,) = wait_until(lambda: active_instances(c))
         assert [int(e["port"]) for e in inst["endpoints"]] == [c.engine_port(0), c.engine_port(1)]
     finally:
         c.cleanup()

@@ -13,7 +13,8 @@ import httpx2
 import openai
 import pytest
 
-from tests.e2e.cluster import COORDINATOR, HTTP, Cluster, poll
+from tests.e2e.cluster import COORDINATOR, HTTP, Cluster
+from tests.poll import wait_until
 from tests.procs import motor_argv
 from tests.test_tls import make_pki, tls_files
 
@@ -54,7 +55,7 @@ def test_cluster_on_mtls_serves_https_and_the_cli_gets_in_with_the_ca(tmp_path: 
             "--tls-key-file",
             str(pki / "client.key"),
         )
-        listed = poll(lambda: register_list(*mtls).stdout, timeout=20)
+        listed = wait_until(lambda: register_list(*mtls).stdout, timeout=20)
         assert len(json.loads(listed)["available"]) == 2  # pushed by the Controller over mTLS
 
         refused = register_list("--tls-ca-file", ca)  # TLS, but no client certificate

@@ -7,10 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
-import socket
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,73 +19,10 @@ from services.common import errors
 from services.common.channel import open_channel
 from services.common.config import load
 from services.common.server import MotorServer
-from tests.procs import Proc, motor_argv
+from tests.poll import until
+from tests.procs import Exited, Proc, motor_argv
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
-_LISTEN = re.compile(r"event=listening .*?grpc=(\S+)")
-
-
-async def until(pred: Callable[[], Any], wait_s: float = 15.0, what: str = "condition") -> Any:
-    """Poll ``pred`` until it returns something truthy (and return it)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {wait_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def free_port_pair() -> int:
-    """A port P with P+1 free too (engines use P+1 for bootstrap / DP RPC)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engines bind
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def group_gone(pgid: int) -> bool:
-    """What the NodeManager waits for: ``killpg(pgid, 0)`` raises ESRCH (zombies count as alive)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group exists and is not a zombie."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 # --- a fake Controller --------------------------------------------------------------------------
@@ -275,35 +209,26 @@ class NodeManagerProc:
     async def wait_status(
         self, pred: Callable[[nodemanager_pb2.GetStatusResponse], bool], what: str, wait_s: float = 20.0
     ) -> nodemanager_pb2.GetStatusResponse:
-        deadline = time.monotonic() + wait_s
-        while True:
+        async def matching() -> nodemanager_pb2.GetStatusResponse | None:
             resp = await self.status()
-            if pred(resp):
-                return resp
-            if time.monotonic() > deadline:
-                raise AssertionError(f"NodeManager not {what}: {resp}\n{self.tail()}")
-            await asyncio.sleep(0.05)
+            return resp if pred(resp) else None
+
+        try:
+            return await until(matching, wait_s, f"NodeManager {what}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.tail()}") from None
 
     async def wait_ready(self, wait_s: float = 20.0) -> nodemanager_pb2.GetStatusResponse:
         return await self.wait_status(lambda s: s.ready, "ready", wait_s)
 
     async def wait_line(self, text: str, wait_s: float = 15.0, start: int = 0) -> str:
-        def find() -> str | None:
-            return next((line for line in self.proc.lines[start:] if text in line), None)
-
-        try:
-            return await until(find, wait_s, f"line {text!r}")
-        except AssertionError:
-            raise AssertionError(f"line {text!r} not seen; output:\n{self.tail()}") from None
+        return await self.proc.await_line(text, wait_s, start)
 
     async def wait_exit(self, wait_s: float = 15.0) -> int:
-        await until(lambda: self.proc.popen.poll() is not None, wait_s, "NodeManager exit")
-        rc = self.proc.popen.returncode
-        assert rc is not None
-        return rc
+        return await self.proc.await_exit(wait_s)
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.proc.lines[-n:])
+        return self.proc.tail(n)
 
     def recorded_pgids(self) -> list[int]:
         path = Path(self.cfg["nodemanager"]["state_dir"]) / "engines.json"
@@ -327,20 +252,11 @@ async def start_nm(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         argv = [*(wrapper or []), *motor_argv("nodemanager", "--config", str(path))]
         proc = Proc(argv, cwd=tmp_path, env=env)
         try:
-            line = await until(
-                lambda: (
-                    next((x for x in proc.lines if "event=listening" in x), None)
-                    or (proc.popen.poll() is not None and "exited")
-                ),
-                20,
-                "event=listening",
-            )
-        except AssertionError:
+            address, _ = await proc.await_listening(20)
+        except (AssertionError, Exited):
             proc.kill()
             raise
-        m = _LISTEN.search(line)
-        assert m is not None, "\n".join(proc.lines)
-        nm = NodeManagerProc(proc, m.group(1), cfg, engine_pgids)
+        nm = NodeManagerProc(proc, address, cfg, engine_pgids)
         started.append(nm)
         return nm
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from pathlib import Path
 
 import aiohttp
@@ -14,14 +13,10 @@ import pytest
 from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 
 from services.common import errors
-from tests.nodemanager.conftest import (
-    ControllerServer,
-    free_port_pair,
-    group_gone,
-    nm_config,
-    port_free,
-    until,
-)
+from tests.nodemanager.conftest import ControllerServer, nm_config
+from tests.poll import until
+from tests.ports import port_free, reserved_pair, reserved_port
+from tests.procs import group_gone
 
 NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
 ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
@@ -29,15 +24,9 @@ DEAD = controller_pb2.ENGINE_EVENT_TYPE_DEAD
 UNHEALTHY = controller_pb2.ENGINE_EVENT_TYPE_UNHEALTHY
 
 
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_registration_retries_until_controller_is_up(tmp_path: Path, start_nm) -> None:
-    cport = unused_port()
-    port = free_port_pair()
+    cport = reserved_port()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], job_name="job-a", controller=f"127.0.0.1:{cport}"))
     await nm.wait_line("event=register_failed")
     assert "code=UNAVAILABLE" in await nm.wait_line("event=register_failed")
@@ -92,7 +81,7 @@ REFUSALS = {
 @pytest.mark.parametrize("code", list(REFUSALS))
 async def test_refused_registration_exits_1(tmp_path: Path, controller, start_nm, code: str) -> None:
     controller.fake.register_errors.append(REFUSALS[code])
-    cfg = nm_config(tmp_path, [free_port_pair()], job_name="job-a", controller=controller.address)
+    cfg = nm_config(tmp_path, [reserved_pair()], job_name="job-a", controller=controller.address)
     nm = await start_nm(cfg)
     assert await nm.wait_exit() == 1
     assert f"code={code}" in await nm.wait_line("event=register_refused")
@@ -106,7 +95,7 @@ async def test_registration_retries_through_already_exists_and_cancelled(
         errors.already_exists("NODE_REGISTERED", "the previous session has not timed out"),
         errors.MotorError(grpc.StatusCode.CANCELLED, "controller shutting down"),
     ]
-    cfg = nm_config(tmp_path, [free_port_pair()], job_name="job-a", controller=controller.address)
+    cfg = nm_config(tmp_path, [reserved_pair()], job_name="job-a", controller=controller.address)
     nm = await start_nm(cfg)
     await until(lambda: fake.beats(), 15, "a beat after two failed registrations")
     assert len(fake.registers) == 3
@@ -117,7 +106,7 @@ async def test_registration_retries_through_already_exists_and_cancelled(
 
 async def test_engines_beats_reregister_and_dead_event(tmp_path: Path, controller, start_nm) -> None:
     fake = controller.fake
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(tmp_path, [port], job_name="job-a", controller=controller.address, suicide_threshold=1000)
     nm = await start_nm(cfg)
     await until(lambda: fake.beats(), 15, "first beat")
@@ -160,7 +149,7 @@ async def test_hung_engine_unhealthy_then_killed_and_reported_dead(
     tmp_path: Path, controller, start_nm
 ) -> None:
     fake = controller.fake
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(
         tmp_path,
         [port],
@@ -189,7 +178,7 @@ async def test_dead_engine_with_relaunch_enabled_freezes_then_restart_and_abort(
 ) -> None:
     fake = controller.fake
     fake.relaunch_enabled = True
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(tmp_path, [port], job_name="job-a", controller=controller.address)
     nm = await start_nm(cfg)
     with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -227,7 +216,7 @@ async def test_dead_engine_with_relaunch_enabled_freezes_then_restart_and_abort(
 
 
 async def test_dead_engine_without_relaunch_leads_to_suicide(tmp_path: Path, controller, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], job_name="job-a", controller=controller.address))
     pid = (await nm.start_engines()).endpoints[0].pid
     await nm.wait_ready()
@@ -243,7 +232,7 @@ async def test_controller_down_when_the_engine_dies_means_no_freeze(
     # Relaunch is on, but nobody acknowledges the death report: nothing will relaunch the
     # engine, so the node must not hold its fallback; it restarts promptly.
     controller.fake.relaunch_enabled = True
-    port = free_port_pair()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], job_name="job-a", controller=controller.address))
     pid = (await nm.start_engines()).endpoints[0].pid
     await nm.wait_ready()
@@ -261,7 +250,7 @@ async def test_a_freeze_nobody_lifts_expires_and_the_node_restarts(
     # The death report is acked (relaunch on) but neither RESTART nor ABORT ever comes, as when
     # the Controller's ABORT is lost: the hold runs out on its own.
     controller.fake.relaunch_enabled = True
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(
         tmp_path, [port], job_name="job-a", controller=controller.address, engine_restart_wait_timeout_s=1
     )

@@ -14,7 +14,10 @@ from google.rpc import error_details_pb2
 from motor.v1 import common_pb2, nodemanager_pb2
 
 from services.common import errors
-from tests.nodemanager.conftest import free_port_pair, group_alive, group_gone, nm_config, port_free, until
+from tests.nodemanager.conftest import nm_config
+from tests.poll import until
+from tests.ports import port_free, reserved_pair
+from tests.procs import group_alive, group_gone
 
 NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
 PAUSED = common_pb2.ENDPOINT_STATUS_PAUSED
@@ -22,7 +25,7 @@ ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL
 
 
 async def test_start_engines_ready_pause_resume_and_idempotent(tmp_path: Path, start_nm) -> None:
-    ports = [free_port_pair(), free_port_pair()]
+    ports = [reserved_pair(), reserved_pair()]
     nm = await start_nm(nm_config(tmp_path, ports))
     await nm.wait_line("event=registration_disabled")
 
@@ -60,7 +63,7 @@ async def test_start_engines_ready_pause_resume_and_idempotent(tmp_path: Path, s
 
 
 async def test_bad_start_commands(tmp_path: Path, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], job_name="job-a", controller="127.0.0.1:9"))
     subject = f"node/{nm.address}"
     wrong = [
@@ -97,7 +100,7 @@ async def test_bad_start_commands(tmp_path: Path, start_nm) -> None:
 
 
 async def test_stop_rpc_stops_engines_then_exits_nonzero(tmp_path: Path, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], engine={"args": {"workers": 1}}))
     pid = (await nm.start_engines()).endpoints[0].pid
     await nm.wait_ready()
@@ -108,7 +111,7 @@ async def test_stop_rpc_stops_engines_then_exits_nonzero(tmp_path: Path, start_n
 
 
 async def test_sigterm_stops_engines(tmp_path: Path, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     nm = await start_nm(nm_config(tmp_path, [port], engine={"args": {"workers": 1}}))
     pid = (await nm.start_engines()).endpoints[0].pid
     await nm.wait_ready()
@@ -119,7 +122,7 @@ async def test_sigterm_stops_engines(tmp_path: Path, start_nm) -> None:
 
 
 async def test_sigkilled_nodemanager_restarted_kills_old_engines(tmp_path: Path, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(tmp_path, [port], engine={"args": {"workers": 1}})
     nm = await start_nm(cfg)
     pid = (await nm.start_engines()).endpoints[0].pid
@@ -140,13 +143,13 @@ async def test_sigkilled_nodemanager_restarted_kills_old_engines(tmp_path: Path,
 
 
 async def test_headless_endpoint_is_normal_while_alive(tmp_path: Path, start_nm) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(tmp_path, [port], node_rank=1, parallel={"nnodes": 2, "tp": 2})
     # Under `motor up` the NodeManager prefixes its engines' output with [engine-<k>].
     nm = await start_nm(cfg, env={"MOTOR_UP_ENGINE_INDEX": "3"})
     # Rank 0's part on node_rank 1: id node_rank * dp + rank = 1; its head serves elsewhere.
     endpoint = common_pb2.Endpoint(id=1, host="127.0.0.1", port=port, headless=True)
-    head = common_pb2.Endpoint(id=0, host="127.0.0.1", port=free_port_pair())
+    head = common_pb2.Endpoint(id=0, host="127.0.0.1", port=reserved_pair())
     req = {"endpoints": [endpoint], "master_host": "127.0.0.1", "node_rank": 1, "heads": [head]}
     (ep,) = (await nm.start_engines(**req)).endpoints
     assert ep.headless and ep.status == NORMAL  # no HTTP server to probe
@@ -170,7 +173,7 @@ async def test_leader_death_seen_while_a_group_member_holds_the_log_pipe(tmp_pat
         "os.execv(sys.executable, [sys.executable, '-m', 'services.cli', 'engine-sim', *sys.argv[1:]])\n"
     )
     vllm.chmod(0o755)
-    port = free_port_pair()
+    port = reserved_pair()
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "MOTOR_UP_ENGINE_INDEX": "0"}
     nm = await start_nm(nm_config(tmp_path, [port], engine_type="vllm", suicide_threshold=1000), env=env)
     pid = (await nm.start_engines()).endpoints[0].pid
@@ -201,7 +204,7 @@ NEGLECTFUL_SUBREAPER = (
 async def test_stale_engine_adopted_by_another_subreaper_does_not_stall_start_up(
     tmp_path: Path, start_nm
 ) -> None:
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(tmp_path, [port])
     nm = await start_nm(cfg, wrapper=[sys.executable, "-c", NEGLECTFUL_SUBREAPER])
     pid = (await nm.start_engines()).endpoints[0].pid

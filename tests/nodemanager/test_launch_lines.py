@@ -11,7 +11,9 @@ from typing import Any
 
 from motor.v1 import common_pb2
 
-from tests.nodemanager.conftest import free_port_pair, nm_config, until
+from tests.nodemanager.conftest import nm_config
+from tests.poll import until
+from tests.ports import reserved_pair
 from tests.standins import prepend_path, read_records, write_sglang, write_vllm
 
 
@@ -35,7 +37,7 @@ async def launch(tmp_path: Path, start_nm, cfg: dict[str, Any], env: dict[str, s
 
 async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
     write_vllm(tmp_path / "bin")
-    ports = [free_port_pair(), free_port_pair()]
+    ports = [reserved_pair(), reserved_pair()]
     engine = {
         "args": {
             "max_num_seqs": 8,
@@ -105,7 +107,7 @@ async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
 
 async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
     write_sglang(tmp_path / "pylib")
-    port = free_port_pair()
+    port = reserved_pair()
     cfg = nm_config(
         tmp_path,
         [port],

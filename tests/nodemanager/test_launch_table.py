@@ -196,52 +196,56 @@ def set_flag(x: Launch, flag: str, value: str) -> None:
     x["argv"][x["argv"].index(flag) + 1] = value
 
 
-def test_a_rank_with_its_own_rpc_port_is_caught() -> None:
-    launches, x = broken("vllm-prefill-dp2-nodes1", "prefill-1", 1)
-    set_flag(x, "--data-parallel-rpc-port", "10003")
+@pytest.mark.parametrize(
+    ("case", "instance", "rank", "key", "value", "complaint"),
+    [
+        pytest.param(
+            "vllm-prefill-dp2-nodes1", "prefill-1", 1, "--data-parallel-rpc-port", "10003",
+            ["disagree on the DP master"], id="a rank with its own DP RPC port",
+        ),
+        # The decode partner's rank 1 pointed at the port the prefill instance's rank 1 listens
+        # on: 14001 + rank 1 = prefill-1 rank 1's 14002.
+        pytest.param(
+            "vllm-prefill-dp2-nodes1", "decode-2", 1, "VLLM_NIXL_SIDE_CHANNEL_PORT", "14001",
+            ["NIXL side channel", "127.0.0.1:14002"], id="a side channel shared across instances",
+        ),
+        pytest.param(  # the master's host, not its own
+            "vllm-decode-dp2-nodes2", "decode-1", 3, "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1",
+            ["is not the engine's host"], id="a side channel on another host",
+        ),
+        pytest.param(
+            "vllm-union-dp2-nodes2", "union-1", 3, "--node-rank", "1",
+            ["--node-rank values repeat"], id="a repeated vLLM node rank",
+        ),
+        pytest.param(
+            "sglang-union-dp2-nodes1", "union-1", 0, "--dp-size", "2",
+            ["3 DP schedulers on 127.0.0.1"], id="SGLang schedulers beyond the ranks of a host",
+        ),
+        pytest.param(  # rank 0's rendezvous, not rank 1's
+            "sglang-decode-dp2-nodes2", "decode-1", 3, "--dist-init-addr", "127.0.0.1:16000",
+            ["rank 1's parts do not meet"], id="SGLang parts of a rank that do not meet",
+        ),
+        pytest.param(
+            "sglang-prefill-dp1-nodes2", "prefill-1", 1, "--disaggregation-bootstrap-port", "10003",
+            ["--disaggregation-bootstrap-port"], id="an SGLang bootstrap port off the head",
+        ),
+        pytest.param(  # rank 0's rendezvous, not rank 1's
+            "vllm-dense-union-dp2-nodes2", "union-1", 3, "--master-port", "16000",
+            ["rank 1's parts do not meet"], id="a dense part meeting at another rank's head",
+        ),
+    ],
+)  # fmt: skip
+def test_a_broken_launch_is_caught(
+    case: str, instance: str, rank: int, key: str, value: str, complaint: list[str]
+) -> None:
+    """One flag (``--...``) or environment variable of one engine changed: the invariants say so."""
+    launches, x = broken(case, instance, rank)
+    if key.startswith("--"):
+        set_flag(x, key, value)
+    else:
+        x["env"][key] = value
     problems = invariants.check(launches)
-    assert any("disagree on the DP master" in p for p in problems), problems
-
-
-def test_a_side_channel_shared_across_instances_is_caught() -> None:
-    # The decode partner's rank 1 pointed at the port the prefill instance's rank 1 listens on.
-    launches, x = broken("vllm-prefill-dp2-nodes1", "decode-2", 1)
-    x["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "14001"  # + rank 1 = prefill-1 rank 1's 14002
-    problems = invariants.check(launches)
-    assert any("NIXL side channel" in p and "127.0.0.1:14002" in p for p in problems), problems
-
-
-def test_a_side_channel_on_another_host_is_caught() -> None:
-    launches, x = broken("vllm-decode-dp2-nodes2", "decode-1", 3)
-    x["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"  # the master's host, not its own
-    assert any("is not the engine's host" in p for p in invariants.check(launches))
-
-
-def test_a_repeated_vllm_node_rank_is_caught() -> None:
-    launches, x = broken("vllm-union-dp2-nodes2", "union-1", 3)
-    set_flag(x, "--node-rank", "1")
-    problems = invariants.check(launches)
-    assert any("--node-rank values repeat" in p for p in problems), problems
-
-
-def test_sglang_schedulers_beyond_the_ranks_of_a_host_are_caught() -> None:
-    launches, x = broken("sglang-union-dp2-nodes1", "union-1", 0)
-    set_flag(x, "--dp-size", "2")
-    problems = invariants.check(launches)
-    assert any("3 DP schedulers on 127.0.0.1" in p for p in problems), problems
-
-
-def test_sglang_parts_of_a_rank_that_do_not_meet_are_caught() -> None:
-    launches, x = broken("sglang-decode-dp2-nodes2", "decode-1", 3)
-    set_flag(x, "--dist-init-addr", "127.0.0.1:16000")  # rank 0's rendezvous, not rank 1's
-    problems = invariants.check(launches)
-    assert any("rank 1's parts do not meet" in p for p in problems), problems
-
-
-def test_sglang_bootstrap_port_off_the_head_is_caught() -> None:
-    launches, x = broken("sglang-prefill-dp1-nodes2", "prefill-1", 1)
-    set_flag(x, "--disaggregation-bootstrap-port", "10003")
-    assert any("--disaggregation-bootstrap-port" in p for p in invariants.check(launches))
+    assert any(all(c in p for c in complaint) for p in problems), problems
 
 
 def test_a_rank_whose_shards_do_not_split_over_its_nodes_is_caught() -> None:
@@ -262,10 +266,3 @@ def test_a_dense_rank_with_a_dp_rank_is_caught() -> None:
     x["argv"][at:at] = ["--data-parallel-rank", "1"]
     problems = invariants.check(launches)
     assert any("--data-parallel-rank is '1', expected None" in p for p in problems), problems
-
-
-def test_a_dense_part_meeting_at_another_ranks_head_is_caught() -> None:
-    launches, x = broken("vllm-dense-union-dp2-nodes2", "union-1", 3)
-    set_flag(x, "--master-port", "16000")  # rank 0's rendezvous, not rank 1's
-    problems = invariants.check(launches)
-    assert any("rank 1's parts do not meet" in p for p in problems), problems

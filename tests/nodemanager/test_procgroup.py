@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from services.common import procgroup
 from services.nodemanager.statefile import EngineRecord, StateFile, kill_recorded_engines
-from tests.nodemanager.conftest import group_alive
+from tests.poll import wait_until
+from tests.procs import group_alive
 
 # A leader that ignores SIGTERM, with a child in its group that ignores it too.
 STUBBORN = (
@@ -96,10 +96,7 @@ def test_reaper_reaps_unwatched_zombies_only() -> None:
         info = procgroup.proc_info(pid)
         return info is not None and info.state == "Z"
 
-    deadline = time.monotonic() + 10
-    while not (zombie(watched.pid) and zombie(stray.pid)):
-        assert time.monotonic() < deadline, "children did not exit"
-        time.sleep(0.02)
+    wait_until(lambda: zombie(watched.pid) and zombie(stray.pid), 10, "both children to exit")
     reaper = procgroup.Reaper()
     reaper.watch(watched.pid)
     assert reaper.reap() >= 1

@@ -17,7 +17,7 @@ from services.common.procgroup import Reaper
 from services.nodemanager.launch import LaunchError
 from services.nodemanager.statefile import StateFile
 from services.nodemanager.supervisor import EngineSupervisor
-from tests.nodemanager.conftest import until
+from tests.poll import until
 
 RESTART = pb.RestartEnginesRequest(action=pb.RESTART_ACTION_RESTART)
 ABORT = pb.RestartEnginesRequest(action=pb.RESTART_ACTION_ABORT)

@@ -11,7 +11,10 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from .conftest import SimEngine, await_until, metric, pid_alive, poll
+from tests.poll import until
+from tests.procs import SimEngine, exited
+
+from .conftest import metric
 
 pytestmark = pytest.mark.timeout(60)
 MSGS = [{"role": "user", "content": "What is 12+30? Answer with a number."}]
@@ -37,12 +40,12 @@ async def http(method: str, url: str, within: float = 10, **kw: Any) -> tuple[in
 async def test_crash_after_requests_exits_1_and_workers_follow(spawn_engine) -> None:
     eng = spawn_engine("--workers", "2", "--fault", "crash", "--fault-after-requests", "1")
     workers = eng.worker_pids()
-    assert len(workers) == 2 and all(pid_alive(p) for p in workers)
+    assert len(workers) == 2 and not any(map(exited, workers))
     await ask(eng)
     with pytest.raises(openai.APIConnectionError):
         await ask(eng)
     assert await eng.await_exit() == 1
-    await await_until(lambda: not any(pid_alive(p) for p in workers), 10, "workers to exit")
+    await until(lambda: all(map(exited, workers)), 10, "workers to exit")
 
 
 async def test_runtime_crash_answers_then_exits(spawn_engine) -> None:
@@ -50,7 +53,7 @@ async def test_runtime_crash_answers_then_exits(spawn_engine) -> None:
     status, state = await http("POST", eng.base + "/sim/fault", json={"mode": "crash"})
     assert status == 200 and state["mode"] == "crash" and state["active"] is True
     assert await eng.await_exit() == 1
-    await await_until(lambda: not pid_alive(eng.worker_pids()[0]), 10, "worker to exit")
+    await until(lambda: exited(eng.worker_pids()[0]), 10, "worker to exit")
 
 
 async def test_hang_stops_every_route_but_the_process_lives(spawn_engine) -> None:
@@ -62,7 +65,7 @@ async def test_hang_stops_every_route_but_the_process_lives(spawn_engine) -> Non
         with pytest.raises(asyncio.TimeoutError):
             await http("GET", eng.base + path, within=0.3)
     assert eng.alive()
-    assert eng.terminate() == 0  # a hung engine still stops cleanly on SIGTERM
+    assert eng.stop() == 0  # a hung engine still stops cleanly on SIGTERM
 
 
 async def test_unhealthy_keeps_serving(spawn_engine) -> None:
@@ -136,7 +139,7 @@ async def test_runtime_fault_api_counts_completions_only(spawn_engine) -> None:
     async def unhealthy() -> bool:
         return (await http("GET", eng.base + "/health"))[0] == 503
 
-    await poll(unhealthy, 10, "the armed fault to become due")
+    await until(unhealthy, 10, "the armed fault to become due")
 
 
 @pytest.mark.parametrize(
@@ -185,4 +188,4 @@ async def test_startup_window_keeps_health_at_503(spawn_engine) -> None:
     async def healthy() -> bool:
         return (await http("GET", eng.base + "/health"))[0] == 200
 
-    await poll(healthy, 15, "the start-up window to end")
+    await until(healthy, 15, "the start-up window to end")

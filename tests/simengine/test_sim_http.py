@@ -11,7 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .conftest import SimEngine, metric
+from tests.procs import SimEngine
+
+from .conftest import metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,7 +121,7 @@ async def test_hang_stops_health_and_every_other_route(spawn_engine) -> None:
         async with s.get(f"http://127.0.0.1:{eng.bootstrap_port}/health") as r:
             assert r.status == 200
     assert eng.alive()
-    assert eng.terminate() == 0
+    assert eng.stop() == 0
 
 
 async def test_bootstrap_port_routes_and_errors(spawn_engine) -> None:

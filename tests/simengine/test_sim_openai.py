@@ -14,16 +14,19 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from .conftest import SimEngine, metric, poll
+from tests.poll import until
+from tests.procs import SimEngine
+
+from .conftest import metric
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[SimEngine]:
-    eng = SimEngine(["serve", "sim-model", "--port", "0", "--served-model-name", "sim-model"]).start()
+    eng = SimEngine("serve", "sim-model", "--port", "0", "--served-model-name", "sim-model").start()
     yield eng
-    eng.cleanup()
+    eng.kill()
 
 
 def client(eng: SimEngine) -> AsyncOpenAI:
@@ -205,7 +208,7 @@ async def test_max_num_seqs_queues(spawn_engine) -> None:
             metric(text, "vllm:num_requests_waiting") >= 1 and metric(text, "vllm:num_requests_running") == 1
         )
 
-    await poll(queued, 10, "a request to queue behind --max-num-seqs 1")
+    await until(queued, 10, "a request to queue behind --max-num-seqs 1")
     results = await asyncio.gather(*tasks)
     assert all(r.choices[0].finish_reason == "length" for r in results)
     _, text = await get(eng.base + "/metrics")

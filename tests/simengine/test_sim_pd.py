@@ -10,7 +10,10 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from .conftest import SimEngine, metric, poll
+from tests.poll import until
+from tests.procs import SimEngine
+
+from .conftest import metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,7 +136,7 @@ async def test_sglang_decode_first_then_prefill(spawn_engine) -> None:
         async def decode_waiting() -> bool:
             return metric(await metrics(s, d), "vllm:num_requests_running") == 1
 
-        await poll(decode_waiting, 10, "the decode leg to wait for its room")
+        await until(decode_waiting, 10, "the decode leg to wait for its room")
         assert not dtask.done()
         status, _ = await chat(s, p, max_tokens=4, **b)
         assert status == 200

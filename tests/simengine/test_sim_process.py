@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 
 from services.simengine.cli import parse
-
-from .conftest import SimEngine, pid_alive, wait_until
+from tests.poll import wait_until
+from tests.procs import SimEngine, exited
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,27 +25,27 @@ def get_json(url: str) -> object:
 def test_workers_die_with_a_sigkilled_process_group(spawn_engine) -> None:
     eng = spawn_engine("--workers", "2")
     pids = eng.worker_pids()
-    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    assert len(pids) == 2 and not any(map(exited, pids))
     assert os.getpgid(pids[0]) == os.getpgid(eng.pid) == eng.pid  # same group, no new session
     os.killpg(eng.pid, signal.SIGKILL)
-    wait_until(lambda: not any(pid_alive(p) for p in [eng.pid, *pids]), 10, "group to die")
+    wait_until(lambda: all(map(exited, [eng.pid, *pids])), 10, "group to die")
 
 
 def test_workers_die_with_a_sigkilled_leader(spawn_engine) -> None:
     eng = spawn_engine("--workers", "2")
     pids = eng.worker_pids()
     os.kill(eng.pid, signal.SIGKILL)
-    wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "orphaned workers to exit")
+    wait_until(lambda: all(map(exited, pids)), 10, "orphaned workers to exit")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly(spawn_engine, sig: signal.Signals) -> None:
     eng = spawn_engine("--workers", "1")
     pids = eng.worker_pids()
-    eng.proc.send_signal(sig)
-    assert eng.proc.wait(10) == 0
-    wait_until(lambda: not pid_alive(pids[0]), 10, "worker to exit")
-    assert "event=stopped" in eng.text()
+    eng.signal(sig)
+    assert eng.popen.wait(10) == 0
+    wait_until(lambda: exited(pids[0]), 10, "worker to exit")
+    assert "event=stopped" in eng.output()
 
 
 def test_unknown_flags_are_logged_and_ignored(spawn_engine) -> None:
@@ -53,7 +53,7 @@ def test_unknown_flags_are_logged_and_ignored(spawn_engine) -> None:
         "serve", "m", "--enforce-eager", "--gpu-memory-utilization", "0.9", "--trust-remote-code=1",
         "--swap-space", "-1", "--max-num-seqs", "4",
     )  # fmt: skip
-    flags = [line.split("flag=")[1] for line in eng.lines() if "event=unknown_flag" in line]
+    flags = [line.split("flag=")[1] for line in eng.lines if "event=unknown_flag" in line]
     assert flags == ["--enforce-eager", "--gpu-memory-utilization", "--trust-remote-code", "--swap-space"]
     assert [m["id"] for m in get_json(eng.v1 + "/models")["data"]] == ["m"]
 
@@ -67,10 +67,10 @@ def test_vllm_style_argv(spawn_engine) -> None:
         "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
         "--data-parallel-rpc-port", "12345", "--data-parallel-rank", "0", "--kv-transfer-config", kv,
     )  # fmt: skip
-    line = eng.find(r"event=listening .*").group(0)
+    line = eng.wait_line("event=listening")
     assert "role=decode" in line and "protocol=vllm" in line and "engine_id=7" in line
     assert [m["id"] for m in get_json(eng.v1 + "/models")["data"]] == ["svc"]
-    assert "unknown_flag" not in eng.text()
+    assert "unknown_flag" not in eng.output()
 
 
 def test_sglang_style_argv(spawn_engine) -> None:
@@ -79,20 +79,20 @@ def test_sglang_style_argv(spawn_engine) -> None:
         "--tp-size", "1", "--dp-size", "1", "--disaggregation-mode", "prefill",
         "--disaggregation-bootstrap-port", "0",
     )  # fmt: skip
-    line = eng.find(r"event=listening .*").group(0)
+    line = eng.wait_line("event=listening")
     assert "role=prefill" in line and "protocol=sglang" in line and eng.bootstrap_port > 0
     info = get_json(eng.base + "/get_server_info")
     assert info["disaggregation_mode"] == "prefill" and info["disaggregation_bootstrap_port"] == 0
-    assert "unknown_flag" not in eng.text()
+    assert "unknown_flag" not in eng.output()
 
 
 def test_headless_lives_without_http(spawn_engine) -> None:
     eng = spawn_engine("--headless", "--workers", "1", wait=False)
     eng.wait_line("event=headless")
-    assert eng.find("event=listening") is None and eng.alive()
+    assert eng.search("event=listening") is None and eng.alive()
     pids = eng.worker_pids()
-    assert pids and pid_alive(pids[0])
-    assert eng.terminate() == 0
+    assert pids and not exited(pids[0])
+    assert eng.stop() == 0
 
 
 def test_port_in_use_fails_with_exit_1(spawn_engine) -> None:
@@ -100,8 +100,8 @@ def test_port_in_use_fails_with_exit_1(spawn_engine) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         eng = spawn_engine("--port", str(s.getsockname()[1]), wait=False)
-        assert eng.proc.wait(15) == 1
-    assert "event=bind_failed" in eng.text()
+        assert eng.popen.wait(15) == 1
+    assert "event=bind_failed" in eng.output()
 
 
 def test_parse_defaults_and_roles() -> None:
@@ -142,8 +142,8 @@ def test_cli_help_and_usage_errors() -> None:
 
 
 def test_sim_engine_helper_reports_ports() -> None:
-    eng = SimEngine(["--port", "0", "--protocol", "sglang", "--disaggregation-mode", "prefill"]).start()
+    eng = SimEngine("--port", "0", "--protocol", "sglang", "--disaggregation-mode", "prefill").start()
     try:
         assert eng.port > 0 and eng.bootstrap_port > 0 and eng.bootstrap_port != eng.port
     finally:
-        eng.cleanup()
+        eng.kill()
