@@ -1,9 +1,6 @@
 """What ``motor up`` does with a child's output: every line on to our stderr, whatever the child
-writes, and the line that says why a child failed.
-
-A child writes into a pipe of 64 KiB; once we stop reading, its next write blocks it for good.
-So the reading never stops before EOF: a line of any length is cut (with a marker) instead of
-failing the read, and a line we cannot pass on is dropped, not fatal.
+writes (services/common/lines.py: never a stopped read), and the line that says why a child
+failed. A line we cannot pass on is dropped, not fatal.
 """
 
 from __future__ import annotations
@@ -15,10 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common import log
-
-MAX_LINE = 64 * 1024
-CHUNK = 64 * 1024
-TRUNCATED = b" [motor up: line cut at %d bytes]"
+from services.common.lines import read_lines
 
 # Lines of a Python traceback that say nothing alone; its last line ("ValueError: ...") does.
 _TRACEBACK_HEADS = (
@@ -31,63 +25,21 @@ _KV_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)")
 _KV_NAMED = {"n": "\n", "r": "\r", "t": "\t"}
 
 
-class LineSplitter:
-    """Bytes in, lines out (each ending in a newline). A line longer than ``max_line`` comes out
-    cut to ``max_line`` bytes plus a marker; the rest of it, up to its newline, is dropped."""
-
-    def __init__(self, max_line: int = MAX_LINE) -> None:
-        self.max_line = max_line
-        self._buf = bytearray()
-        self._dropping = False  # inside the rest of a line already cut
-
-    def feed(self, data: bytes) -> list[bytes]:
-        buf = self._buf
-        buf += data
-        lines: list[bytes] = []
-        pos = 0  # consumed so far: the buffer is trimmed once, at the end
-        while pos < len(buf):
-            end = buf.find(b"\n", pos)
-            if self._dropping:
-                if end < 0:
-                    pos = len(buf)
-                    break
-                pos, self._dropping = end + 1, False
-            elif 0 <= end <= pos + self.max_line:
-                lines.append(bytes(buf[pos : end + 1]))
-                pos = end + 1
-            elif end >= 0 or len(buf) - pos > self.max_line:
-                lines.append(bytes(buf[pos : pos + self.max_line]) + TRUNCATED % self.max_line + b"\n")
-                pos += self.max_line
-                self._dropping = True
-            else:
-                break  # an unfinished line that may still fit: wait for more
-        del buf[:pos]
-        return lines
-
-    def flush(self) -> list[bytes]:
-        """At EOF: the unfinished last line (a child that died mid-line), newline added."""
-        rest = b"" if self._dropping else bytes(self._buf)
-        self._buf.clear()
-        self._dropping = False
-        return [rest + b"\n"] if rest else []
-
-
 async def pump(name: str, stream: asyncio.StreamReader, on_line: Callable[[bytes], None]) -> None:
     """Read ``stream`` to EOF and hand each line to ``on_line``. A failing ``on_line`` (our
     stderr closed, say) is logged once with its traceback; the reading goes on regardless."""
-    splitter = LineSplitter()
     failed = False
-    while True:
-        chunk = await stream.read(CHUNK)
-        for line in splitter.feed(chunk) if chunk else splitter.flush():
-            try:
-                on_line(line)
-            except Exception:
-                if not failed:
-                    failed = True
-                    log.exception("output_failed", component=name, note="later lines may be lost")
-        if not chunk:
-            return
+
+    def passed_on(line: bytes) -> None:
+        nonlocal failed
+        try:
+            on_line(line)
+        except Exception:
+            if not failed:
+                failed = True
+                log.exception("output_failed", component=name, note="later lines may be lost")
+
+    await read_lines(stream, passed_on)
 
 
 def error_line(raw: bytes) -> str | None:

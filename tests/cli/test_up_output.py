@@ -9,7 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from services.cli.up_output import MAX_LINE, TRUNCATED, LineSplitter, error_line, pump
+from services.cli.up_output import error_line, pump
+from services.common.lines import CUT as TRUNCATED
+from services.common.lines import MAX_LINE, LineSplitter
 
 MARK = TRUNCATED % MAX_LINE
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.common import procgroup
-from services.nodemanager.engine import LINE_LIMIT, pump
+from services.nodemanager.engine_output import LINE_LIMIT, pump
 from tests.nodemanager.conftest import nm_config
 from tests.nodemanager.test_procgroup import STUBBORN, spawn_group
 from tests.poll import until
@@ -26,7 +26,7 @@ LONG = 200 * 1024
 
 
 class Lines:
-    """Collects what the pump passes on, as :class:`services.nodemanager.engine.Output` would."""
+    """Collects what the pump passes on, as :class:`services.nodemanager.engine_output.Output` would."""
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []
@@ -36,8 +36,8 @@ class Lines:
         return True
 
 
-def cut(body: bytes, size: int) -> bytes:
-    return body[:LINE_LIMIT] + f" [line cut: {size} bytes, first {LINE_LIMIT} shown]".encode()
+def cut(body: bytes) -> bytes:
+    return body[:LINE_LIMIT] + f" [line cut at {LINE_LIMIT} bytes]".encode()
 
 
 async def test_an_overlong_line_is_cut_and_the_lines_after_it_come_through() -> None:
@@ -48,12 +48,12 @@ async def test_an_overlong_line_is_cut_and_the_lines_after_it_come_through() -> 
     out = Lines()
     await pump(stream, b"[e] ", out)  # type: ignore[arg-type]
     assert out.lines == [
-        b"[e] " + cut(b"a" * LONG, LONG) + b"\n",
+        b"[e] " + cut(b"a" * LONG) + b"\n",
         b"[e] after\n",
-        b"[e] " + cut(b"b" * LONG, LONG) + b"\n",
+        b"[e] " + cut(b"b" * LONG) + b"\n",
         b"[e] c\n",
         b"[e] c\n",
-        b"[e] " + cut(b"c" + b"d" * LONG, LONG + 1) + b"\n",
+        b"[e] " + cut(b"c" + b"d" * LONG) + b"\n",
     ]
 
 
@@ -74,7 +74,7 @@ async def test_engine_printing_a_200k_line_stays_supervised(tmp_path: Path, star
     nm = await start_nm(nm_config(tmp_path, [reserved_pair()], engine_type="vllm"), env=env)
     await nm.start_engines()
     await nm.wait_ready()  # probed NORMAL: the engine is still watched
-    marker = f" [line cut: {LONG} bytes, first {LINE_LIMIT} shown]"
+    marker = f" [line cut at {LINE_LIMIT} bytes]"
     long = await nm.wait_line(marker)
     assert long == "[engine-0] " + "x" * LINE_LIMIT + marker
     after = nm.proc.lines.index(long) + 1
