@@ -50,6 +50,6 @@ def remove_state_dir(state: Path, own: bool) -> None:
     try:
         shutil.rmtree(state)
     except FileNotFoundError:
-        pass
+        return  # already gone: nothing to do
     except OSError as exc:
         log.warn("state_dir_not_removed", state_dir=str(state), reason=str(exc))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 
@@ -36,11 +37,9 @@ MAX_DEVICES = 4096
 def _host_problem(host: str) -> str | None:
     if not host:
         return "required"
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
+        return None  # an IP address
     if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.rstrip(".").split(".")):
         return "must be an IP address or a DNS host name"
     return None
