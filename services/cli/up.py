@@ -50,7 +50,7 @@ from services.common import log, retry, tasks
 from services.common.channel import open_channel
 from services.common.config import Config, ConfigError, ServerConfig, load
 from services.common.procgroup import Reaper, become_subreaper
-from services.common.server import STDIN_GUARD_ENV, install_stop_signals
+from services.common.signals import STDIN_GUARD_ENV, install_stop_signals
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
 
 # A child that ran this long was healthy: its next restart waits the shortest delay again.

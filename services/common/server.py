@@ -10,10 +10,7 @@ the exit at once).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from services.common import exposure, log, telemetry
 from services.common.config import ConfigError, ServerConfig, read_key_file, read_private_file
 from services.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
 from services.common.rpc import service_handler
+from services.common.signals import STDIN_GUARD_ENV, install_stop_signals, stop_when_stdin_closes
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -172,72 +170,6 @@ class MotorServer:
         await self._server.stop(grace=STOP_GRACE_S)
         telemetry.shutdown()
         log.event("stopped", service=self.name)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# Set by ``motor up`` for its children: stop when stdin closes (stop_when_stdin_closes).
-STDIN_GUARD_ENV = "MOTOR_STOP_ON_STDIN_EOF"
-
-
-def install_stop_signals(
-    on_stop: Callable[[], None], *, before_forced_exit: Callable[[], None] | None = None
-) -> None:
-    """SIGTERM/SIGINT call ``on_stop`` (the graceful stop); the next one forces the exit at
-    once: one log line, ``before_forced_exit()`` (kill what must not outlive us; it must not
-    block), then exit code 128 + the signal's number, as a shell reports a process it killed.
-
-    An operator who signals twice does not want to wait for a drain, and a supervisor's second
-    signal (or Ctrl-C pressed again) is how a stuck stop is cut short without SIGKILL, which
-    would leave no word in the log."""
-    loop = asyncio.get_running_loop()
-    received: list[int] = []
-
-    def handle(sig: int) -> None:
-        received.append(sig)
-        if len(received) == 1:
-            on_stop()
-            return
-        rc = 128 + sig
-        log.warn("forced_exit", signal=signal.Signals(sig).name, rc=rc, reason="second stop signal")
-        if before_forced_exit is not None:
-            try:
-                before_forced_exit()
-            except Exception:
-                log.exception("forced_exit_cleanup_failed")
-        # Whatever the graceful stop was waiting on stays unfinished: skip it (and every
-        # finally block, atexit hook and thread join) on purpose.
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os._exit(rc)
-
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, handle, sig)
-
-
-def stop_when_stdin_closes(on_stop: Callable[[], None]) -> None:
-    """Call ``on_stop`` once stdin reaches EOF. ``motor up`` gives each child a pipe it never
-    writes to and closes it to stop the child; the pipe also closes when ``motor up`` is gone,
-    even killed with SIGKILL, so the child stops (engines included) instead of living on as an
-    orphan holding its ports. Not a signal, so it does not count towards a forced exit."""
-    loop = asyncio.get_running_loop()
-    fd = 0
-
-    def readable() -> None:
-        try:
-            data = os.read(fd, 4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            log.event("stdin_closed", action="stopping")
-            on_stop()
-
-    try:
-        loop.add_reader(fd, readable)
-    except (OSError, ValueError) as exc:  # not a pipe (a file, /dev/null): nothing to watch
-        log.warn("stdin_watch_unavailable", reason=str(exc) or type(exc).__name__)
 
 
 def run(amain: Callable[[asyncio.Event], Awaitable[int]], *, fast_loop: bool = False) -> int:

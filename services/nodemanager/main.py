@@ -16,6 +16,7 @@ from services.common import log, procgroup, tasks
 from services.common.config import Config
 from services.common.server import MotorServer
 from services.common.service_main import service_main
+from services.common.signals import on_forced_exit
 from services.nodemanager import devices
 from services.nodemanager.arbiter import SuicideArbiter
 from services.nodemanager.link import ControllerLink, RegistrationRefused
@@ -50,6 +51,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
         loop.call_later(delay, done.set)
 
     sup = EngineSupervisor(c, cfg.engine, state, reaper)
+    on_forced_exit(sup.kill_all_now)
     # A look at /dev and PATH: off the loop, once, before any engine starts.
     sup.device_env, why = await asyncio.to_thread(devices.resolve, c.device_env)
     log.event("device_env", variable=sup.device_env, configured=c.device_env, reason=why)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Coroutine, Iterable
 from datetime import UTC, datetime
@@ -291,6 +292,13 @@ class EngineSupervisor:
         async with self.lock:
             await self._stop_engines(grace_s)
         self.sink.beat_now()
+
+    def kill_all_now(self) -> None:
+        """A forced exit: SIGKILL every engine group at once. The next start would find them in
+        engines.json and kill them too, but until then they would hold their ports."""
+        for e in self.engines.values():
+            if e.pid:
+                procgroup.signal_group(e.pid, signal.SIGKILL)
 
     async def close(self, grace_s: float) -> None:
         """Shutdown: stop every engine (without waiting for a relaunch in progress)."""

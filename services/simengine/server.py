@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 
 from services.common import log
 from services.common.httpmessages import Handler
 from services.common.httpserver import HttpServer
+from services.common.signals import install_stop_signals
 from services.simengine import app
 from services.simengine.app import Engine
 from services.simengine.config import EngineConfig
@@ -65,10 +65,10 @@ async def _listen(handler: Handler, host: str, port: int, max_body: int) -> tupl
 
 
 async def serve(cfg: EngineConfig) -> int:
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # The same stop signals as every Motor process: a second one exits at once (the workers
+    # follow: their pipe from us closes).
+    install_stop_signals(stop.set)
     engine = Engine(cfg)
     servers: list[HttpServer] = []
     workers = await start_workers(cfg.workers)

@@ -3,23 +3,37 @@ first SIGTERM/SIGINT starts the graceful stop, a second one ends the process at 
 
 from __future__ import annotations
 
+import re
 import signal
+from pathlib import Path
 
 import pytest
 
-from tests.procs import Proc, grpcurl_bin
+from tests.poll import wait_until
+from tests.procs import Proc, exited, grpcurl_bin
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.mark.parametrize(
-    ("command", "sig"),
-    [("controller", signal.SIGTERM), ("coordinator", signal.SIGINT), ("nodemanager", signal.SIGTERM)],
+    ("command", "sig", "workers"),
+    [
+        ("controller", signal.SIGTERM, 1),
+        ("coordinator", signal.SIGINT, 1),
+        ("coordinator", signal.SIGTERM, 2),
+        ("nodemanager", signal.SIGTERM, 1),
+    ],
 )
-def test_a_second_signal_cuts_a_slow_graceful_stop_short(motor_proc, command: str, sig: int) -> None:
+def test_a_second_signal_cuts_a_slow_graceful_stop_short(
+    motor_proc, command: str, sig: int, workers: int
+) -> None:
     extra = ["--http-port", "0"] if command == "coordinator" else []
-    proc = motor_proc(command, "--port", "0", *extra, env={"MOTOR_COORDINATOR_WORKERS": "1"})
+    proc = motor_proc(command, "--port", "0", *extra, env={"MOTOR_COORDINATOR_WORKERS": str(workers)})
     addr, _ = proc.listening()
+    # With inference workers: their private directory, and the workers themselves.
+    hub = [Path(m) for m in re.findall(r"event=worker_hub_started sock_dir=(\S+)", proc.output())]
+    worker_pids = [int(p) for p in re.findall(r"event=worker_started index=\d+ pid=(\d+)", proc.output())]
+    assert len(worker_pids) == (workers if workers > 1 else 0)
     # An open health Watch: the graceful stop drains, then waits out its whole grace period for
     # this stream, seconds in all.
     watch = Proc([grpcurl_bin(), "-plaintext", "-d", '{"service": ""}', addr, "grpc.health.v1.Health/Watch"])
@@ -35,6 +49,9 @@ def test_a_second_signal_cuts_a_slow_graceful_stop_short(motor_proc, command: st
     assert out.count("event=forced_exit") == 1
     assert f"event=forced_exit signal={signal.Signals(sig).name} rc={128 + sig}" in out
     assert "event=stopped" not in out  # the graceful stop never finished: it was skipped
+    # Nothing it started outlives it.
+    wait_until(lambda: all(exited(p) for p in worker_pids), 10, "the workers to be gone")
+    assert not any(d.exists() for d in hub)
 
 
 def test_one_signal_still_stops_gracefully(motor_proc) -> None:

@@ -20,6 +20,7 @@ from tests.nodemanager.conftest import nm_config
 from tests.nodemanager.test_procgroup import STUBBORN, spawn_group
 from tests.poll import until
 from tests.ports import reserved_pair
+from tests.procs import group_alive
 from tests.standins import BECOME_SIM, prepend_path
 
 LONG = 200 * 1024
@@ -145,3 +146,23 @@ async def test_stopping_a_group_scans_processes_off_the_loop(monkeypatch: pytest
     assert await procgroup.stop_group(proc.pid, 0.2, reaper)
     assert await asyncio.wait_for(proc.wait(), 5) == -9
     assert scans and not any(scans)
+
+
+async def test_a_forced_exit_takes_the_engines_with_it(tmp_path: Path, start_nm) -> None:
+    # The engine's group holds a process that ignores SIGTERM: a graceful stop waits its whole
+    # engine_stop_grace_s for it. The second SIGTERM must not leave it behind.
+    stubborn = (
+        "import subprocess\n"
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])\n"
+    )
+    env = fake_vllm(tmp_path, stubborn)
+    cfg = nm_config(tmp_path, [reserved_pair()], engine_type="vllm", engine_stop_grace_s=120)
+    nm = await start_nm(cfg, env=env)
+    [ep] = (await nm.start_engines()).endpoints
+    await nm.wait_ready()
+    nm.proc.signal(signal.SIGTERM)
+    await nm.proc.await_line("event=stopping", 10)
+    nm.proc.signal(signal.SIGTERM)
+    await nm.proc.await_line("event=forced_exit", 10)
+    await until(lambda: not group_alive(ep.pid), 10, "the engine's process group to be gone")

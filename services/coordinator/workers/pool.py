@@ -10,10 +10,12 @@ and the kernel only ever hands connections to the workers, which are the ones li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 from services.common import log
 from services.common.config import CoordinatorConfig
+from services.common.signals import on_forced_exit
 from services.coordinator.metrics import forget_process, use_shared_dir
 from services.coordinator.precision.groups import Completed
 from services.coordinator.routes import netloc
@@ -69,6 +72,7 @@ class WorkerPool:
         self.hub = WorkerHub(self.dir)
         self.supervisor = WorkerSupervisor(count, self._argv, self.hub, on_exit=self._exited)
         self._port: socket.socket | None = None
+        on_forced_exit(self.kill_now)
 
     def _argv(self, index: int) -> list[str]:
         return [sys.executable, "-m", "services.coordinator.worker", "--dir", self.dir, "--index", str(index)]
@@ -114,6 +118,13 @@ class WorkerPool:
     async def publish(self, state: TableState) -> None:
         """Returns once every live worker holds ``state``; WorkersUnavailable otherwise."""
         await self.hub.publish(state)
+
+    def kill_now(self) -> None:
+        """A forced exit: the workers and the private directory go with this process."""
+        for pid in self.supervisor.pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.dir, True)
 
     async def stop(self) -> None:
         await self.supervisor.stop(STOP_GRACE_S)
