@@ -4,17 +4,12 @@ descriptors, and a service without a fuzz target fails here instead of going unf
 from __future__ import annotations
 
 from tests.fuzz.harness import SERVICES
-
-# Service -> the module that fuzzes it (each parametrizes over all of the service's methods).
-FUZZED = {
-    "motor.v1.Controller": "tests/fuzz/test_rpc_controller.py",
-    "motor.v1.Coordinator": "tests/fuzz/test_rpc_coordinator.py",
-    "motor.v1.NodeManager": "tests/fuzz/test_rpc_nodemanager.py",
-}
+from tests.fuzz.test_rpc_inprocess import SERVED
+from tests.fuzz.test_rpc_nodemanager import SERVICE as NODEMANAGER
 
 
 def test_every_service_has_a_fuzz_target() -> None:
-    assert set(SERVICES) == set(FUZZED), (
-        "a motor.v1 service was added or renamed: start it in tests/fuzz/conftest.py and fuzz it "
-        "like tests/fuzz/test_rpc_coordinator.py"
+    assert set(SERVICES) == {*SERVED, NODEMANAGER}, (
+        "a motor.v1 service was added or renamed: serve it from a fixture in tests/fuzz/conftest.py "
+        "and add it to SERVED in tests/fuzz/test_rpc_inprocess.py"
     )

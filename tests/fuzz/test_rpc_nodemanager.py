@@ -28,8 +28,9 @@ from tests.poll import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+SERVICE = "motor.v1.NodeManager"
 TERMINAL = {"Stop"}  # ends the process on purpose
-METHODS = [m.name for m in SERVICES["motor.v1.NodeManager"].methods if m.name not in TERMINAL]
+METHODS = [m.name for m in SERVICES[SERVICE].methods if m.name not in TERMINAL]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -59,7 +60,7 @@ async def test_oversized_requests(nm_target: Target) -> None:
 async def test_stop_with_an_odd_reason_exits_cleanly(tmp_path: Path) -> None:
     nm = await start_nodemanager(tmp_path)
     try:
-        stop = SERVICES["motor.v1.NodeManager"].methods_by_name["Stop"]
+        stop = SERVICES[SERVICE].methods_by_name["Stop"]
         reason = "bye \x00\x1b[31m\u202e" + "é" * 60_000 + "\n" + "x" * 40_000
         out = await call(nm.channel, stop, [nodemanager_pb2.StopRequest(reason=reason).SerializeToString()])
         assert out.code is not None and out.code.name == "OK", out.details
