@@ -175,7 +175,20 @@ class CoordinatorAlarms:
         self._down_since: dict[str, tuple[float, str]] = {}  # address -> (monotonic, why)
         self._timers: dict[str, asyncio.TimerHandle] = {}
 
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """The Coordinators now pushed to: one that left is no longer waited for, and the
+        reconcile clears its alarm."""
+        self._addresses = frozenset(addresses)
+        for address in [a for a in self._down_since if a not in self._addresses]:
+            self._down_since.pop(address)
+            timer = self._timers.pop(address, None)
+            if timer is not None:
+                timer.cancel()
+        self.reconcile()
+
     def on_reachability(self, address: str, reachable: bool, why: str = "") -> None:
+        if address not in self._addresses:
+            return  # a pusher being closed after its Coordinator left the set
         try:
             if reachable:
                 self._down_since.pop(address, None)

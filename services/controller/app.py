@@ -18,6 +18,7 @@ puts it behind a MotorServer; tests can do the same in-process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -33,6 +34,7 @@ from .alarm_watch import AlarmWatchHub
 from .alarms import AlarmStore
 from .alertmanager import AlertmanagerSink
 from .assembler import Assembler
+from .coordinator_set import CoordinatorSet
 from .faults import FaultManager
 from .heartbeats import STATS_WINDOW_S, HeartbeatHub
 from .instance_reconciler import InstanceReconciler
@@ -51,6 +53,8 @@ from .store import Store
 # Every key is looked at again this often, whatever events said: what a lost event missed is
 # corrected within one period.
 RESYNC_S = 30.0
+# How long the start waits for the first resolution of dns:/// Coordinators.
+FIRST_RESOLVE_S = 2.0
 # Reconciles in flight at once per kind: each waits on NodeManagers (probes, StartEngines), and a
 # fleet registering at once must not wait in line behind one slow node.
 WORKERS = 32
@@ -100,7 +104,11 @@ class Controller:
         self.alarms = AlarmStore(self.store)
         self.alarm_watch = AlarmWatchHub(self.alarms)
         self.instance_alarms = InstanceAlarms(self.table, self.alarms)
-        self.coordinator_alarms = CoordinatorAlarms(self.alarms, cfg.coordinators, coordinator_alarm_after_s)
+        # controller.coordinators, with dns:/// names expanded (and followed while running).
+        self.coordinator_set = CoordinatorSet(cfg.coordinators, self._coordinators_changed)
+        self.coordinator_alarms = CoordinatorAlarms(
+            self.alarms, self.coordinator_set.current, coordinator_alarm_after_s
+        )
         self.sessions = SessionTable()
         self.pending = PendingAssemblies(self.store, self.sessions)
         self.nm_clients = NodeManagerClients(nm_key, cfg, cfg.max_message_bytes)
@@ -164,7 +172,7 @@ class Controller:
         self.table.subscribe(self.faults)
         self.table.subscribe(self.instance_alarms)
         self.coordinators = CoordinatorSync(
-            cfg.coordinators,
+            self.coordinator_set.current,
             self.table,
             key=coord_key,
             tls=cfg,
@@ -173,6 +181,7 @@ class Controller:
             resync_s=RESYNC_S,
             on_reachability=self.coordinator_alarms.on_reachability,
         )
+        self.recovery.coordinators = lambda: self.coordinator_set.current
         self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
         self.servicer = ControllerService(self)
 
@@ -189,13 +198,23 @@ class Controller:
             "state_loaded", state_dir=cfg.state_dir, instances=len(self.table.live), pending=len(self.pending)
         )
 
+    def _coordinators_changed(self, addresses: list[str]) -> None:
+        self.coordinators.set_addresses(addresses)
+        self.coordinator_alarms.set_addresses(addresses)
+
     def _working_set(self) -> int:
         return len(self.sessions) + len(self.table.live) + len(self.pending)
 
     async def start(self) -> None:
         if self.alert_sink is not None:
             self.alert_sink.start()
+        if self.coordinator_set.dynamic:
+            # Resolved before the first alarm reconcile, which clears the alarms of Coordinators
+            # not in the set; bounded, since a hung resolver must not hold the start.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.coordinator_set.refresh(), FIRST_RESOLVE_S)
         self.coordinators.start()
+        self.coordinator_set.start()
         self.assembly_loop.start()
         self.instance_loop.start()
         self._reconcile_alarms()
@@ -244,6 +263,7 @@ class Controller:
         await self.recovery.close()
         if self.alert_sink is not None:
             await self.alert_sink.close()  # before the database closes: its resend reads it
+        await self.coordinator_set.close()
         await self.coordinators.close()
         await self.nm_clients.close()
         await self.alarms.drain()

@@ -42,6 +42,9 @@ class InstanceTable:
     def subscribe(self, observer: Observer) -> None:
         self._observers.append(observer)
 
+    def unsubscribe(self, observer: Observer) -> None:
+        self._observers.remove(observer)
+
     def load(self, instances: list[Instance], now: float) -> None:
         """Instances from the database; every heartbeat clock starts now."""
         for inst in instances:

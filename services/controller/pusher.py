@@ -21,6 +21,7 @@ pusher opens a fresh channel, since nothing more goes through that one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,8 @@ from .reconciler import DONE, Reconciler, Result, Retry
 CALL_TIMEOUT_S = 3.0
 WARN_EVERY_S = 30.0
 RESYNC_S = 30.0
+# Reconcile workers: Coordinators pushed to at once (more when more are configured).
+SYNC_WORKERS = 8
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 # How a call fails: the Coordinator's answer, or grpc.aio's for a closed channel.
 _CALL_FAILED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError)
@@ -336,7 +339,9 @@ class _Answer(Protocol):
 
 
 class CoordinatorSync:
-    """One pusher per configured Coordinator, all driven by one reconciler keyed by address."""
+    """One pusher per Coordinator, all driven by one reconciler keyed by address. The set of
+    addresses can change at run time (coordinator_set.py): a new Coordinator gets a pusher and
+    a full Set, a gone one's pusher is closed."""
 
     def __init__(
         self,
@@ -351,33 +356,58 @@ class CoordinatorSync:
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_reachability: Reachability | None = None,
     ) -> None:
+        self._table = table
+        self._new_pusher = functools.partial(
+            CoordinatorPusher,
+            key=key,
+            tls=tls,
+            max_message_bytes=max_message_bytes,
+            sync_interval_s=sync_interval_s,
+            call_timeout_s=call_timeout_s,
+            on_reachability=on_reachability,
+        )
         self.reconciler: Reconciler[str] = Reconciler(
             "coordinator",
             self._reconcile,
-            workers=max(1, len(addresses)),
+            workers=max(SYNC_WORKERS, len(addresses)),
             backoff=Backoff(0.1, 1.0),
             resync_s=resync_s,
             keys=self._resync_keys,
         )
-        self.pushers = {
-            a: CoordinatorPusher(
-                a,
-                table,
-                self.reconciler.enqueue,
-                key=key,
-                tls=tls,
-                max_message_bytes=max_message_bytes,
-                sync_interval_s=sync_interval_s,
-                call_timeout_s=call_timeout_s,
-                on_reachability=on_reachability,
-            )
-            for a in addresses
-        }
-        for p in self.pushers.values():
-            table.subscribe(p)
+        self.pushers: dict[str, CoordinatorPusher] = {}
+        self._started = False
+        self._closing: set[asyncio.Task[None]] = set()
+        for a in addresses:
+            self._add(a)
+
+    def _add(self, address: str) -> CoordinatorPusher:
+        p = self._new_pusher(address, self._table, self.reconciler.enqueue)
+        self.pushers[address] = p
+        self._table.subscribe(p)
+        return p
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Push to exactly these Coordinators from now on."""
+        wanted = set(addresses)
+        for address in [a for a in self.pushers if a not in wanted]:
+            gone = self.pushers.pop(address)
+            self._table.unsubscribe(gone)
+            log.event("coordinator_removed", coordinator=address)
+            task = tasks.start(f"coordinator-pusher-close-{address}", gone.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        for address in sorted(wanted - set(self.pushers)):
+            log.event("coordinator_added", coordinator=address)
+            p = self._add(address)
+            if self._started:
+                p.start()
+                self.reconciler.enqueue(address)
 
     async def _reconcile(self, address: str) -> Result:
-        return await self.pushers[address].reconcile()
+        pusher = self.pushers.get(address)
+        if pusher is None:  # removed while queued
+            return DONE
+        return await pusher.reconcile()
 
     def _resync_keys(self) -> list[str]:
         for p in self.pushers.values():
@@ -385,6 +415,7 @@ class CoordinatorSync:
         return list(self.pushers)
 
     def start(self) -> None:
+        self._started = True
         for p in self.pushers.values():
             p.start()
         self.reconciler.start()
@@ -392,3 +423,4 @@ class CoordinatorSync:
     async def close(self) -> None:
         await self.reconciler.stop()
         await asyncio.gather(*(p.close() for p in self.pushers.values()), return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -63,6 +64,8 @@ class Recovery:
         self._alarms = alarms
         self._key = coordinator_key
         self._retries: set[asyncio.Task[None]] = set()
+        # The Coordinators pushed to now (they can change: coordinator_set.py); set by the app.
+        self.coordinators: Callable[[], Sequence[str]] = lambda: cfg.coordinators
 
     # ---- TerminateInstance -----------------------------------------------------------------
 
@@ -161,10 +164,11 @@ class Recovery:
     # ---- Coordinators ----------------------------------------------------------------------
 
     async def _clear_coordinators(self, p: int, d: int) -> bool:
-        """ClearPrecisionAlarm on every configured Coordinator; those that fail are retried in
+        """ClearPrecisionAlarm on every Coordinator pushed to; those that fail are retried in
         the background until they answer."""
-        results = await asyncio.gather(*(self._clear_one(a, p, d) for a in self._cfg.coordinators))
-        for address, ok in zip(self._cfg.coordinators, results, strict=True):
+        addresses = list(self.coordinators())
+        results = await asyncio.gather(*(self._clear_one(a, p, d) for a in addresses))
+        for address, ok in zip(addresses, results, strict=True):
             if not ok:
                 task = tasks.start(f"precision-clear-{address}-{d}", self._retry_clear(address, p, d))
                 self._retries.add(task)
@@ -185,7 +189,7 @@ class Recovery:
 
     async def _retry_clear(self, address: str, p: int, d: int) -> None:
         backoff = Backoff(*CLEAR_RETRY)
-        while address in self._cfg.coordinators:
+        while address in self.coordinators():
             await backoff.sleep()
             if await self._clear_one(address, p, d):
                 log.event("precision_clear_call_retried", coordinator=address, d=d)

@@ -165,6 +165,16 @@ def _hostport(value: Any) -> Result:
 HOSTPORT = Check('"host:port" (port 1 to 65535)', _hostport)
 
 
+def _coordinator(value: Any) -> Result:
+    if isinstance(value, str) and value.startswith("dns:///"):
+        return value, _hostport(value[len("dns:///") :])[1]
+    return _hostport(value)
+
+
+# A Coordinator, or every address a name resolves to (a headless Service): "dns:///name:port".
+COORDINATOR = Check('"host:port" or "dns:///name:port" (port 1 to 65535)', _coordinator)
+
+
 def array(item: Check, *, nonempty: bool = False) -> Check:
     def check(value: Any) -> Result:
         if not isinstance(value, list):

@@ -99,9 +99,10 @@ class ControllerConfig(ServerConfig):
 
     port: int = setting(7100, c.PORT)
     """gRPC port of motor.v1.Controller (0: any free port, logged in `event=listening`)."""
-    coordinators: tuple[str, ...] = setting(("127.0.0.1:7200",), c.array(c.HOSTPORT))
+    coordinators: tuple[str, ...] = setting(("127.0.0.1:7200",), c.array(c.COORDINATOR))
     """The Coordinators whose instance table this Controller keeps equal to its ACTIVE and PAUSED
-    instances."""
+    instances: `host:port` for one, `dns:///name:port` for every address `name` resolves to,
+    looked up again every 5 s (a Kubernetes headless Service over a Coordinator Deployment)."""
     state_dir: str = setting(".motor/controller", c.DIRECTORY)
     """Directory of the embedded database (`controller.db`) and its lock: instance ids,
     instances and pending assemblies survive a restart. One Controller per directory."""
