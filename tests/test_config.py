@@ -36,7 +36,8 @@ CONTRACT_KEYS = {
         instance_assemble_timeout_s start_command_retries coordinator_set_sync_interval_s
         enable_engine_relaunch engine_relaunch_complete_timeout_s engine_relaunch_poll_interval_s
         engine_relaunch_dispatch_retries engine_relaunch_nm_unreachable_threshold
-        precision_auto_recovery_enabled alarm_webhook_url coordinator_key_file nodemanager_key_file""",
+        precision_auto_recovery_enabled alarm_webhook_url coordinator_key_file nodemanager_key_file
+        metrics_port""",
     "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
         max_json_depth prefill_policy decode_policy api_keys_file controller
@@ -47,7 +48,7 @@ CONTRACT_KEYS = {
         engine_type sim_protocol ports device_count device_env node_rank parallel state_dir
         status_poll_interval_s status_probe_timeout_s max_probe_failures engine_startup_timeout_s
         engine_hang_timeout_s engine_stop_grace_s suicide_check_interval_s suicide_threshold
-        engine_restart_wait_timeout_s engine_restart_freeze_s""",
+        engine_restart_wait_timeout_s engine_restart_freeze_s metrics_port""",
     "engine": "args kv_connector env data_parallel_group",
 }
 

@@ -1,11 +1,11 @@
 """``motor up`` for the benchmarks that time a whole cluster (up, failover, table restarts).
 
-``motor up`` binds fixed ports (moved together by ``--port-offset``), so it cannot be given port
-0. A benchmark picks an offset at random, every port under the kernel's ephemeral range (so no
-outgoing connection is handed one of them), launches, and if a component reports its port taken
-(someone else's server got there first) it stops that launch and tries another offset. A
-benchmark run is a one-off on a quiet machine: a clash is rare, and a relaunch costs nothing
-but the measurement of that launch, which is discarded.
+``motor up`` binds fixed ports (its metrics ports too, all moved together by ``--port-offset``),
+so it cannot be given port 0. A benchmark picks an offset at random, every port under the
+kernel's ephemeral range (so no outgoing connection is handed one of them), launches, and if a
+component reports its port taken (someone else's server got there first) it stops that launch
+and tries another offset. A benchmark run is a one-off on a quiet machine: a clash is rare, and
+a relaunch costs nothing but the measurement of that launch, which is discarded.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from bench.loadgen.harness import PORT_TAKEN, REPO, PortTaken, clean_env
 
 CONTROLLER, COORDINATOR, HTTP, NM = 7100, 7200, 8000, 7300
+CONTROLLER_METRICS, NM_METRICS = 9100, 9300  # /metrics of the Controller, of NodeManager i (+ i)
 OFFSETS = range(10_000, 22_000, 10)  # highest port used: 10000 + 2 * engines + 1 + offset < 32768
 
 
@@ -80,7 +81,8 @@ class Up:
         return self.popen.pid
 
     def addr(self, port: int) -> str:
-        """Where the service on default ``port`` (CONTROLLER, COORDINATOR, NM + i) listens."""
+        """Where the service on default ``port`` (CONTROLLER, COORDINATOR, NM + i, and the
+        metrics ports CONTROLLER_METRICS, NM_METRICS + i) listens."""
         return f"127.0.0.1:{port + self.offset}"
 
     @property

@@ -59,6 +59,8 @@ STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover e
 # How long the rest of a dead child's output may take: a grandchild that inherited the pipe
 # (the Coordinator's workers do) can hold it open after the child is gone.
 OUTPUT_DRAIN_S = 2.0
+# /metrics of the Controller and of NodeManager i (+ i), where the configuration leaves it off.
+CONTROLLER_METRICS_PORT, NODEMANAGER_METRICS_PORT = 9100, 9300
 
 
 @dataclass
@@ -100,10 +102,19 @@ class Cluster:
         a, off, base = self.args, self.args.port_offset, [sys.executable, "-m", "services.cli"]
         config = ["--config", a.config] if a.config else []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        ctl = self.cfg.controller
         self.children.append(
             Child(
                 "controller",
-                [*base, "controller", *config, "--port", str(self.cfg.controller.port + off)],
+                [
+                    *base,
+                    "controller",
+                    *config,
+                    "--port",
+                    str(ctl.port + off),
+                    "--metrics-port",
+                    str((ctl.metrics_port or CONTROLLER_METRICS_PORT) + off),
+                ],
                 dict(
                     env,
                     MOTOR_CONTROLLER_COORDINATORS=json.dumps([self.coordinator_addr]),
@@ -141,7 +152,15 @@ class Cluster:
             self.children.append(
                 Child(
                     f"nm-{i}",
-                    [*base, "nodemanager", *config, "--port", str(nm_cfg.port + i + off)],
+                    [
+                        *base,
+                        "nodemanager",
+                        *config,
+                        "--port",
+                        str(nm_cfg.port + i + off),
+                        "--metrics-port",
+                        str((nm_cfg.metrics_port or NODEMANAGER_METRICS_PORT) + i + off),
+                    ],
                     dict(
                         nm_env,
                         MOTOR_NODEMANAGER_CONTROLLER=self.controller_addr,

@@ -6,10 +6,12 @@ import argparse
 
 EPILOG = """\
 ports (defaults, each + --port-offset): Controller 7100, Coordinator gRPC 7200 and HTTP 8000,
-NodeManager i 7300 + i. Engines are numbered k = 0, 1, ... across the NodeManagers (prefill,
-decode, union): NodeManager i runs engines i*dp .. i*dp+dp-1, one per DP rank, and engine k
-serves on nodemanager.ports[0] + 2k (10000 + 2k) and uses that port + 1 too (SGLang bootstrap,
-vLLM DP RPC). Real engines also use port + 4000 (vLLM NIXL side channel)."""
+NodeManager i 7300 + i; Prometheus /metrics of the Controller 9100 and of NodeManager i 9300 + i
+(controller.metrics_port / nodemanager.metrics_port when set). Engines are numbered k = 0, 1, ...
+across the NodeManagers (prefill, decode, union): NodeManager i runs engines i*dp .. i*dp+dp-1,
+one per DP rank, and engine k serves on nodemanager.ports[0] + 2k (10000 + 2k) and uses that
+port + 1 too (SGLang bootstrap, vLLM DP RPC). Real engines also use port + 4000 (vLLM NIXL side
+channel)."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

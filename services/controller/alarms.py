@@ -29,6 +29,7 @@ stored; what a failed background report missed, the sources' periodic resync put
 from __future__ import annotations
 
 import asyncio
+import collections
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
@@ -229,6 +230,10 @@ class AlarmStore:
     def active(self, alarm_id: str = "") -> list[alarm_pb2.Alarm]:
         """The active alarms, oldest first, optionally of one alarm_id."""
         return [_copy(a) for a in self._sorted_active() if not alarm_id or a.alarm_id == alarm_id]
+
+    def active_counts(self) -> collections.Counter[tuple[str, int]]:
+        """Active alarms by (alarm_id, severity), without copying any."""
+        return collections.Counter((a.alarm_id, a.severity) for a in self._active.values())
 
     def find_active(self, alarm: alarm_pb2.Alarm) -> alarm_pb2.Alarm | None:
         """The active alarm with ``alarm``'s dedupe key."""

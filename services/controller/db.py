@@ -106,6 +106,7 @@ class Writer:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="controller-db")
+        self.failures = 0  # writes that raised StateWriteError, since the start
 
     async def run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(db, *args)`` in a transaction on the writer thread. A failure rolls back and
@@ -114,6 +115,7 @@ class Writer:
         try:
             return await loop.run_in_executor(self._pool, self._transaction, fn, args)
         except sqlite3.Error as err:
+            self.failures += 1
             log.error("state_write_failed", operation=what, error=str(err))
             raise StateWriteError(what, err) from err
 

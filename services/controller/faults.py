@@ -104,6 +104,8 @@ class FaultManager:
         }
         # Strategy history from before a restart, until each instance's state is made.
         self._history = store.load_fault_history()
+        # Strategies finished since the start, by (name, succeeded | failed | stopped): /metrics.
+        self.finished: collections.Counter[tuple[str, str]] = collections.Counter()
 
     # --- reported faults -------------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class FaultManager:
             outcome = "stopped"
             raise
         finally:
+            self.finished[strategy.name, outcome.split(":", 1)[0]] += 1
             elapsed = time.monotonic() - started
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             entry = f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s"
@@ -288,6 +291,10 @@ class FaultManager:
             # Terminate deletes its own instance; it must finish, not be cancelled by that.
             if state.running.task is not asyncio.current_task():
                 self._stop(state.running)
+
+    def running(self) -> collections.Counter[str]:
+        """How many of each strategy are running now."""
+        return collections.Counter(s.running.strategy.name for s in self._states.values() if s.running)
 
     def status(self, instance_ids: list[int]) -> list[pb.FaultToleranceEntry]:
         out = []

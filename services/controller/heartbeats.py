@@ -19,6 +19,7 @@ from motor.v1 import controller_pb2 as pb
 from services.common import errors, log
 from services.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER, enum_name
 from services.common.gcpolicy import GcGuard
+from services.common.latency import LatencyHistogram
 from services.common.rpc import BidiStream
 
 from .instances import InstanceTable
@@ -26,6 +27,8 @@ from .model import Instance, Member, Session
 from .sessions import SessionTable
 
 STATS_WINDOW_S = 10.0
+# Upper bounds (seconds) of the ack latency histogram: a healthy ack takes well under 1 ms.
+ACK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REREGISTER = pb.HeartbeatResponse(directive=REREGISTER)
 _FAULTS = (EVENT_DEAD, EVENT_UNHEALTHY)
 _KNOWN_STATUSES = frozenset(common_pb2.EndpointStatus.values())
@@ -64,6 +67,10 @@ class HeartbeatHub:
         # current ``heartbeat_stats`` window.
         self._acks: list[float] = []
         self._window_start = clock()
+        # The same latencies since the start, for /metrics; every acked message is in it, so
+        # beats are its count minus the engine events (one counter fewer on the beat path).
+        self.ack_latency = LatencyHistogram(ACK_BUCKETS)
+        self.events_acked = 0
 
     async def stream(self, stream: BidiStream, context: grpc.aio.ServicerContext) -> None:
         req = await stream.read()
@@ -82,7 +89,7 @@ class HeartbeatHub:
         task = asyncio.current_task()
         if task is not None:
             self._streams.add(task)
-        clock, perf, acks = self.clock, time.perf_counter, self._acks
+        clock, perf, acks, observe = self.clock, time.perf_counter, self._acks, self.ack_latency.observe
         try:
             while req is not None:
                 t0 = perf()
@@ -99,7 +106,9 @@ class HeartbeatHub:
                             member.beat_fingerprint = fingerprint
                             self._apply_beat(member, inst, beat)
                     await write(pb.HeartbeatResponse(ack=pb.Ack(seq=beat.seq)))
-                    acks.append(perf() - t0)
+                    took = perf() - t0
+                    acks.append(took)
+                    observe(took)
                 elif req.HasField("engine_event"):
                     ev = req.engine_event
                     if not session.valid or (
@@ -110,7 +119,10 @@ class HeartbeatHub:
                     member.last_heard = clock()
                     self._apply_event(session, ev)
                     await write(pb.HeartbeatResponse(ack=pb.Ack(seq=ev.seq)))
-                    acks.append(perf() - t0)
+                    took = perf() - t0
+                    acks.append(took)
+                    observe(took)
+                    self.events_acked += 1
                 req = await stream.read()
         finally:
             member.open_streams -= 1
@@ -219,3 +231,7 @@ class HeartbeatHub:
     @property
     def open_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def beats_acked(self) -> int:
+        return self.ack_latency.count - self.events_acked

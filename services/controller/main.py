@@ -8,8 +8,10 @@ import sys
 from motor.v1 import controller_pb2
 
 from services.common.config import Config
+from services.common.metrics_http import MetricsServer
 from services.common.server import MotorServer
 from services.common.service_main import service_main
+from services.controller import metrics
 from services.controller.app import Controller
 from services.controller.db import StateCorrupt
 
@@ -31,20 +33,28 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     # After the drain: end the heartbeat and alarm watch streams so their clients reconnect
     # elsewhere at once.
     server.on_stop(controller.end_streams)
+    scrape = MetricsServer(c.host, c.metrics_port, metrics.registry(controller)) if c.metrics_port else None
     try:
+        # Bound before the gRPC port: SERVING means /metrics answers too.
+        if scrape is not None:
+            await scrape.start()
         await server.start()
     except BaseException:
+        if scrape is not None:
+            await scrape.stop()
         await controller.stop()
         raise
     await controller.start()
-    server.announce()
+    server.announce(**({"metrics": scrape.address} if scrape else {}))
     try:
         await stop.wait()
     finally:
         await server.stop()
+        if scrape is not None:
+            await scrape.stop()
         await controller.stop()
     return 0
 
 
 def main(argv: list[str]) -> int:
-    return service_main("controller", argv, serve)
+    return service_main("controller", argv, serve, {"--metrics-port": ("metrics_port", int)})

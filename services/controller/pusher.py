@@ -104,18 +104,43 @@ class CoordinatorPusher:
         self._last_warn: tuple[str, float] = ("", float("-inf"))
         self._suppressed = 0
         self.stats = {"set_ok": 0, "set_failed": 0, "incremental_ok": 0, "incremental_failed": 0}
+        # Since when (monotonic) the Coordinator's table may lack a change; None: in step. A new
+        # pusher has sent nothing yet.
+        self.behind_since: float | None = time.monotonic()
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    def lag_s(self, now: float) -> float:
+        """How long the Coordinator's table has been behind this Controller's; 0 in step."""
+        return 0.0 if self.behind_since is None else now - self.behind_since
+
+    @property
+    def failures(self) -> int:
+        """Calls (Set, Add, Delete, Pause, Resume) that failed since this pusher was made."""
+        return self.stats["set_failed"] + self.stats["incremental_failed"]
+
+    @property
+    def reachable(self) -> bool:
+        """Whether its health Watch says SERVING (False while not known yet)."""
+        return bool(self._watch.reachable)
+
+    def _behind(self) -> None:
+        if self.behind_since is None:
+            self.behind_since = time.monotonic()
 
     # ---- events --------------------------------------------------------------------------------
 
     def on_transition(self, inst: Instance, old: InstanceStatus, new: InstanceStatus, reason: str) -> None:
         if sm.is_routable(old) or sm.is_routable(new):
             self._dirty.add(inst.id)
+            self._behind()
             self._enqueue(self.address)
 
     def request_full_sync(self, reason: str) -> None:
         if self._held is not None:
             log.event("coordinator_full_sync_queued", coordinator=self.address, reason=reason)
         self._held = None
+        self._behind()  # a restarted or unreachable Coordinator may have lost its table
         self._stale = True
         self._enqueue(self.address)
 
@@ -184,6 +209,8 @@ class CoordinatorPusher:
         if self._held is None:
             # A response showed a new incarnation, or a full Set was asked for during this one.
             return Result(requeue_after=0)
+        if not self._dirty:  # nothing changed while the calls were in flight
+            self.behind_since = None
         if periodic:
             return Result(requeue_after=self.last_set_ok + self._sync_interval_s - time.monotonic())
         return DONE
@@ -322,6 +349,7 @@ class CoordinatorPusher:
         if incarnation and self.incarnation and incarnation != self.incarnation:
             log.event("coordinator_restarted", coordinator=self.address, incarnation=incarnation)
             self._held = None
+            self._behind()
         if incarnation:
             self.incarnation = incarnation
 

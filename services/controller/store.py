@@ -71,6 +71,11 @@ class Store:
     async def close(self) -> None:
         await self._writer.close()
 
+    @property
+    def write_failures(self) -> int:
+        """Writes that failed (StateWriteError) since the start."""
+        return self._writer.failures
+
     # ---- start-up reads --------------------------------------------------------------------
 
     def _load(self, what: Callable[[], _T]) -> _T:

@@ -56,6 +56,8 @@ class EngineHooks(Protocol):
 
     def engine_unhealthy(self, engine: Engine, detail: str) -> None: ...
 
+    def probed(self, seconds: float, ok: bool) -> None: ...
+
 
 class Engine:
     def __init__(
@@ -218,8 +220,14 @@ class Engine:
             )
             if not self.alive or self.stopping:
                 return
+            # Only probes that judge the engine count (for /metrics): polling a loading one
+            # fails by design.
+            judged = not self.in_startup_window()
+            started = time.monotonic()
             ok, why = await self._probe()
             if self.alive and not self.stopping:
+                if judged:
+                    self.hooks.probed(time.monotonic() - started, ok)
                 self.observe(ok, why)
 
     def observe(self, ok: bool, why: str) -> None:

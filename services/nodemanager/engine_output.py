@@ -37,7 +37,8 @@ class Output:
         self._cond = threading.Condition()
         self._lines: deque[bytes] = deque()
         self._bytes = 0  # queued or being written
-        self._dropped = 0
+        self._dropped = 0  # since the last report
+        self.dropped_total = 0  # since the start (/metrics)
         self._why = ""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -49,6 +50,7 @@ class Output:
         with self._cond:
             if self._bytes + len(line) > self._max:
                 self._dropped += 1
+                self.dropped_total += 1
                 self._why = "stdout is not keeping up"
                 queued = False
             else:
@@ -101,6 +103,7 @@ class Output:
             except OSError as exc:  # stdout closed (EPIPE) or gone: the lines are lost
                 with self._cond:
                     self._dropped += len(batch)
+                    self.dropped_total += len(batch)
                     self._why = f"stdout write failed: {exc.strerror or exc}"
                 if self._loop is not None:
                     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell

@@ -68,6 +68,7 @@ class ControllerLink:
         )
         self._unacked: dict[int, tuple[controller_pb2.EngineEvent, asyncio.Future[bool]]] = {}
         self._last_rx = time.monotonic()
+        self.connected = False  # a heartbeat stream is open and acking (/metrics)
 
     # --- the EventSink the supervisor reports to ---------------------------------------------
 
@@ -227,7 +228,7 @@ class ControllerLink:
                         log.event(
                             "heartbeat_stream_open", node_id=self.node_id, session_epoch=self.session_epoch
                         )
-                    healthy = True
+                    healthy = self.connected = True
                     self._on_ack(resp.ack.seq)
                 elif kind == "directive" and resp.directive == enums.REREGISTER:
                     log.warn("reregister_requested", node_id=self.node_id, session_epoch=self.session_epoch)
@@ -251,6 +252,7 @@ class ControllerLink:
             # The watchdog cancelled the call (grpc raises CancelledError for a local cancel).
             return "broken", healthy
         finally:
+            self.connected = False
             watchdog.cancel()
             # Events taken from the queue by a dead stream are re-sent by the next one.
 

@@ -14,10 +14,11 @@ from motor.v1 import nodemanager_pb2
 
 from services.common import log, procgroup, tasks
 from services.common.config import Config
+from services.common.metrics_http import MetricsServer
 from services.common.server import MotorServer
 from services.common.service_main import service_main
 from services.common.signals import on_forced_exit
-from services.nodemanager import devices
+from services.nodemanager import devices, metrics
 from services.nodemanager.arbiter import SuicideArbiter
 from services.nodemanager.link import ControllerLink, RegistrationRefused
 from services.nodemanager.service import NodeManagerService
@@ -62,15 +63,25 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
         [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], servicer)],
         port=c.port,
     )
-    port = await server.start()
+    collector = metrics.NodeManagerCollector(sup)
+    scrape = MetricsServer(c.host, c.metrics_port, metrics.registry(collector)) if c.metrics_port else None
+    # Bound before the gRPC port: SERVING means /metrics answers too.
+    if scrape is not None:
+        await scrape.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        if scrape is not None:
+            await scrape.stop()
+        raise
     sup.address = server.address
-    server.announce()
+    server.announce(**({"metrics": scrape.address} if scrape else {}))
 
     running = [tasks.spawn("reaper", reaper.run)]
     link: ControllerLink | None = None
     if c.job_name:
         link = ControllerLink(c, port, sup)
-        sup.sink = link
+        sup.sink = collector.link = link
 
         async def keep_link(link: ControllerLink) -> None:
             # The link runs for the node's life; when it fails, the node exits 1 and is restarted.
@@ -104,6 +115,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
         await tasks.cancel_quietly(task)
     grace = min(c.engine_stop_grace_s, SHUTDOWN_ENGINE_GRACE_S)
     await asyncio.gather(sup.close(grace), server.stop())
+    if scrape is not None:
+        await scrape.stop()
     await tasks.cancel_quietly(running[0])
     reaper.reap()
     if link is not None:
@@ -112,4 +125,4 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return service_main("nodemanager", argv, serve)
+    return service_main("nodemanager", argv, serve, {"--metrics-port": ("metrics_port", int)})

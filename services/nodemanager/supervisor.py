@@ -21,6 +21,7 @@ from motor.v1 import nodemanager_pb2 as pb
 
 from services.common import enums, errors, log, procgroup, tasks
 from services.common.config import EngineConfig, NodeManagerConfig
+from services.common.latency import LatencyHistogram
 from services.nodemanager import launch
 from services.nodemanager.arbiter import Freeze
 from services.nodemanager.engine import Engine, Timing
@@ -30,6 +31,8 @@ from services.nodemanager.statefile import EngineRecord, StateFile
 ENGINE_INDEX_ENV = "MOTOR_UP_ENGINE_INDEX"
 # A death report not acked within this long freezes nothing: the Controller is unreachable.
 ACK_WAIT_S = 10.0
+# Upper bounds (seconds) of the health probe latency histogram.
+PROBE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class EventSink(Protocol):
@@ -91,6 +94,11 @@ class EngineSupervisor:
         self.closed = False
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # Since the start, for /metrics: health probes of started engines, the failed ones, and
+        # engine process groups that died unasked.
+        self.probe_latency = LatencyHistogram(PROBE_BUCKETS)
+        self.probe_failures = 0
+        self.engine_exits = 0
 
     # --- what we report ----------------------------------------------------------------------
 
@@ -128,12 +136,18 @@ class EngineSupervisor:
             self.sink.beat_now()
 
     def engine_died(self, engine: Engine, pid: int, detail: str) -> None:
+        self.engine_exits += 1
         acked = self.sink.engine_event(enums.EVENT_DEAD, engine.spec.id, pid, detail)
         self._spawn_task(f"freeze-when-acked-{pid}", self._freeze_when_acked(acked, pid))
 
     def engine_unhealthy(self, engine: Engine, detail: str) -> None:
         log.warn("engine_unhealthy", endpoint_id=engine.spec.id, pid=engine.pid, detail=detail)
         self.sink.engine_event(enums.EVENT_UNHEALTHY, engine.spec.id, engine.pid, detail)
+
+    def probed(self, seconds: float, ok: bool) -> None:
+        self.probe_latency.observe(seconds)
+        if not ok:
+            self.probe_failures += 1
 
     async def _freeze_when_acked(self, acked: asyncio.Future[bool], pid: int) -> None:
         # Freeze only when the Controller has the report and will relaunch; otherwise the

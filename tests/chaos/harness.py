@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from services.nodemanager.statefile import StateFile
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, ENGINE, HTTP, NM, up_ports
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, ENGINE, HTTP, NM, NM_METRICS, up_ports
 from tests.poll import wait_until
 from tests.ports import reserve
 from tests.procs import Proc, child_pids, exited, motor_argv
@@ -120,6 +120,7 @@ class Cluster:
             "MOTOR_UP_ENGINE_INDEX": str(i),
         }
         argv = ["nodemanager", "--config", str(self.config), "--port", str(NM + i + self.off)]
+        argv += ["--metrics-port", str(NM_METRICS + i + self.off)]
         proc = Proc(motor_argv(*argv), cwd=self.tmp, env=env)
         self.own[i] = (proc, state)
         return proc

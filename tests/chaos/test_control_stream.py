@@ -30,6 +30,8 @@ from motor.v1 import common_pb2
 
 from tests.chaos.harness import ACTIVE, CONTROLLER, DELETED, Cluster, Load, by_job, pid_of, scenario
 from tests.chaos.proxy import TcpProxy
+from tests.e2e.cluster import CONTROLLER_METRICS
+from tests.metrics import scrape
 from tests.poll import wait_until
 from tests.procs import Proc, exited
 
@@ -168,5 +170,8 @@ def test_stopped_controller_deletes_nothing_when_it_continues(rig: Rig, load: Lo
         assert after == before
         assert not {d.id for d in c.instances(DELETED)} & {i for i, _ in before.values()}
         assert not exited(pid) and c.component_pid("controller") == pid
+        # The pause is told apart from silent NodeManagers, and an operator can see it.
+        stalls = scrape(f"http://{c.addr(CONTROLLER_METRICS)}/metrics")
+        assert stalls.value("motor_controller_loop_stalls_total") >= 1
         failed, _, _, _ = sc.counts()
         assert failed == 0, sc.errors()

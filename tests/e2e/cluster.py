@@ -15,12 +15,15 @@ from tests.ports import reserve
 from tests.procs import Proc, child_pids, grpcurl, motor_argv, pids_with
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
+CONTROLLER_METRICS, NM_METRICS = 9100, 9300  # /metrics of the Controller, of NodeManager i (+ i)
 
 
 def up_ports(nodes: int, dp: int = 1) -> list[int]:
     """Every default port ``motor up`` binds for ``nodes`` NodeManagers of ``dp`` engines each
-    (the services, the NodeManagers, each engine's port and port + 1), before --port-offset."""
-    ports = [CONTROLLER, COORDINATOR, HTTP, *(NM + i for i in range(nodes))]
+    (the services, the NodeManagers, their metrics ports, each engine's port and port + 1),
+    before --port-offset."""
+    ports = [CONTROLLER, COORDINATOR, HTTP, CONTROLLER_METRICS]
+    ports += [p + i for i in range(nodes) for p in (NM, NM_METRICS)]
     return ports + [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
 
 
@@ -58,6 +61,11 @@ class Cluster:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{HTTP + self.off}"
+
+    def metrics_url(self, base: int) -> str:
+        """``/metrics`` of the service whose default metrics port is ``base`` (CONTROLLER_METRICS,
+        NM_METRICS + i)."""
+        return f"http://127.0.0.1:{base + self.off}/metrics"
 
     def engine_port(self, k: int) -> int:
         """Engine ``k``'s business port (engines are numbered across NodeManagers)."""

@@ -142,6 +142,9 @@ class ControllerConfig(ServerConfig):
     """Management key presented to the Coordinators."""
     nodemanager_key_file: str = setting("", c.FILE)
     """Management key presented to the NodeManagers."""
+    metrics_port: int = setting(0, c.PORT)
+    """Port of the Prometheus `GET /metrics` endpoint (plain HTTP on `host`); 0 = off.
+    `motor up` sets 9100."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,6 +294,9 @@ class NodeManagerConfig(ServerConfig):
     engine_restart_freeze_s: float = setting(720, c.DURATION)
     """How long a relaunch holds the fallback off; it must outlast the Controller's relaunch
     timeout."""
+    metrics_port: int = setting(0, c.PORT)
+    """Port of the Prometheus `GET /metrics` endpoint (plain HTTP on `host`); 0 = off.
+    `motor up` sets 9300 + i for NodeManager i."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,173 @@
+"""The Controller's Prometheus metrics (``motor_controller_*``), read from its live parts each
+time ``/metrics`` is scraped.
+
+Nothing here runs between scrapes: the parts keep plain counters as they work (the heartbeat
+hub its ack latency histogram, the fault manager its finished strategies, each Coordinator
+pusher its failed calls and since when it is behind, the database writer its failed writes, the
+live clock its stalls) and :class:`ControllerCollector` turns them, with the instance table, the
+open streams and the active alarms, into metric families. Coordinators are read from the pushers
+present at scrape time, so one added or removed at run time appears or disappears.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from motor.v1 import alarm_pb2, common_pb2
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
+from services.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+
+if TYPE_CHECKING:
+    from services.controller.app import Controller
+
+P = "motor_controller_"
+# Every live status (DELETED instances are history, not counted) of every role, so a dashboard
+# or an alert sees 0 rather than no series.
+STATUSES = (INITIAL, ACTIVE, INACTIVE, PAUSED)
+STRATEGIES = ("EngineRelaunch", "Terminate")
+STRATEGY_OUTCOMES = ("succeeded", "failed", "stopped")
+RELAUNCH_OUTCOMES = ("succeeded", "failed")
+# The alarms Motor raises, with the severity their sources give them: shown at 0 when inactive.
+KNOWN_ALARMS = (
+    (INSTANCE_FAULT, alarm_pb2.SEVERITY_MAJOR),
+    (COORDINATOR_FAULT, alarm_pb2.SEVERITY_CRITICAL),
+    (PRECISION, alarm_pb2.SEVERITY_MAJOR),
+)
+
+
+def registry(controller: Controller) -> CollectorRegistry:
+    r = CollectorRegistry()
+    r.register(ControllerCollector(controller))
+    return r
+
+
+class ControllerCollector(Collector):
+    def __init__(self, controller: Controller) -> None:
+        self._c = controller
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._c
+        yield self._instances()
+
+        hub = c.hub
+        streams = GaugeMetricFamily(P + "nodemanagers_connected", "Open NodeManager heartbeat streams.")
+        streams.add_metric([], hub.open_streams)
+        yield streams
+        beats = CounterMetricFamily(
+            P + "heartbeats",
+            "Heartbeat stream messages acknowledged, by kind (beat, event).",
+            labels=["kind"],
+        )
+        beats.add_metric(["beat"], hub.beats_acked)
+        beats.add_metric(["event"], hub.events_acked)
+        yield beats
+        yield hub.ack_latency.metric(
+            P + "heartbeat_ack_seconds",
+            "Time from receiving a beat or engine event to handing its ack to gRPC.",
+        )
+
+        yield from self._strategies()
+        yield from self._coordinators()
+        yield self._alarms()
+
+        writes = CounterMetricFamily(
+            P + "state_write_failures", "Database writes that failed (disk full, I/O error); nothing changed."
+        )
+        writes.add_metric([], c.store.write_failures)
+        yield writes
+        stalls = CounterMetricFamily(
+            P + "loop_stalls",
+            "Times the event loop did not run for longer than a heartbeat interval (SIGSTOP, a VM "
+            "pause, swapping); heartbeat silence restarts after each.",
+        )
+        stalls.add_metric([], c.clock.stalls)
+        yield stalls
+
+    def _instances(self) -> Metric:
+        counts: collections.Counter[tuple[int, int]] = collections.Counter(
+            (i.spec.role, i.status) for i in self._c.table.live.values()
+        )
+        g = GaugeMetricFamily(P + "instances", "Instances by role and status.", labels=["role", "status"])
+        for role, role_name in ROLE_NAMES.items():
+            for status in STATUSES:
+                g.add_metric([role_name, status_name(status)], counts.pop((role, status), 0))
+        for (other_role, other_status), n in sorted(counts.items()):  # one this list lacks
+            name = enum_name(common_pb2.Role, other_role, "ROLE_").lower()
+            g.add_metric([name, status_name(other_status)], n)
+        return g
+
+    def _strategies(self) -> Iterator[Metric]:
+        faults = self._c.faults
+        finished = CounterMetricFamily(
+            P + "strategies",
+            "Recovery strategies finished, by strategy and outcome (succeeded, failed, stopped: "
+            "preempted or its instance deleted).",
+            labels=["strategy", "outcome"],
+        )
+        done = collections.Counter(faults.finished)
+        for name in STRATEGIES:
+            for outcome in STRATEGY_OUTCOMES:
+                finished.add_metric([name, outcome], done.pop((name, outcome), 0))
+        for (name, outcome), n in sorted(done.items()):
+            finished.add_metric([name, outcome], n)
+        yield finished
+
+        now = collections.Counter(faults.running())
+        running = GaugeMetricFamily(
+            P + "strategies_running", "Recovery strategies running now.", labels=["strategy"]
+        )
+        for name in sorted({*STRATEGIES, *now}):
+            running.add_metric([name], now[name])
+        yield running
+
+        relaunches = CounterMetricFamily(
+            P + "relaunches",
+            "Engine relaunches the Controller drove (the EngineRelaunch strategy), by outcome.",
+            labels=["outcome"],
+        )
+        for outcome in RELAUNCH_OUTCOMES:
+            relaunches.add_metric([outcome], faults.finished["EngineRelaunch", outcome])
+        yield relaunches
+
+    def _coordinators(self) -> Iterator[Metric]:
+        pushers = sorted(self._c.coordinators.pushers.items())
+        now = time.monotonic()
+        lag = GaugeMetricFamily(
+            P + "push_lag_seconds",
+            "How long the Coordinator's instance table has been behind the Controller's (0 in step).",
+            labels=["coordinator"],
+        )
+        failures = CounterMetricFamily(
+            P + "push_failures",
+            "Calls to the Coordinator (SetInstances, Add/Delete/Pause/ResumeInstances) that failed.",
+            labels=["coordinator"],
+        )
+        reachable = GaugeMetricFamily(
+            P + "coordinator_reachable",
+            "1 while the Coordinator's health Watch says SERVING.",
+            labels=["coordinator"],
+        )
+        for address, p in pushers:
+            lag.add_metric([address], p.lag_s(now))
+            failures.add_metric([address], p.failures)
+            reachable.add_metric([address], 1 if p.reachable else 0)
+        yield lag
+        yield failures
+        yield reachable
+
+    def _alarms(self) -> Metric:
+        g = GaugeMetricFamily(
+            P + "alarms_active", "Active alarms by alarm id and severity.", labels=["alarm_id", "severity"]
+        )
+        active = self._c.alarms.active_counts()
+        for key in sorted({*KNOWN_ALARMS, *active}):
+            alarm_id, severity = key
+            g.add_metric([alarm_id, enum_name(alarm_pb2.Severity, severity, "SEVERITY_")], active[key])
+        return g
