@@ -35,17 +35,20 @@ docs: $(STAMP)
 	$(BIN)/python -m services.common.config.reference > docs/configuration.md
 
 # Debian packages some tests run for real (tests/controller/test_alertmanager.py starts its own
-# Alertmanager on a free port). Installed when this is root with apt-get, the only place an
-# install can work; elsewhere those tests skip, and this says so once. Never fails `make test`:
-# a test whose package is missing skips with one line saying why. While installing, a
-# policy-rc.d (unless the machine has one) keeps the package from starting its system service
-# on :9093; any that still runs is stopped and disabled, since tests start their own.
-SYSTEM_DEBS := prometheus-alertmanager
+# Alertmanager on a free port; tests/deploy/ runs promtool on deploy/prometheus and a Prometheus
+# scraping a `motor up`). Installed when this is root with apt-get, the only place an install
+# can work; elsewhere those tests skip, and this says so once. Never fails `make test`: a test
+# whose package is missing skips with one line saying why. No recommends (prometheus would pull
+# in node-exporter). While installing, a policy-rc.d (unless the machine has one) keeps each
+# package from starting its system service (:9093, :9090); any that still runs is stopped and
+# disabled, since tests start their own.
+SYSTEM_DEBS := prometheus-alertmanager prometheus
+SYSTEM_SERVICES := prometheus-alertmanager prometheus
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
 
 system-deps:
 	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-		echo "system-deps: not root with apt-get, so $(SYSTEM_DEBS) is not installed here: the tests that run a real Alertmanager skip unless it is on PATH"; \
+		echo "system-deps: not root with apt-get, so $(SYSTEM_DEBS) is not installed here: the tests that run a real Alertmanager, Prometheus or promtool skip unless it is on PATH"; \
 		exit 0; \
 	fi; \
 	missing=; \
@@ -62,13 +65,15 @@ system-deps:
 		{ $(APT) update && $(APT) install -y --no-install-recommends $$missing; }; } >/dev/null 2>&1; \
 	ok=$$?; \
 	[ -z "$$own" ] || rm -f $$rc; \
-	if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then \
-		systemctl disable --now prometheus-alertmanager >/dev/null 2>&1; \
-	elif [ -x /etc/init.d/prometheus-alertmanager ]; then \
-		/etc/init.d/prometheus-alertmanager stop >/dev/null 2>&1; \
-		update-rc.d prometheus-alertmanager disable >/dev/null 2>&1; \
-	fi; \
-	[ $$ok = 0 ] || echo "system-deps: could not install$$missing (apt-get failed): the tests that run a real Alertmanager will skip"; \
+	for s in $(SYSTEM_SERVICES); do \
+		if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then \
+			systemctl disable --now $$s >/dev/null 2>&1; \
+		elif [ -x /etc/init.d/$$s ]; then \
+			/etc/init.d/$$s stop >/dev/null 2>&1; \
+			update-rc.d $$s disable >/dev/null 2>&1; \
+		fi; \
+	done; \
+	[ $$ok = 0 ] || echo "system-deps: could not install$$missing (apt-get failed): the tests that need it will skip"; \
 	exit 0
 
 lint: $(STAMP)

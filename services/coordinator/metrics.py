@@ -184,6 +184,10 @@ class Metrics:
             self._precision_samples.labels(result)
         for result in ("pass", "fail", "error"):
             self._precision_probes.labels(result)
+        for role in ("prefill", "decode", "union"):
+            self._retries.labels(role)
+            for kind in ("connect", "disconnect", "timeout", "status"):
+                self._upstream_errors.labels(role, kind)
         # The request path counts in plain integers (tally.py); flush() publishes them.
         self._tallies = Tallies()
         self._requests_t: dict[tuple[str, int], CounterTally] = {}

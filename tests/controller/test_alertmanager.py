@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import shutil
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +23,7 @@ from services.controller.alarms import dedupe_key
 from services.controller.alertmanager import AlertmanagerSink
 from tests.poll import until
 from tests.ports import reserved_port
-from tests.procs import Exited, Proc
+from tests.procs import Exited, Proc, system_binary
 
 ALARM, CLEAR, EVENT = (
     alarm_pb2.ALARM_CATEGORY_ALARM,
@@ -418,11 +417,7 @@ LISTENING = 'msg="Listening on"'
 
 
 def alertmanager_binary() -> str | None:
-    for name in ("prometheus-alertmanager", "alertmanager"):
-        found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
-        if found:
-            return found
-    return None
+    return system_binary("prometheus-alertmanager", "alertmanager")
 
 
 class RealAlertmanager:
