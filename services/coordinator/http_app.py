@@ -12,15 +12,19 @@ import asyncio
 import hmac
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from services.common.config import CoordinatorConfig, read_private_file
 from services.common.http_errors import OpenAIError, invalid_request, model_not_found
-from services.common.httpmessages import Handler, Request, Responder, route_table
+from services.common.httpmessages import JSON_CT, Handler, Headers, Request, Responder, route_table
 from services.coordinator.admission import Admission
 from services.coordinator.bodies import BadBody, estimate_tokens, parse_request
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import Call, Router
 from services.coordinator.routes import RoutingView
+
+if TYPE_CHECKING:  # loaded only when tracing is on
+    from services.coordinator.tracing import RequestTrace, RequestTracer
 
 MAX_API_KEYS_BYTES = 1024 * 1024
 OFF_LOOP_BYTES = 1 << 20
@@ -78,6 +82,8 @@ class InferenceApp:
         keys: ApiKeys | None,
         admission: Admission,
         worker: int | None = None,
+        tracer: RequestTracer | None = None,
+        scheme: str = "http",
     ) -> None:
         self._view = view
         # Which inference worker answered (``workers > 1``): tells an operator, and a test,
@@ -91,6 +97,8 @@ class InferenceApp:
         self._keys = keys
         self._admission = admission
         self._max_depth = cfg.max_json_depth
+        self._tracer = tracer  # None: tracing is off
+        self._scheme = scheme
         # Set when the process starts stopping: readiness fails so load balancers move away,
         # while requests already here (and late ones) are still served during the drain.
         self.draining = False
@@ -160,19 +168,25 @@ class InferenceApp:
         metrics = self._metrics
         metrics.in_flight_now += 1
         unanswered = 500  # a bug: the server answers it 500
+        trace = None if self._tracer is None else self._tracer.start(req, self._scheme)
         try:
-            await self._admitted(req, out, t0)
+            await self._admitted(req, out, t0, trace)
         except OpenAIError as err:
             if not out.started:
-                out.error(err)
+                if trace is None:
+                    out.error(err)
+                else:
+                    _error_with(out, err, trace.reply)
         except asyncio.CancelledError:
             unanswered = 499  # the client went away before an answer began (nginx's convention)
             raise
         finally:
             metrics.in_flight_now -= 1
             metrics.observe(req.path, out.status or unanswered, loop.time() - t0)
+            if trace is not None:
+                trace.end(out.status or unanswered, cancelled=not out.status and unanswered == 499)
 
-    async def _admitted(self, req: Request, out: Responder, t0: float) -> None:
+    async def _admitted(self, req: Request, out: Responder, t0: float, trace: RequestTrace | None) -> None:
         self._check_key(req)
         view = self._view()
         if not view.routable:
@@ -187,11 +201,11 @@ class InferenceApp:
         else:
             await admission.acquire()
         try:
-            await self._serve(req, out, t0)
+            await self._serve(req, out, t0, trace)
         finally:
             admission.release()
 
-    async def _serve(self, request: Request, out: Responder, t0: float) -> None:
+    async def _serve(self, request: Request, out: Responder, t0: float, trace: RequestTrace | None) -> None:
         try:
             body = request.body
             if len(body) < OFF_LOOP_BYTES:
@@ -214,4 +228,13 @@ class InferenceApp:
         prompt_tokens, total_tokens = estimate_tokens(req)
         path = request.path
         call = Call(out, path, _PATHS[path], raw, req, model, prompt_tokens, total_tokens, t0)
+        if trace is not None:
+            trace.model(model)
+            call.trace, call.reply = trace, trace.reply
         await self._router.route(call, routes)
+
+
+def _error_with(out: Responder, err: OpenAIError, extra: Headers) -> None:
+    """``out.error(err)`` with ``extra`` headers besides the error's own."""
+    headers = list(err.headers.items()) if err.headers else []
+    out.send(err.status, err.body(), JSON_CT, headers + (extra or []))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import ssl
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from services.common import telemetry
 from services.common.config import ConfigError, CoordinatorConfig
 from services.common.httpserver import HttpServer
 from services.coordinator.admission import Admission
@@ -21,6 +23,9 @@ from services.coordinator.pd import CompletedSink, Router
 from services.coordinator.policies import make_policy
 from services.coordinator.routes import RoutingView, netloc
 from services.coordinator.upstream import Deadlines, Engines
+
+if TYPE_CHECKING:
+    from services.coordinator.tracing import RequestTracer
 
 HTTP_SHUTDOWN_S = 3.0
 
@@ -57,6 +62,16 @@ def deadlines(cfg: CoordinatorConfig) -> Deadlines:
     return Deadlines(cfg.prefill_timeout_s, cfg.decode_first_byte_timeout_s, cfg.decode_idle_timeout_s)
 
 
+def request_tracer() -> RequestTracer | None:
+    """The inference spans' source when tracing is on (docs/tracing.md), else None. Called in
+    the process that serves HTTP, so each inference worker sets up its own provider."""
+    if not telemetry.enabled():
+        return None
+    from services.coordinator.tracing import RequestTracer
+
+    return RequestTracer(telemetry.hold("coordinator"))
+
+
 def make_router(cfg: CoordinatorConfig, metrics: Metrics, breaker: Breaker) -> Router:
     engines = Engines(metrics, breaker.refused, deadlines(cfg))
     return Router(engines, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy))
@@ -86,7 +101,11 @@ class InferenceServer:
         self.admission = Admission.share(
             cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
         )
-        self.app = InferenceApp(cfg, view, self.router, metrics, keys, self.admission, worker)
+        self.tracer = request_tracer()
+        scheme = "https" if ssl_context is not None else "http"
+        self.app = InferenceApp(
+            cfg, view, self.router, metrics, keys, self.admission, worker, self.tracer, scheme
+        )
         self.http = HttpServer(self.app.handler(), max_body_bytes=cfg.max_body_bytes)
         self.http.on_reject = self.app.rejected
         self.address = ""
@@ -119,3 +138,6 @@ class InferenceServer:
         await self.router.close()
         self.router.engines.close()
         await self.metrics.stop_flushing()
+        if self.tracer is not None:
+            self.tracer = None
+            await telemetry.release()  # the last spans leave before the process does

@@ -16,18 +16,21 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common import log
 from services.common.enums import PD_SGLANG, ROLE_NAMES
 from services.common.http_errors import server_error
 from services.common.httpclient import Response
-from services.common.httpmessages import Responder
+from services.common.httpmessages import Headers, Responder
 from services.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
 from services.coordinator.policies import Policy
 from services.coordinator.precision.groups import Completed
 from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
 from services.coordinator.upstream import Answer, Engines, PhaseTimeout, Unreachable
+
+if TYPE_CHECKING:  # loaded only when tracing is on
+    from services.coordinator.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class Call:
     prompt_tokens: int  # load estimate of a prefill
     total_tokens: int  # load estimate of a decode / whole request
     t0: float  # loop time the request arrived
+    trace: RequestTrace | None = None  # its spans, when tracing is on (each leg attempt gets one)
+    reply: Headers = None  # headers every answer carries (the trace's)
 
 
 class NoUpstream(Exception):
@@ -104,9 +109,11 @@ class Router:
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             p.load += call.prompt_tokens
+            pep = p.pick_endpoint()
+            leg = None if call.trace is None else call.trace.leg("prefill", pep)
             t = loop.time()
             try:
-                answer = await self.engines.call(p.pick_endpoint(), call.path_b, body, "prefill")
+                answer = await self.engines.call(pep, call.path_b, body, "prefill", leg=leg)
             except Unreachable as exc:
                 last = exc
                 tried_p.add(p.id)
@@ -114,9 +121,11 @@ class Router:
                 continue
             finally:
                 p.load -= call.prompt_tokens
+                if leg is not None:
+                    leg.end()
             self.metrics.phase("prefill", loop.time() - t)
             if answer.status >= 400:
-                return answer.send(call.out)  # the engine's own status and error body
+                return answer.send(call.out, call.reply)  # the engine's own status and error body
             d = self.decode_policy(group.decode, tried_d)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
@@ -151,15 +160,19 @@ class Router:
         Raises Unreachable (nothing was sent to the client yet)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        ep = t.pick_endpoint()
+        leg = None if call.trace is None else call.trace.leg(role, ep)
         t.load += call.total_tokens
         try:
-            resp = await self.engines.open(t.pick_endpoint(), call.path_b, body, role)
+            resp = await self.engines.open(ep, call.path_b, body, role, leg)
             try:
-                await self.engines.relay(call.out, resp, role, call.t0)
+                await self.engines.relay(call.out, resp, role, call.t0, call.reply, leg)
             finally:
                 _done_with(resp)
         finally:
             t.load -= call.total_tokens
+            if leg is not None:
+                leg.end()
         self.metrics.phase("decode" if role == "decode" else "whole", loop.time() - started)
         if resp.status < 400 and call.out.status < 400:
             self._completed(call, p_id, t.id)
@@ -196,8 +209,10 @@ class Router:
         d.load += call.total_tokens
         resp: Response | None = None
         answered = False
+        dep = d.pick_endpoint()
+        leg = None if call.trace is None else call.trace.leg("decode", dep)
         try:
-            decode = asyncio.ensure_future(self.engines.open(d.pick_endpoint(), call.path_b, body, "decode"))
+            decode = asyncio.ensure_future(self.engines.open(dep, call.path_b, body, "decode", leg))
             try:
                 # Either leg failing before the decode answers cancels the other: no decode may
                 # wait on a room that will never fill.
@@ -205,7 +220,7 @@ class Router:
                 if prefill in done:
                     failed = _prefill_failure(prefill)
                     if isinstance(failed, Answer):
-                        return failed.send(call.out)  # the prefill engine's own error
+                        return failed.send(call.out, call.reply)  # the prefill engine's own error
                     if failed is not None:
                         raise failed
                 resp = await decode
@@ -214,7 +229,7 @@ class Router:
                     decode.cancel()
                 elif resp is None and not decode.cancelled() and decode.exception() is None:
                     decode.result().close()  # answered, but the prefill failed first
-            await self.engines.relay(call.out, resp, "decode", call.t0)
+            await self.engines.relay(call.out, resp, "decode", call.t0, call.reply, leg)
             answered = resp.status < 400
             if answered and call.out.status < 400:
                 self._completed(call, p.id, d.id)
@@ -222,15 +237,20 @@ class Router:
             d.load -= call.total_tokens
             if resp is not None:
                 _done_with(resp)
+            if leg is not None:
+                leg.end()
             self._settle_prefill(prefill, answered)
         self.metrics.phase("decode", loop.time() - started)
 
     async def _sglang_prefill(self, call: Call, p: Target, ep: Upstream, body: bytes) -> Answer:
         p.load += call.prompt_tokens
+        leg = None if call.trace is None else call.trace.leg("prefill", ep)
         try:
-            return await self.engines.call(ep, call.path_b, body, "prefill")
+            return await self.engines.call(ep, call.path_b, body, "prefill", leg=leg)
         finally:
             p.load -= call.prompt_tokens
+            if leg is not None:
+                leg.end()
 
     def _settle_prefill(self, prefill: asyncio.Future[Any], answered: bool) -> None:
         if answered and not prefill.done():

@@ -12,18 +12,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common import log
 from services.common.http_errors import server_error
 from services.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
-from services.common.httpmessages import JSON_CT, Responder
+from services.common.httpmessages import JSON_CT, Headers, Responder
 from services.coordinator.bodies import SseFilter, strip_kv
 from services.coordinator.metrics import Metrics
 from services.coordinator.routes import Upstream
 
+if TYPE_CHECKING:  # loaded only when tracing is on
+    from services.coordinator.tracing import Leg
+
 CONNECT_S = 5.0
 SSE_CT = b"text/event-stream"
 SSE_HEADERS = [("Cache-Control", "no-cache")]
+JSON_HEADER = b"Content-Type: application/json\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +61,8 @@ class Answer:
     body: bytes
     content_type: bytes
 
-    def send(self, out: Responder) -> None:
-        out.send(self.status, strip_kv(self.body), self.content_type)
+    def send(self, out: Responder, headers: Headers = None) -> None:
+        out.send(self.status, strip_kv(self.body), self.content_type, headers)
 
 
 def _ctype(resp: Response) -> bytes:
@@ -78,32 +83,54 @@ class Engines:
     def close(self) -> None:
         self.pool.close()
 
-    def _unreachable(self, role: str, ep: Upstream, exc: Exception) -> Unreachable:
+    def _unreachable(self, role: str, ep: Upstream, exc: Exception, leg: Leg | None) -> Unreachable:
         if isinstance(exc, Refused):
-            self.metrics.upstream_error(role, "connect")
+            kind = "connect"
             self.on_refused(ep, role)
         else:
-            self.metrics.upstream_error(role, "disconnect")
-        return Unreachable(role, ep, exc)
+            kind = "disconnect"
+        self.metrics.upstream_error(role, kind)
+        err = Unreachable(role, ep, exc)
+        if leg is not None:
+            leg.failed(kind, str(err))
+        return err
 
-    def _timeout(self, role: str, ep: Upstream, setting: str, seconds: float) -> PhaseTimeout:
+    def _timeout(
+        self, role: str, ep: Upstream, setting: str, seconds: float, leg: Leg | None
+    ) -> PhaseTimeout:
         self.metrics.upstream_error(role, "timeout")
-        return PhaseTimeout(role, ep, setting, seconds)
+        err = PhaseTimeout(role, ep, setting, seconds)
+        if leg is not None:
+            leg.failed("timeout", str(err))
+        return err
 
-    async def open(self, ep: Upstream, path: bytes, body: bytes, role: str) -> Response:
+    async def open(
+        self, ep: Upstream, path: bytes, body: bytes, role: str, leg: Leg | None = None
+    ) -> Response:
         """POST and wait for the response head, within ``decode_first_byte_timeout_s``.
-        Raises Unreachable / PhaseTimeout."""
+        Raises Unreachable / PhaseTimeout. ``leg``: the attempt's span (its context is sent,
+        the outcome recorded; the caller ends it)."""
         limit = self.deadlines.first_byte_s
         deadline = asyncio.get_running_loop().time() + limit
+        headers = JSON_HEADER if leg is None else leg.headers
         try:
-            return await self.pool.request(ep.host, ep.port, b"POST", path, body, deadline=deadline)
+            resp = await self.pool.request(ep.host, ep.port, b"POST", path, body, headers, deadline)
         except (Refused, Disconnected) as exc:
-            raise self._unreachable(role, ep, exc) from None
+            raise self._unreachable(role, ep, exc, leg) from None
         except UpstreamTimeout:
-            raise self._timeout(role, ep, "decode_first_byte_timeout_s", limit) from None
+            raise self._timeout(role, ep, "decode_first_byte_timeout_s", limit, leg) from None
+        if leg is not None:
+            leg.answered(resp.status)
+        return resp
 
     async def call(
-        self, ep: Upstream, path: bytes, body: bytes, role: str, limit: float | None = None
+        self,
+        ep: Upstream,
+        path: bytes,
+        body: bytes,
+        role: str,
+        limit: float | None = None,
+        leg: Leg | None = None,
     ) -> Answer:
         """POST and read the whole answer within ``limit`` (default ``prefill_timeout_s``)."""
         if limit is None:
@@ -111,17 +138,18 @@ class Engines:
         setting = "prefill_timeout_s" if limit == self.deadlines.prefill_s else "the request's deadline"
         resp: Response | None = None
         deadline = asyncio.get_running_loop().time() + limit
+        headers = JSON_HEADER if leg is None else leg.headers
         try:
-            resp = await self.pool.request(ep.host, ep.port, b"POST", path, body, deadline=deadline)
+            resp = await self.pool.request(ep.host, ep.port, b"POST", path, body, headers, deadline)
             data = await resp.read(deadline)
         except (Refused, Disconnected) as exc:
             if resp is not None:
                 resp.close()
-            raise self._unreachable(role, ep, exc) from None
+            raise self._unreachable(role, ep, exc, leg) from None
         except UpstreamTimeout:
             if resp is not None:
                 resp.close()
-            raise self._timeout(role, ep, setting, limit) from None
+            raise self._timeout(role, ep, setting, limit, leg) from None
         except BaseException:
             if resp is not None:
                 resp.close()
@@ -129,12 +157,23 @@ class Engines:
         resp.release()
         if resp.status >= 400:
             self.metrics.upstream_error(role, "status")
+        if leg is not None:
+            leg.answered(resp.status)
         return Answer(resp.status, data, _ctype(resp))
 
-    async def relay(self, out: Responder, resp: Response, role: str, t0: float) -> None:
+    async def relay(
+        self,
+        out: Responder,
+        resp: Response,
+        role: str,
+        t0: float,
+        reply: Headers = None,
+        leg: Leg | None = None,
+    ) -> None:
         """Send an engine's answer to the client: an event stream chunk by chunk as it arrives,
         anything else read whole. kv_transfer_params are removed either way. ``t0`` is when the
-        client's request arrived (time to first byte is measured from it)."""
+        client's request arrived (time to first byte is measured from it); ``reply``: headers
+        the answer carries besides the engine's content type (the trace's)."""
         ctype = _ctype(resp)
         idle = self.deadlines.idle_s
         loop = asyncio.get_running_loop()
@@ -147,21 +186,33 @@ class Engines:
                 log.warn("upstream_broken", role=role, error=kind)
                 if kind == "timeout":
                     msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
-                    out.error(server_error(504, msg, "upstream_timeout"))
+                    err = server_error(504, msg, "upstream_timeout")
                 else:
                     msg = f"the {role} engine dropped the connection mid-answer"
-                    out.error(server_error(502, msg, "upstream_disconnected"))
+                    err = server_error(502, msg, "upstream_disconnected")
+                if leg is not None:
+                    leg.failed(kind, msg)
+                out.send(err.status, err.body(), JSON_CT, reply)
                 return
             if resp.status >= 400:
                 self.metrics.upstream_error(role, "status")
             self.metrics.first_byte(loop.time() - t0)
-            Answer(resp.status, data, ctype).send(out)
+            Answer(resp.status, data, ctype).send(out, reply)
             return
-        await self._stream(out, resp, role, t0, idle)
+        await self._stream(out, resp, role, t0, idle, reply, leg)
 
-    async def _stream(self, out: Responder, resp: Response, role: str, t0: float, idle: float) -> None:
+    async def _stream(
+        self,
+        out: Responder,
+        resp: Response,
+        role: str,
+        t0: float,
+        idle: float,
+        reply: Headers,
+        leg: Leg | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
-        out.start(resp.status, SSE_CT, SSE_HEADERS)
+        out.start(resp.status, SSE_CT, SSE_HEADERS if reply is None else SSE_HEADERS + reply)
         filt = SseFilter()
         first = True
         try:
@@ -184,6 +235,9 @@ class Engines:
                 msg = f"the {role} engine went quiet for decode_idle_timeout_s ({idle:g} s)"
                 err = server_error(504, msg, "upstream_timeout")
             else:
-                err = server_error(502, f"the {role} engine dropped the stream", "upstream_disconnected")
+                msg = f"the {role} engine dropped the stream"
+                err = server_error(502, msg, "upstream_disconnected")
+            if leg is not None:
+                leg.failed(kind, msg)
             await out.write(b"data: " + err.body() + b"\n\n")
         out.end()

@@ -14,10 +14,11 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from motor.v1 import nodemanager_pb2
 
-from services.common import enums
+from services.common import enums, telemetry
 from services.common.config import EngineConfig, NodeManagerConfig
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -26,6 +27,8 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # host gets its own without coordination, because business ports are unique per host.
 SIDE_CHANNEL_OFFSET = 4000  # vLLM NIXL side channel of the engine
 RENDEZVOUS_OFFSET = 6000  # torch.distributed rendezvous of a multi-node instance (on its head)
+# An engine's service.name in its spans (unless OTEL_SERVICE_NAME says otherwise): <this>-<role>.
+TRACE_SERVICE_NAMES = {"vllm": "vllm", "sglang": "sglang", "sim": "motor-sim"}
 
 
 class LaunchError(Exception):
@@ -74,6 +77,8 @@ class LaunchParams:
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     device_env: str = "CUDA_VISIBLE_DEVICES"
+    # The NodeManager's OTLP endpoint: the engines export their request spans there ("" = off).
+    otlp_traces_endpoint: str = ""
 
     @property
     def sglang_style(self) -> bool:
@@ -117,6 +122,7 @@ def params_for(
         args=dict(engine.args),
         env=dict(engine.env),
         device_env=device_env,
+        otlp_traces_endpoint=telemetry.endpoint(),
     )
 
 
@@ -276,6 +282,17 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _tracing_flags(params: LaunchParams) -> list[str]:
+    """Where the engine exports its request spans: vLLM (and the simulated engine) take the
+    OTLP endpoint as it is; SGLang wants ``--enable-trace`` and a bare ``host:port``."""
+    endpoint = params.otlp_traces_endpoint
+    if not endpoint:
+        return []
+    if params.engine_type == "sglang":
+        return ["--enable-trace", "--otlp-traces-endpoint", urlsplit(endpoint).netloc or endpoint]
+    return ["--otlp-traces-endpoint", endpoint]
+
+
 def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     """The engine's argv; ``vllm`` stays a bare name (see :func:`resolve`)."""
     if params.engine_type == "vllm":
@@ -290,7 +307,8 @@ def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
             argv += ["--bootstrap-port", str(ep.port + 1)]
     else:
         raise LaunchError(f"unknown engine type {params.engine_type!r}")
-    return argv + extra_args(params.args)
+    # engine.args last: an operator's own tracing flags win.
+    return argv + _tracing_flags(params) + extra_args(params.args)
 
 
 def build_env(
@@ -317,7 +335,20 @@ def build_env(
     if params.engine_type == "sglang":
         # Readiness relies on /health generating a token, not only answering.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "true"
+    if params.otlp_traces_endpoint:
+        _name_in_traces(params, ep, env)
     return env
+
+
+def _name_in_traces(params: LaunchParams, ep: EndpointSpec, env: dict[str, str]) -> None:
+    """Tell the engines apart in a trace: ``service.name`` <engine>-<role> unless the operator
+    named it (OTEL_SERVICE_NAME; SGLang names itself), and the instance, endpoint and role as
+    resource attributes after any the operator set."""
+    name = TRACE_SERVICE_NAMES.get(params.engine_type, params.engine_type)
+    env.setdefault("OTEL_SERVICE_NAME", f"{name}-{params.role}")
+    ours = f"motor.instance_id={params.instance_id},motor.endpoint_id={ep.id},motor.role={params.role}"
+    theirs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").strip().strip(",")
+    env["OTEL_RESOURCE_ATTRIBUTES"] = f"{theirs},{ours}" if theirs else ours
 
 
 def resolve(argv: list[str], env: Mapping[str, str]) -> list[str]:

@@ -16,7 +16,10 @@ PD hand-off:
          registers the room on its bootstrap port, a decode-role engine long-polls
          `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py).
 
+Tracing: with `--otlp-traces-endpoint URL` (vLLM's flag) or OTEL_EXPORTER_OTLP_ENDPOINT, one
+`llm_request` span per completion request, child of its `traceparent` (docs/tracing.md).
+
 Modules: cli (argv), server (process runtime: uvloop, services.common.httpserver), app (routes),
 completion (the completion routes), openai_api (bodies), generation (deterministic text), latency,
-faults, pd, metrics, worker (child processes).
+faults, pd, metrics, tracing (spans, loaded only when on), worker (child processes).
 """

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-rank", dest="dp_rank", type=int)
     g.add_argument("--headless", action="store_true", help="serve no HTTP; live until signalled")
     g.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        default="",
+        help="export a span per completion request over OTLP/gRPC, as vLLM does "
+        "(OTEL_EXPORTER_OTLP_ENDPOINT alone does the same)",
+    )
     lat = p.add_argument_group("latency model (all zero: instant engine)")
     lat.add_argument("--ttft-ms", type=_nonneg_float, default=0.0)
     lat.add_argument("--prefill-ms-per-token", type=_nonneg_float, default=0.0)
@@ -159,6 +166,7 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         startup_s=ns.startup_s,
         seed=ns.seed,
         log_format=ns.log_format,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )
     return cfg, unknown
 

@@ -46,6 +46,7 @@ from services.simengine.openai_api import (
 
 if TYPE_CHECKING:
     from services.simengine.app import Engine
+    from services.simengine.tracing import EngineTracer, Served
 
 SSE_CT = b"text/event-stream"
 SSE_HEADERS = [("Cache-Control", "no-cache")]
@@ -248,6 +249,7 @@ class Completions:
         self._legs = (Plans(), Plans())  # [chat]: PD legs, by Cut.key
         self.leg_hits = 0  # PD legs served from a kept plan (tests look)
         self._pool: Pool | None = None
+        self.tracer: EngineTracer | None = None  # set when tracing is on
         self._ids = itertools.count(1)
         prefix = uuid.uuid4().hex[:8]
         self._rid_prefix = (f"cmpl-{prefix}".encode(), f"chatcmpl-{prefix}".encode())  # [chat]
@@ -256,7 +258,15 @@ class Completions:
         if self._pool is not None:
             self._pool.close()
 
-    async def handle(self, chat: bool, request: Request, out: Responder) -> None:
+    async def handle(
+        self, chat: bool, request: Request, out: Responder, served: Served | None = None
+    ) -> None:
+        """``served``: filled in for the tracer, which calls this again with one."""
+        if served is None:
+            if b"traceparent" in request.headers:
+                self.metrics.traceparents += 1
+            if self.tracer is not None:
+                return await self.tracer.serve(self.handle, chat, request, out)
         faults = self.faults
         fault = None
         if faults.mode != "none":
@@ -316,8 +326,10 @@ class Completions:
         slots = self.slots
         if not slots.try_acquire():
             await slots.acquire()
+        if served is not None:
+            served.queued_s = self.engine.loop.time() - arrived
         try:
-            await self._serve(out, plan, fault, arrived, kv, rooms)
+            await self._serve(out, plan, fault, arrived, kv, rooms, served)
         finally:
             slots.release()
 
@@ -402,6 +414,7 @@ class Completions:
         arrived: float,
         kv: Any,
         rooms: list[Bootstrap],
+        served: Served | None,
     ) -> None:
         engine, m, side = self.engine, self.metrics, plan.side
         if side == "decode":
@@ -424,10 +437,13 @@ class Completions:
             elif engine.rendezvous is not None:
                 for b in rooms:
                     engine.rendezvous.register_prefill(b.room, plan.prompt_tokens)
-        m.ttft.observe(engine.loop.time() - arrived)
+        first_token_s = engine.loop.time() - arrived
+        m.ttft.observe(first_token_s)
         if side is not None and plan.proto is not None:
             m.legs[(side, plan.proto)] += 1
         rid = b"%s%x" % (self._rid_prefix[plan.req.chat], next(self._ids))
+        if served is not None:
+            served.answered(plan, rid, first_token_s)
         created = int(time.time())
         try:
             if plan.req.stream:
@@ -449,6 +465,8 @@ class Completions:
         m.success["length"] += 1
         m.prompt_tokens += plan.prompt_tokens
         m.generation_tokens += plan.gen_tokens
+        if served is not None:
+            served.finish = "length"
 
     def _render(self, plan: Plan, rid: str, created: int, extra: dict[str, Any] | None) -> bytes:
         """The whole answer: the JSON body, or every SSE event of a stream."""

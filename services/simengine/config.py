@@ -44,6 +44,7 @@ class EngineConfig:
     startup_s: float = 0.0
     seed: int = 0
     log_format: str = "kv"
+    otlp_traces_endpoint: str = ""  # tracing (also on with OTEL_EXPORTER_OTLP_ENDPOINT)
 
     @property
     def model_id(self) -> str:

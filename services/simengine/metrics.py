@@ -56,6 +56,7 @@ class Metrics(Collector):
         self.tickets = {"known": 0, "unknown": 0}
         self.faults: dict[str, int] = {}
         self.bootstrap_timeouts = 0
+        self.traceparents = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -114,4 +115,10 @@ class Metrics(Collector):
             "motor_sim_bootstrap_timeouts",
             "SGLang decode legs whose room never filled.",
             value=self.bootstrap_timeouts,
+        )
+        # Counted whether or not this engine exports spans: it shows what its router sends.
+        yield CounterMetricFamily(
+            "motor_sim_traceparent_requests",
+            "Completion requests that carried a W3C traceparent header.",
+            value=self.traceparents,
         )

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import sys
 
-from services.common import log
+from services.common import log, telemetry
 from services.common.httpmessages import Handler
 from services.common.httpserver import HttpServer
 from services.common.signals import install_stop_signals
@@ -70,6 +70,11 @@ async def serve(cfg: EngineConfig) -> int:
     # follow: their pipe from us closes).
     install_stop_signals(stop.set)
     engine = Engine(cfg)
+    tracer = None
+    if cfg.otlp_traces_endpoint or telemetry.enabled():
+        from services.simengine.tracing import make_tracer
+
+        tracer = engine.completions.tracer = make_tracer(cfg.otlp_traces_endpoint)
     servers: list[HttpServer] = []
     workers = await start_workers(cfg.workers)
     try:
@@ -106,6 +111,8 @@ async def serve(cfg: EngineConfig) -> int:
         # Both ports drain at once: stop accepting, let requests in flight finish, cut the rest.
         await asyncio.gather(*(s.close(DRAIN_S) for s in servers))
         await engine.close()
+        if tracer is not None:
+            await tracer.close()
         await stop_workers(workers)
     log.event("stopped")
     return 0
