@@ -11,10 +11,34 @@ from services.common.channel import ClientTLS, open_channel
 from services.common.config import read_key_file
 
 
-def add_flags(p: argparse.ArgumentParser, *, controller: bool = True, coordinator: bool = True) -> None:
+def addresses(text: str) -> list[str]:
+    """``H:P[,H:P...]``: the addresses of a comma-separated list, each once, in order."""
+    found = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    if not found:
+        raise argparse.ArgumentTypeError("needs at least one H:P")
+    return found
+
+
+def add_flags(
+    p: argparse.ArgumentParser,
+    *,
+    controller: bool = True,
+    coordinator: bool = True,
+    coordinators: bool = False,
+) -> None:
+    """``coordinators``: ``--coordinator`` takes a comma-separated list (``args.coordinator``
+    is then a list of addresses)."""
     if controller:
         p.add_argument("--controller", default="127.0.0.1:7100", metavar="H:P")
-    if coordinator:
+    if coordinators:
+        p.add_argument(
+            "--coordinator",
+            type=addresses,
+            default=["127.0.0.1:7200"],
+            metavar="H:P[,H:P...]",
+            help="every Coordinator to show, comma-separated",
+        )
+    elif coordinator:
         p.add_argument("--coordinator", default="127.0.0.1:7200", metavar="H:P")
     p.add_argument("--key-file", metavar="F", help="management key file (x-motor-management-key)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="deadline of each call")

@@ -17,9 +17,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nodemanager": ("services.nodemanager.main", "run a NodeManager in the foreground"),
     "engine-sim": ("services.simengine.cli", "run the simulated engine"),
     "register": ("services.cli.register", "standalone mode: set/add/del/list Coordinator instances"),
-    "instances": ("services.cli.views", "list instances from the Controller"),
-    "alarms": ("services.cli.views", "list or watch alarms from the Controller"),
-    "status": ("services.cli.views", "Controller and Coordinator status, and fault recovery per instance"),
+    "instances": (
+        "services.cli.instances",
+        "list the Controller's instances, or follow their changes (--watch)",
+    ),
+    "alarms": ("services.cli.alarms", "list or watch alarms from the Controller"),
+    "status": (
+        "services.cli.status",
+        "the cluster on one screen: Controller, Coordinators, NodeManagers, engines",
+    ),
     "faults": ("services.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
     "config": ("services.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
 }
@@ -53,7 +59,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"motor: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    # Modules serving several commands (views) take the command name as argv[0].
-    if getattr(module, "MULTI_COMMAND", False):
-        return int(module.main(args))
     return int(module.main(args[1:]))

@@ -54,7 +54,7 @@ class Coordinator:
             use_own_process()
         self.metrics = Metrics()
         self._ready_lock = asyncio.Lock()
-        self.service = CoordinatorService(self.table, self._on_change, self._dismiss_precision)
+        self.service = CoordinatorService(self.table, self._on_change, self._dismiss_precision, self.pool)
         self.server = MotorServer(
             "coordinator",
             cfg,

@@ -7,7 +7,7 @@ errors); the generated servicer is the base class for its request and response t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from motor.v1 import coordinator_pb2 as pb
@@ -16,6 +16,9 @@ from motor.v1 import coordinator_pb2_grpc
 from services.common import log
 from services.coordinator import validation
 from services.coordinator.table import RoutingTable
+
+if TYPE_CHECKING:
+    from services.coordinator.workers.pool import WorkerPool
 
 R = TypeVar("R")
 
@@ -28,8 +31,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         table: RoutingTable,
         on_change: Callable[[], Awaitable[None]],
         dismiss_precision: Callable[[int, int], bool] = lambda p, d: False,
+        pool: WorkerPool | None = None,
     ) -> None:
         self.table = table
+        # The inference worker processes; None when this process serves HTTP itself.
+        self._pool = pool
         self._on_change = on_change
         # Drops the precision-detection state of group (p, d); True when there was some.
         self._dismiss_precision = dismiss_precision
@@ -83,6 +89,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             paused=paused,
             revision=state.revision,
             incarnation=self.table.incarnation,
+            inference_workers=self._pool.count if self._pool is not None else 1,
+            inference_workers_serving=len(self._pool.hub.serving()) if self._pool is not None else 1,
         )
 
     async def ClearPrecisionAlarm(

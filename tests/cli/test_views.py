@@ -1,5 +1,6 @@
 """What ``motor instances`` and ``motor alarms`` print: one row per instance or alarm, enum values
-without their prefixes; ``motor alarms`` pages through everything the Controller holds."""
+without their prefixes; ``motor alarms`` pages through everything the Controller holds; what
+``motor instances --watch`` reports between two snapshots."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from google.protobuf import timestamp_pb2
 from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
-from services.cli import views
+from services.cli import alarms, instances, views
 from services.common import server
 from tests.controller.fakes import running_controller
 
@@ -50,6 +51,42 @@ def test_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == "ID  ROLE\n12  DECODE\n3   PREFILL\n"
 
 
+def test_a_row_shorter_than_the_header_runs_on_without_widening_the_columns() -> None:
+    rows = [
+        ["ADDRESS", "HEALTH", "REV"],
+        ["127.0.0.1:7200", "SERVING", "4"],
+        ["coordinator-1:7200", "UNREACHABLE (UNAVAILABLE)"],
+    ]
+    assert views.table_lines(rows) == [
+        "ADDRESS             HEALTH   REV",
+        "127.0.0.1:7200      SERVING  4",
+        "coordinator-1:7200  UNREACHABLE (UNAVAILABLE)",
+    ]
+
+
+def _inst(iid: int, status: int, pid: int) -> common_pb2.Instance:
+    ep = common_pb2.Endpoint(
+        host="127.0.0.1", port=9000 + iid, status=common_pb2.ENDPOINT_STATUS_NORMAL, pid=pid
+    )
+    return common_pb2.Instance(id=iid, role=common_pb2.ROLE_DECODE, status=status, endpoints=[ep])
+
+
+def test_watch_reports_what_differs_between_two_snapshots() -> None:
+    active = common_pb2.INSTANCE_STATUS_ACTIVE
+    before = {1: _inst(1, active, 10), 2: _inst(2, active, 20), 3: _inst(3, active, 30)}
+    after = {
+        1: _inst(1, active, 10),  # unchanged: no line
+        2: _inst(2, active, 21),  # relaunched: a new pid
+        4: _inst(4, common_pb2.INSTANCE_STATUS_INITIAL, 40),
+    }
+    assert [(c, i.id) for c, i in instances.changes(before, after)] == [
+        ("MODIFIED", 2),
+        ("DELETED", 3),
+        ("ADDED", 4),
+    ]
+    assert list(instances.changes(after, after)) == []
+
+
 # ---- motor alarms --------------------------------------------------------------------------------
 
 
@@ -64,7 +101,7 @@ def test_alarm_rows_spell_enums_short_and_time_in_utc() -> None:
         reason="instance 3 (p) INACTIVE: endpoint_abnormal",
         occur_time=timestamp_pb2.Timestamp(seconds=1_700_000_000),
     )
-    assert views.alarm_row(a) == [
+    assert alarms.alarm_row(a) == [
         "12",
         "2023-11-14T22:13:20+00:00",
         "ALARM",
@@ -74,14 +111,14 @@ def test_alarm_rows_spell_enums_short_and_time_in_utc() -> None:
         "service name=Controller, instanceId=3, role=prefill, job=p",
         "instance 3 (p) INACTIVE: endpoint_abnormal",
     ]
-    assert views.alarm_line(alarm_pb2.Alarm(sequence=1, category=alarm_pb2.ALARM_CATEGORY_EVENT)) == (
+    assert alarms.alarm_line(alarm_pb2.Alarm(sequence=1, category=alarm_pb2.ALARM_CATEGORY_EVENT)) == (
         "1  -  EVENT  UNSPECIFIED  -  0  -  -"
     )
 
 
 def test_after_needs_watch(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
-        views.main(["alarms", "--after", "3"])
+        alarms.main(["--after", "3"])
     assert done.value.code == 2
     assert "--after needs --watch" in capsys.readouterr().err
 
@@ -90,7 +127,7 @@ async def test_motor_alarms_pages_through_active_and_history(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(server, "SHUTDOWN_DRAIN_S", 0.0)
-    monkeypatch.setattr(views, "PAGE_SIZE", 3)  # several pages from a few alarms
+    monkeypatch.setattr(alarms, "PAGE_SIZE", 3)  # several pages from a few alarms
     raised = [
         alarm_pb2.Alarm(alarm_id="0xFC00AAAA", category=alarm_pb2.ALARM_CATEGORY_ALARM, instance_id=i)
         for i in range(1, 8)
@@ -100,7 +137,7 @@ async def test_motor_alarms_pages_through_active_and_history(
         await h.stub.ReportAlarms(controller_pb2.ReportAlarmsRequest(alarms=[*raised, cleared]), timeout=5)
 
         def run(*flags: str) -> str:
-            assert views.main(["alarms", "--controller", h.target, *flags]) == 0
+            assert alarms.main(["--controller", h.target, *flags]) == 0
             return capsys.readouterr().out
 
         history = json.loads(await asyncio.to_thread(run, "--all", "-o", "json"))
@@ -109,5 +146,5 @@ async def test_motor_alarms_pages_through_active_and_history(
         assert [a["instance_id"] for a in active] == ["1", "3", "4", "5", "6", "7"]
         assert json.loads(await asyncio.to_thread(run, "--active", "-o", "json")) == active
         table = (await asyncio.to_thread(run)).splitlines()
-        assert table[0].split() == views.ALARM_HEADER
+        assert table[0].split() == alarms.ALARM_HEADER
         assert [line.split()[0] for line in table[1:]] == ["1", "3", "4", "5", "6", "7"]

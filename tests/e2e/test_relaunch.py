@@ -6,6 +6,7 @@ instance rebuilt. Meanwhile not one request fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -120,9 +121,15 @@ def test_a_killed_engine_is_relaunched_in_place_and_serves_again(tmp_path) -> No
         assert "EngineRelaunch succeeded" in wait_until(history, timeout=20)[0]
 
         # Operators see it, and can take the node out of routing and back with `motor faults`.
-        status = motor(c, "status", "--coordinator", c.grpc(COORDINATOR))
+        status = motor(c, "status", "--coordinator", c.grpc(COORDINATOR), "-o", "json")
         assert status.returncode == 0, status.stderr
-        assert f"instance {victim['id']}: fault_level=L0 last=" in status.stdout
+        [entry] = [
+            e
+            for e in json.loads(status.stdout)["controller"]["fault_tolerance"]
+            if e["instance_id"] == int(victim["id"])
+        ]
+        assert (entry["fault_level"], entry["strategy"]) == (0, "")
+        assert "EngineRelaunch succeeded" in entry["last_outcome"]
         node = c.grpc(NM + nm_index)
         out = motor(c, "faults", "report", "--node", node, "--level", "L4", "--code", "xid-79")
         assert (out.returncode, out.stdout) == (0, f"affected instances: {victim['id']}\n"), out.stderr

@@ -169,7 +169,7 @@ def test_operator_cli_views(vllm_cluster: Cluster) -> None:
         motor_argv("status", "-o", "json", *flags), capture_output=True, text=True, timeout=30
     )
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["coordinator"]["routable"] is True
+    assert json.loads(status.stdout)["coordinators"][0]["routable"] is True
     down = subprocess.run(
         motor_argv("instances", "--controller", "127.0.0.1:9", "--timeout", "1"),
         capture_output=True,

@@ -319,10 +319,20 @@ class CoordinatorListInstancesResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    INFERENCE_WORKERS_FIELD_NUMBER: _builtins.int
+    INFERENCE_WORKERS_SERVING_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Goes up by 1 only when the table changes."""
     incarnation: _builtins.str
     """Random per Coordinator start; a new value means the Coordinator restarted."""
+    inference_workers: _builtins.int
+    """Processes serving the inference HTTP port, as configured (coordinator.workers; 0 there is
+    one per CPU core). 1 when the management process serves HTTP itself.
+    """
+    inference_workers_serving: _builtins.int
+    """Of inference_workers, how many are running and serving now; fewer while a worker that
+    exited is being restarted.
+    """
     @_builtins.property
     def available(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
         """ACTIVE and not paused: routed to."""
@@ -343,10 +353,12 @@ class CoordinatorListInstancesResponse(_message.Message):
         paused: _abc.Iterable[_common_pb2.Instance] | None = ...,
         revision: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        inference_workers: _builtins.int = ...,
+        inference_workers_serving: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "incarnation", b"incarnation", "paused", b"paused", "revision", b"revision", "unavailable", b"unavailable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "incarnation", b"incarnation", "inference_workers", b"inference_workers", "inference_workers_serving", b"inference_workers_serving", "paused", b"paused", "revision", b"revision", "unavailable", b"unavailable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

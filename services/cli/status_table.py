@@ -1,0 +1,174 @@
+"""``motor status`` as text: the document of status.py laid out in three sections (the
+Controller, the Coordinators, the NodeManagers) that fit about 100 columns."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from services.cli.views import table_lines
+
+WIDTH = 100
+UNREACHABLE = "UNREACHABLE"
+COORDINATOR_HEADER = [
+    "COORDINATOR",
+    "HEALTH",
+    "ROUTABLE",
+    "REV",
+    "INCARNATION",
+    "AVAIL",
+    "UNAVAIL",
+    "PAUSED",
+    "PD_GROUPS",
+    "WORKERS",
+]
+NODEMANAGER_HEADER = ["NODEMANAGER", "INSTANCE", "READY", "UPTIME", "RESTARTS", "FROZEN", "ENGINES"]
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``5m02s``, ``3h04m``, ``2d03h``: two units at most."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def problem(err: dict[str, str]) -> str:
+    """``UNREACHABLE (CODE)`` for a part that did not answer, ``ERROR CODE: message`` for one that
+    refused a call (a missing management key, say)."""
+    if err["code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return f"UNREACHABLE ({err['code']})"
+    return clip(f"ERROR {err['code']}: {err['message']}", 60)
+
+
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+# ---- Controller ----------------------------------------------------------------------------
+
+
+def instance_summary(counts: dict[str, dict[str, int]]) -> str:
+    """``prefill 1 ACTIVE; decode 1 ACTIVE, 1 INACTIVE`` (roles and statuses with none left out)."""
+    roles = []
+    for role, by_status in counts.items():
+        some = [f"{n} {status}" for status, n in by_status.items() if n]
+        if some:
+            roles.append(f"{role} " + ", ".join(some))
+    return "; ".join(roles) or "none"
+
+
+def recovery_lines(part: dict[str, Any]) -> list[str]:
+    """One line per instance with a fault level or a running strategy (the earlier outcomes of
+    the others are in ``-o json``)."""
+    entries = [e for e in part["fault_tolerance"] if e["fault_level"] or e["strategy"]]
+    running = part["strategies_running"]
+    lines = [f"{running} strategy running" if running == 1 else f"{running or 'no'} strategies running"]
+    for e in entries:
+        what = [f"fault L{e['fault_level']}"] if e["fault_level"] else []
+        if e["strategy"]:
+            what.append(f"{e['strategy']} ({e['phase'] or '-'})")
+        since = f" since {e['since'][11:19]}Z" if e["since"] else ""
+        last = f"; last: {e['last_outcome']}" if e["last_outcome"] else ""
+        lines.append(clip(f"instance {e['instance_id']}: {', '.join(what)}{since}{last}", WIDTH - 14))
+    return lines
+
+
+def alarm_lines(alarms: dict[str, Any]) -> list[str]:
+    if not alarms["active"]:
+        return ["none active"]
+    shown = alarms["most_severe"]
+    head = f"{alarms['active']} active" + ("; the most severe:" if alarms["active"] > len(shown) else ":")
+    lines = [head]
+    for a in shown:
+        inst = f"instance {a['instance_id']}" if a["instance_id"] else "-"
+        lines.append(clip(f"{a['severity']:<8}  {a['alarm_id']}  {inst}  {a['reason']}", WIDTH - 14))
+    return lines
+
+
+def controller_lines(part: dict[str, Any]) -> list[str]:
+    health = part["health"]
+    if health == UNREACHABLE:
+        return [f"Controller {part['address']}: {problem(part['error'])}"]
+    lines = [f"Controller {part['address']}: {health}"]
+    if part["error"] is not None:
+        lines.append(f"  {problem(part['error'])}")
+    sections = [
+        ("instances", [instance_summary(part["instances"])] if part["instances"] is not None else []),
+        ("recovery", recovery_lines(part) if part["fault_tolerance"] is not None else []),
+        ("alarms", alarm_lines(part["alarms"]) if part["alarms"] is not None else []),
+    ]
+    for name, values in sections:
+        for k, value in enumerate(values or ["-"]):
+            lines.append(f"  {name if k == 0 else '':<10}  {value}")
+    return lines
+
+
+# ---- Coordinators and NodeManagers ---------------------------------------------------------
+
+
+def coordinator_row(c: dict[str, Any]) -> list[str]:
+    if c["health"] == UNREACHABLE:
+        return [c["address"], problem(c["error"])]
+    if c["revision"] is None:
+        return [c["address"], c["health"], yes_no(c["routable"]), problem(c["error"])]
+    workers = f"{c['inference_workers_serving']}/{c['inference_workers']}"
+    n = c["instances"]
+    return [
+        c["address"],
+        c["health"],
+        yes_no(c["routable"]),
+        str(c["revision"]),
+        c["incarnation"][:8],
+        str(n["available"]),
+        str(n["unavailable"]),
+        str(n["paused"]),
+        str(c["routable_pd_groups"]),
+        workers,
+    ]
+
+
+def engine_text(e: dict[str, Any]) -> str:
+    pid = f"pid={e['pid']}" if e["pid"] else "no pid"
+    return f"{e['endpoint']} {pid} {e['status']}" + (" headless" if e["headless"] else "")
+
+
+def nodemanager_rows(nm: dict[str, Any], now: float) -> list[list[str]]:
+    instance = f"{nm['instance_id']} {nm['role']}".strip() if nm["instance_id"] else "-"
+    if nm["error"] is not None:
+        return [[nm["address"], instance, problem(nm["error"])]]
+    frozen = "no"
+    if nm["frozen"]:
+        left = datetime.fromisoformat(nm["frozen_until"]).timestamp() - now
+        frozen = duration(max(0.0, left))
+    uptime = duration(nm["uptime_s"]) if nm["uptime_s"] is not None else "-"
+    engines = [engine_text(e) for e in nm["engines"]] or ["none"]
+    first = [nm["address"], instance, yes_no(nm["ready"]), uptime, str(nm["restarts"]), frozen, engines[0]]
+    # A NodeManager with several engines (DP ranks): one more line for each, under ENGINES.
+    return [first] + [[""] * 6 + [e] for e in engines[1:]]
+
+
+def render(doc: dict[str, Any], now: float) -> list[str]:
+    """The text of ``motor status``; ``now`` (wall clock) is what a freeze's end is counted from."""
+    lines = controller_lines(doc["controller"])
+    lines.append("")
+    lines += table_lines([COORDINATOR_HEADER] + [coordinator_row(c) for c in doc["coordinators"]])
+    lines.append("")
+    if doc["nodemanagers"] is None:
+        lines.append("NodeManagers: unknown (the Controller lists them)")
+    elif not doc["nodemanagers"]:
+        lines.append("NodeManagers: none (no instance names one)")
+    else:
+        rows = [NODEMANAGER_HEADER]
+        for nm in doc["nodemanagers"]:
+            rows += nodemanager_rows(nm, now)
+        lines += table_lines(rows)
+    return lines
