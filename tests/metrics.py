@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.poll import until
 
 
 class Scrape:
@@ -38,3 +42,13 @@ async def ascrape(url: str) -> Scrape:
         assert resp.status == 200, resp.status
         assert resp.content_type == "text/plain"
         return Scrape(await resp.text())
+
+
+async def scrape_until(url: str, check: Callable[[Scrape], Any]) -> Scrape:
+    """The first scrape of ``url`` for which ``check`` holds (within 20 s)."""
+
+    async def once() -> Scrape | None:
+        m = await ascrape(url)
+        return m if check(m) else None
+
+    return await until(once, 20, f"metrics at {url}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import resource
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from tests.controller.fakes import ABNORMAL, NORMAL, FakeCoordinator, NodeAgent
-from tests.metrics import Scrape, ascrape
+from tests.metrics import Scrape, ascrape, scrape_until
 from tests.poll import until
 from tests.ports import reserved_port
 from tests.procs import Proc, listening_ports
@@ -46,12 +46,8 @@ async def test_metrics_follow_nodes_engines_coordinators_and_the_disk(
     assert fields["metrics"] == f"127.0.0.1:{port}"
     url = f"http://127.0.0.1:{port}/metrics"
 
-    async def scraped(check: Callable[[Scrape], Any]) -> Scrape:
-        async def once() -> Scrape | None:
-            m = await ascrape(url)
-            return m if check(m) else None
-
-        return await until(once, 20, "metrics")
+    def scraped(check: Callable[[Scrape], Any]) -> Awaitable[Scrape]:
+        return scrape_until(url, check)
 
     # No node yet; the Coordinator that answers is in step, the other one fails and falls behind.
     m = await scraped(

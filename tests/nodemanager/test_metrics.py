@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,8 @@ import pytest
 from motor.v1 import nodemanager_pb2 as pb
 
 from services.common import server
-from tests.metrics import Scrape, ascrape
+from tests.metrics import Scrape, ascrape, scrape_until
 from tests.nodemanager.conftest import ControllerServer, nm_config
-from tests.poll import until
 from tests.ports import reserved_pair, reserved_port
 from tests.procs import listening_ports
 
@@ -48,12 +47,8 @@ async def test_metrics_follow_engines_probes_relaunches_and_the_controller_link(
     assert re.search(rf" metrics=127\.0\.0\.1:{port}\b", line)
     url = f"http://127.0.0.1:{port}/metrics"
 
-    async def scraped(check: Callable[[Scrape], Any]) -> Scrape:
-        async def once() -> Scrape | None:
-            m = await ascrape(url)
-            return m if check(m) else None
-
-        return await until(once, 20, "metrics")
+    def scraped(check: Callable[[Scrape], Any]) -> Awaitable[Scrape]:
+        return scrape_until(url, check)
 
     m = await scraped(lambda m: m.value("motor_nodemanager_controller_connected") == 1)
     assert m.value("motor_nodemanager_engines", status="NORMAL") == 0
