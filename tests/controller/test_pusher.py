@@ -534,6 +534,9 @@ async def test_a_real_coordinator_killed_during_a_set(
             await asyncio.to_thread(proc.kill)
             proc, _ = await coordinator_process()
             await until(in_step, timeout=15)
-            assert len(controller_side(await h.instances())[0]) == 1 and pusher.incarnation != old
+            # The new process holds the table; the pusher learns its incarnation from the Set's
+            # answer, which can reach it a moment after the table is visible.
+            await until(lambda: pusher.incarnation != old)
+            assert len(controller_side(await h.instances())[0]) == 1
     finally:
         await asyncio.to_thread(proc.kill)
