@@ -15,7 +15,6 @@ Coordinator from the push.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -39,12 +38,8 @@ def split_entry(entry: str) -> tuple[str, int] | None:
 
 
 def join(host: str, port: int) -> str:
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]:{port}"
-    except ValueError:
-        pass  # a name, not an address literal
-    return f"{host}:{port}"
+    # Only an IPv6 address has a colon; it needs brackets before the port.
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def resolve(name: str, port: int) -> list[str]:
