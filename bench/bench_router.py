@@ -6,10 +6,13 @@ Coordinator (engines added through gRPC AddInstances), vllm-router (`--vllm-pd-d
 and sglang-router (`--pd-disaggregation`, in front of a second pair of sim engines speaking the
 SGLang bootstrap protocol). Load: wrk (2 threads, keep-alive) with a Lua script POSTing a chat
 completion (max_tokens 16), non-streaming and streaming, at 1, 32 and 128 connections; a warm-up
-run, then the measured one. CPU of every engine and router comes from /proc. Writes
-bench/results/router.md.
+run, then the measured one. CPU of every engine and router comes from /proc. Then what tracing
+costs Motor (bench/router_tracing.py): the Coordinator as it was before tracing existed, and the
+current one with tracing off, on but sampled out, and on with every request exported to a span
+sink in this process, measured in rotation. Writes bench/results/router.md.
 
     python -m bench.bench_router [--seconds 10] [--warmup 2] [--connections 1,32,128]
+    python -m bench.bench_router --only tracing      # just the tracing comparison, printed
     make bench ARGS=router
 """
 
@@ -18,35 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from motor.v1 import coordinator_pb2_grpc
-
-from bench.bench_precision import table
+from bench import router_tracing
 from bench.loadgen import peers, profile, wrk
-from bench.loadgen.harness import Proc, entry, machine, system_cpu, wait_quiet
+from bench.loadgen.harness import Proc, entry, machine
+from bench.loadgen.router_rows import Cell, Target, body, connections, measure, start_motor
 
 RESULTS = Path(__file__).parent / "results" / "router.md"
 PEERS = ("vllm-router", "sglang-router")
 RPS_TARGET = 1.5
 KV = '{{"kv_connector":"NixlConnector","kv_role":"{}"}}'
-
-
-def body(stream: bool) -> dict[str, object]:
-    b: dict[str, object] = {
-        "model": peers.MODEL,
-        "messages": [{"role": "user", "content": "Say something short."}],
-        "max_tokens": 16,
-    }
-    return {**b, "stream": True} if stream else b
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -57,58 +46,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="",
-        help="comma list of direct,motor,motor1,vllm,sglang: a quick partial run, printed and not "
-        "written to bench/results (the results file only ever holds a whole run)",
+        help="comma list of direct,motor,motor1,vllm,sglang,tracing: a quick partial run, printed "
+        "and not written to bench/results (the results file only ever holds a whole run)",
     )
     return p.parse_args(argv)
-
-
-@dataclass
-class Cell:
-    stream: bool
-    conns: int
-    r: wrk.WrkResult
-    cpu: dict[str, float]  # % of one core over the run: prefill, decode, router
-    machine_pct: float
-    legs_per_req: float
-
-
-@dataclass
-class Target:
-    name: str
-    how: str
-    cells: list[Cell] = field(default_factory=list)
-    error: str | None = None
-    hot: list[profile.Hot] = field(default_factory=list)  # py-spy, 32 connections, plain
-    samples: int = 0
-
-    def cell(self, stream: bool, conns: int) -> Cell | None:
-        return next((c for c in self.cells if c.stream == stream and c.conns == conns), None)
-
-
-async def measure(
-    target: Target, url: str, procs: dict[str, Proc], prefill_base: str, args: argparse.Namespace, tmp: Path
-) -> None:
-    conns = [int(c) for c in args.connections.split(",")]
-    pids = [p.pid for p in procs.values()]
-    for stream in (False, True):
-        script = wrk.write_script(tmp, f"chat-{int(stream)}", body(stream))
-        for c in conns:
-            await wrk.run(url, script, c, args.warmup)
-            await wait_quiet(pids, max_wait_s=5)
-            cpu0 = {k: peers.group_cpu(p.pid) for k, p in procs.items()}
-            legs0, m0, t0 = await peers.prefill_legs(prefill_base), system_cpu()[0], time.perf_counter()
-            r = await wrk.run(url, script, c, args.seconds)
-            elapsed = time.perf_counter() - t0
-            m1, legs1 = system_cpu()[0], await peers.prefill_legs(prefill_base)
-            cpu = {k: 100 * (peers.group_cpu(p.pid) - cpu0[k]) / elapsed for k, p in procs.items()}
-            cell = Cell(stream, c, r, cpu, 100 * (m1 - m0) / elapsed, (legs1 - legs0) / max(1, r.requests))
-            target.cells.append(cell)
-            print(
-                f"  {target.name} {'stream' if stream else 'plain'} c={c}: {r.rps:,.0f} req/s, "
-                f"p50 {r.p50_ms:.2f} ms, non-2xx {r.non2xx}, errors {r.socket_errors}",
-                file=sys.stderr,
-            )
 
 
 async def run_target(
@@ -148,27 +89,6 @@ async def profile_under_load(
     target.hot, target.samples = profile.hottest(files)
 
 
-async def start_motor(prefill: str, decode: str, tmp: Path, workers: int = 0) -> tuple[Proc, str]:
-    cfg = tmp / f"coordinator-{workers}.json"
-    cfg.write_text(json.dumps({"coordinator": {"workers": workers}}))
-    coord = await Proc.start(
-        "coordinator",
-        ["-m", "services.cli", "coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0"],
-        tmp / f"coordinator-{workers}.log",
-    )
-    try:
-        where = await coord.listening()
-        ports = [int(u.rsplit(":", 1)[1]) for u in (prefill, decode)]
-        async with grpc.aio.insecure_channel(where["grpc"]) as ch:
-            await coordinator_pb2_grpc.CoordinatorStub(ch).AddInstances(table(ports), timeout=10)
-        url = f"http://{where['http']}/v1/chat/completions"
-        await peers.wait_serving(coord, url, json.dumps(body(False)).encode())
-    except BaseException:
-        await coord.stop()
-        raise
-    return coord, url
-
-
 async def start_peer(
     name: str, argv_for: Callable[[int, int], list[str]], tmp: Path
 ) -> tuple[Proc | None, str]:
@@ -205,6 +125,7 @@ async def amain(args: argparse.Namespace) -> int:
         except Exception as exc:
             venv_error = f"could not install {' '.join(peers.PINS)}: {exc}"
     targets: list[Target] = []
+    traced: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="bench-router-") as d:
         tmp = Path(d)
         model = tmp / "model"
@@ -249,13 +170,13 @@ async def amain(args: argparse.Namespace) -> int:
                 await run_target(motor1, start_motor(pf_url, de_url, tmp, 1), pair, pf_url, args, tmp)
 
             vr_argv = peers.vllm_router_argv("PORT", "http://PREFILL", "http://DECODE")
-            vr = Target("vllm-router", _shown(f"`vllm-router {' '.join(vr_argv[1:])}`"))
+            vr = Target("vllm-router", f"`vllm-router {' '.join(vr_argv[1:])}`")
             sr_argv = peers.sglang_router_argv(
                 "PORT", "http://SG_PREFILL", "BOOTSTRAP_PORT", "http://SG_DECODE"
             )
             sr = Target(
                 "sglang-router",
-                _shown(f"`python {' '.join(sr_argv[1:])}` (second sim pair, SGLang protocol)"),
+                f"`python {' '.join(sr_argv[1:])}` (second sim pair, SGLang protocol)",
             )
             targets += [t for t, key in ((vr, "vllm"), (sr, "sglang")) if wanted(key)]
             if venv_error:
@@ -273,19 +194,17 @@ async def amain(args: argparse.Namespace) -> int:
                         tmp,
                     )
                     await run_target(sr, sr_start, sg_pair, spf_url, args, tmp)
+            if wanted("tracing"):
+                traced = await router_tracing.run_tracing(pf_url, de_url, pair, args, tmp)
         finally:
             for e in engines:
                 await e.stop()
-    text = render(targets, args, versions or venv_error or "")
+    text = render(targets, args, versions or venv_error or "", traced)
     if not args.only:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(text)
     print(text)
     return 0
-
-
-def _shown(cmd: str) -> str:
-    return re.sub(r"--prometheus-port \d+", "--prometheus-port FREE_PORT", cmd)
 
 
 def _fmt_cell(t: Target, c: Cell) -> str:
@@ -371,8 +290,8 @@ def hot_section(targets: list[Target]) -> list[str]:
     ]
 
 
-def render(targets: list[Target], args: argparse.Namespace, versions: str) -> str:
-    conns = [int(c) for c in args.connections.split(",")]
+def render(targets: list[Target], args: argparse.Namespace, versions: str, traced: list[Target]) -> str:
+    conns = connections(args)
     head = (
         "| target | conns | req/s | p50 ms | p99 ms | max ms | non-2xx | socket errors "
         "| prefill CPU | decode CPU | router CPU | machine CPU | prefill legs/req |"
@@ -432,6 +351,7 @@ def render(targets: list[Target], args: argparse.Namespace, versions: str) -> st
             f"Motor / direct-to-decode req/s (median over both modes): {floor or 'n/a'}.",
             "",
             *hot_section(targets),
+            *router_tracing.section(traced, next((t for t in targets if t.name == "Motor"), None)),
             *(["## Missing rows", "", *missing, ""] if missing else []),
             *_odd(targets),
             "Everything shares the machine's two cores (wrk, the router, two or four engines), so "
