@@ -29,6 +29,15 @@ gen: $(STAMP)
 	printf '' > gen/motor/__init__.py
 	printf '' > gen/motor/v1/__init__.py
 	printf '' > gen/motor/v1/py.typed
+	rm -rf gen/etcd
+	mkdir -p gen/etcd
+	$(BIN)/python -m grpc_tools.protoc -Ietcd_protos --python_out=gen --grpc_python_out=gen \
+		--mypy_out=gen --mypy_grpc_out=gen etcd_protos/etcd/etcdserverpb/rpc.proto etcd_protos/etcd/mvccpb/kv.proto
+	printf '' > gen/etcd/__init__.py
+	printf '' > gen/etcd/etcdserverpb/__init__.py
+	printf '' > gen/etcd/mvccpb/__init__.py
+	printf '' > gen/etcd/etcdserverpb/py.typed
+	printf '' > gen/etcd/mvccpb/py.typed
 
 docs: $(STAMP)
 	$(BIN)/python tools/apidoc.py
@@ -36,19 +45,19 @@ docs: $(STAMP)
 
 # Debian packages some tests run for real (tests/controller/test_alertmanager.py starts its own
 # Alertmanager on a free port; tests/deploy/ runs promtool on deploy/prometheus and a Prometheus
-# scraping a `motor up`). Installed when this is root with apt-get, the only place an install
+# scraping a `motor up`; the Controller's etcd store and `motor up --ha` run a real etcd). Installed when this is root with apt-get, the only place an install
 # can work; elsewhere those tests skip, and this says so once. Never fails `make test`: a test
 # whose package is missing skips with one line saying why. No recommends (prometheus would pull
 # in node-exporter). While installing, a policy-rc.d (unless the machine has one) keeps each
-# package from starting its system service (:9093, :9090); any that still runs is stopped and
+# package from starting its system service (:9093, :9090, :2379); any that still runs is stopped and
 # disabled, since tests start their own.
-SYSTEM_DEBS := prometheus-alertmanager prometheus
-SYSTEM_SERVICES := prometheus-alertmanager prometheus
+SYSTEM_DEBS := prometheus-alertmanager prometheus etcd-server etcd-client
+SYSTEM_SERVICES := prometheus-alertmanager prometheus etcd
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
 
 system-deps:
 	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-		echo "system-deps: not root with apt-get, so $(SYSTEM_DEBS) is not installed here: the tests that run a real Alertmanager, Prometheus or promtool skip unless it is on PATH"; \
+		echo "system-deps: not root with apt-get, so $(SYSTEM_DEBS) is not installed here: the tests that run a real Alertmanager, Prometheus, promtool or etcd skip unless it is on PATH"; \
 		exit 0; \
 	fi; \
 	missing=; \

@@ -6,6 +6,7 @@ import pytest
 
 from services.common import server
 from tests.controller.fakes import FakeCoordinator, FakeNodeManager
+from tests.etcd import etcd_server  # noqa: F401  (a fixture: found by the tests here)
 
 
 @pytest.fixture(autouse=True)
