@@ -37,7 +37,8 @@ CONTRACT_KEYS = {
         enable_engine_relaunch engine_relaunch_complete_timeout_s engine_relaunch_poll_interval_s
         engine_relaunch_dispatch_retries engine_relaunch_nm_unreachable_threshold
         precision_auto_recovery_enabled alarm_webhook_url coordinator_key_file nodemanager_key_file
-        metrics_port""",
+        metrics_port store etcd_endpoints etcd_prefix leader_lease_s
+        etcd_ca_file etcd_cert_file etcd_key_file advertise_address""",
     "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
         max_json_depth prefill_policy decode_policy api_keys_file controller
@@ -408,6 +409,30 @@ def test_a_rank_spanning_nodes_must_split_evenly(tmp_path: Path) -> None:
         f"{path}: nodemanager.parallel.nnodes: must divide tp * pp (3 * 1): "
         "each node runs an equal share of a rank's workers"
     ]
+
+
+def test_the_etcd_store_needs_endpoints(tmp_path: Path) -> None:
+    path = write(tmp_path, {"controller": {"store": "etcd"}})
+    missing = '"etcd" needs controller.etcd_endpoints (at least one "host:port")'
+    assert errors_of(path) == [f"{path}: controller.store: {missing}"]
+    assert errors_of(env={"MOTOR_CONTROLLER_STORE": "etcd"}) == [f"env MOTOR_CONTROLLER_STORE: {missing}"]
+    # A refused address list is reported once, as refused.
+    [refused] = errors_of(path, overrides={"controller": {"etcd_endpoints": ["nope"]}})
+    assert refused.startswith("command line: controller.etcd_endpoints[0]: ")
+    given = load_config(path, env={"MOTOR_CONTROLLER_ETCD_ENDPOINTS": '["127.0.0.1:2379"]'})
+    assert given["controller"]["etcd_endpoints"] == ["127.0.0.1:2379"]
+
+
+def test_an_etcd_controller_on_a_wildcard_host_needs_an_advertise_address(tmp_path: Path) -> None:
+    """Standbys name the leader by its address: 0.0.0.0 would send every client nowhere."""
+    cfg = {"store": "etcd", "etcd_endpoints": ["127.0.0.1:2379"], "host": "0.0.0.0"}
+    path = write(tmp_path, {"controller": cfg})
+    [line] = errors_of(path)
+    assert line.startswith(f"{path}: controller.store: ") and "controller.advertise_address" in line
+    given = load_config(path, env={"MOTOR_CONTROLLER_ADVERTISE_ADDRESS": "10.0.0.7:7100"})
+    assert given["controller"]["advertise_address"] == "10.0.0.7:7100"
+    sqlite = load_config(write(tmp_path, {"controller": {**cfg, "store": "sqlite"}}), env={})
+    assert sqlite["controller"]["host"] == "0.0.0.0"
 
 
 # --- environment and flags ---------------------------------------------------------------------

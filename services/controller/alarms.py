@@ -40,7 +40,7 @@ from motor.v1 import alarm_pb2
 from services.common import log, tasks
 
 from .db import StateWriteError
-from .store import Store
+from .state_store import StateStore
 
 INSTANCE_FAULT = "0xFC001002"
 COORDINATOR_FAULT = "0xFC001004"
@@ -100,7 +100,7 @@ class StoredAlarms(list[alarm_pb2.Alarm]):
 
 
 class AlarmStore:
-    def __init__(self, store: Store, keep: int = KEEP_HISTORY) -> None:
+    def __init__(self, store: StateStore, keep: int = KEEP_HISTORY) -> None:
         self._store = store
         self.keep = keep
         history, active, self._last = store.load_alarms()

@@ -23,7 +23,7 @@ from .model import Instance, Pending
 from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .reconciler import DONE, Result
-from .store import Store
+from .state_store import StateStore
 
 # An assembly that has not changed for this long says what it still waits for (NodeManagers of
 # one instance register within seconds of each other).
@@ -36,7 +36,7 @@ class Assembler:
         cfg: ControllerConfig,
         pending: PendingAssemblies,
         table: InstanceTable,
-        store: Store,
+        store: StateStore,
         nm_clients: NodeManagerClients,
         enqueue_instance: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,

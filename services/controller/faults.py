@@ -43,7 +43,7 @@ from .db import StateWriteError
 from .instances import InstanceTable
 from .model import Instance
 from .nm_client import NodeManagerClients
-from .store import Store
+from .state_store import StateStore
 from .strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
 
 HISTORY = 20  # finished strategies kept per instance
@@ -87,7 +87,7 @@ class FaultManager:
         table: InstanceTable,
         clients: NodeManagerClients,
         enqueue: Callable[[int], None],
-        store: Store,
+        store: StateStore,
     ) -> None:
         self.cfg = cfg
         self.table = table

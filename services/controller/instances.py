@@ -20,7 +20,7 @@ from services.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, s
 from .db import StateWriteError
 from .model import Instance
 from .state_machine import is_routable
-from .store import KEEP_DELETED, Store
+from .state_store import KEEP_DELETED, StateStore
 
 
 class Observer(Protocol):
@@ -30,7 +30,7 @@ class Observer(Protocol):
 
 
 class InstanceTable:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StateStore) -> None:
         self.store = store
         self.live: dict[int, Instance] = {}
         self.deleted: dict[int, Instance] = {}  # oldest first

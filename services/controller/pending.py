@@ -18,11 +18,11 @@ from services.common import log
 
 from .model import Member, Pending
 from .sessions import SessionTable
-from .store import Store
+from .state_store import StateStore
 
 
 class PendingAssemblies:
-    def __init__(self, store: Store, sessions: SessionTable) -> None:
+    def __init__(self, store: StateStore, sessions: SessionTable) -> None:
         self._store = store
         self._sessions = sessions
         self._by_job: dict[str, Pending] = {}

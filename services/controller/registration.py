@@ -27,7 +27,7 @@ from .model import Instance, Member, Pending
 from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
 from .sessions import SessionTable
-from .store import Store
+from .state_store import StateStore
 
 # Jobs waiting for the rest of their NodeManagers at once. Each holds a row, sessions and a
 # reconcile for up to instance_assemble_timeout_s, so a caller inventing job names must hit a
@@ -42,7 +42,7 @@ class Registrar:
         table: InstanceTable,
         pending: PendingAssemblies,
         sessions: SessionTable,
-        store: Store,
+        store: StateStore,
         enqueue_job: Callable[[str], None],
         nm_clients: NodeManagerClients,
         clock: Callable[[], float] = time.monotonic,

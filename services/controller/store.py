@@ -26,6 +26,7 @@ from services.common.enums import DELETED, InstanceStatus
 from .convert import instance_from_row, instance_row, pending_from_row, pending_row
 from .db import Writer, move_aside, open_checked
 from .model import Instance, Pending
+from .state_store import KEEP_DELETED, NodeFaults
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -48,14 +49,6 @@ CREATE TABLE IF NOT EXISTS alarm_active (
     key TEXT PRIMARY KEY, seq INTEGER NOT NULL, alarm BLOB NOT NULL
 );
 """
-
-# A node's reported faults by code: (level, reason).
-NodeFaults = dict[str, tuple[int, str]]
-
-# DELETED instances kept for ListInstances(status=DELETED), in memory and on disk; older ones are
-# pruned as new ones are deleted and at start-up. The id counter lives in ``meta``, so pruning
-# never lets an id come back.
-KEEP_DELETED = 1000
 
 _T = TypeVar("_T")
 

@@ -175,6 +175,27 @@ def _coordinator(value: Any) -> Result:
 COORDINATOR = Check('"host:port" or "dns:///name:port" (port 1 to 65535)', _coordinator)
 
 
+def _controllers(value: Any) -> Result:
+    if isinstance(value, str) and value.startswith("dns:///"):
+        return value, _hostport(value[len("dns:///") :])[1]
+    if not isinstance(value, str):
+        return _expected("string", value)
+    parts = value.split(",")
+    for i, part in enumerate(parts):
+        problems = _hostport(part.strip())[1]
+        if problems:
+            where = f"address {i + 1}: " if len(parts) > 1 else ""
+            return value, [("", where + problems[0][1])]
+    if len({p.strip() for p in parts}) != len(parts):
+        return value, [("", f"must not repeat an address, got {short(value)}")]
+    return value, []
+
+
+# The Controllers a client follows to the leader: one "host:port", several separated by commas,
+# or "dns:///name:port" for every address a name resolves to.
+CONTROLLERS = Check('"host:port[,host:port…]" or "dns:///name:port" (port 1 to 65535)', _controllers)
+
+
 def array(item: Check, *, nonempty: bool = False) -> Check:
     def check(value: Any) -> Result:
         if not isinstance(value, list):
@@ -279,6 +300,7 @@ FILE = text(r"[^\0]*", "a path without NUL", 'a file path, "" = not set')  # NUL
 NONEMPTY = text(r"(?s:.+)", "a non-empty string", "not empty")
 DIRECTORY = text(r"[^\0]+", "a non-empty path without NUL", "a directory path")
 POLICY = choice("round_robin", "least_load", "power_of_two")
+STORE = choice("sqlite", "etcd")
 HOST = text(r"\S+", "a host name or address")
 URL = text(r"(?:https?://\S+)?", 'an http:// or https:// URL or ""')
 VARIABLE = text(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name", "an environment variable name")

@@ -59,12 +59,19 @@ def load_config(
         raise ConfigError(f"unknown section {short(section)}; did you mean '{nearest(section, SECTIONS)}'?")
     config = copy.deepcopy(DEFAULTS)
     errors: list[str] = []
+    # Where each value came from, and the keys given a refused value: for the checks of values
+    # that are each fine alone but not together.
+    origin: dict[tuple[str, str], str] = {}
+    refused: set[tuple[str, str]] = set()
 
     def put(where: str, sec: str, key: str, value: Any) -> None:
         stored, problems = SCHEMA[sec][key][1](value)
         errors.extend(f"{where}{sub}: {message}" for sub, message in problems)
-        if not problems:
+        if problems:
+            refused.add((sec, key))
+        else:
             config[sec][key] = copy.deepcopy(stored)
+            origin[sec, key] = where
 
     if path is not None:
         shown = shown_path(path)
@@ -100,9 +107,34 @@ def load_config(
             else:
                 errors.append(f"command line: {name}.{display_name(key)}: {unknown_key(key, SCHEMA[name])}")
 
+    errors.extend(_together(config, origin, refused))
     if errors:
         raise ConfigError(errors)
     return config
+
+
+def _together(
+    config: dict[str, dict[str, Any]], origin: Mapping[tuple[str, str], str], refused: set[tuple[str, str]]
+) -> list[str]:
+    """Problems of values that are each valid but not together. A refused value is reported
+    already, not again as missing."""
+    c = config["controller"]
+    if c["store"] != "etcd":
+        return []
+    problems = []
+    where = origin.get(("controller", "store"), "controller.store")
+    if not c["etcd_endpoints"] and ("controller", "etcd_endpoints") not in refused:
+        problems.append(f'{where}: "etcd" needs controller.etcd_endpoints (at least one "host:port")')
+    # Standbys name the leader by this address: a wildcard would send every client nowhere.
+    if c["host"] in WILDCARDS and not c["advertise_address"]:
+        problems.append(
+            f'{where}: "etcd" with controller.host {c["host"]!r} needs controller.advertise_address '
+            "(the address clients reach this Controller at)"
+        )
+    return problems
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
 def load(

@@ -145,6 +145,27 @@ class ControllerConfig(ServerConfig):
     metrics_port: int = setting(0, c.PORT)
     """Port of the Prometheus `GET /metrics` endpoint (plain HTTP on `host`); 0 = off.
     `motor up` sets 9100."""
+    store: str = setting("sqlite", c.STORE)
+    """Where the state lives. `sqlite`: `state_dir/controller.db`, one Controller. `etcd`: under
+    `etcd_prefix` in the etcd cluster at `etcd_endpoints`; several Controllers may run, one is
+    elected leader (`leader_lease_s`) and the others stand by to take over."""
+    etcd_endpoints: tuple[str, ...] = setting((), c.array(c.HOSTPORT))
+    """etcd client addresses (`host:port`), tried in turn; required with `store = "etcd"`."""
+    etcd_prefix: str = setting("/motor", c.text(r"/[^\0]*", "a key prefix starting with /"))
+    """Every key this cluster's Controllers keep in etcd starts with this prefix: several Motor
+    clusters can share one etcd."""
+    etcd_ca_file: str = setting("", c.FILE)
+    """PEM CA bundle that verifies etcd's certificate; set (or `etcd_cert_file`) for TLS to etcd."""
+    etcd_cert_file: str = setting("", c.FILE)
+    """PEM client certificate presented to etcd (with `etcd_key_file`: etcd's `--client-cert-auth`)."""
+    etcd_key_file: str = setting("", c.FILE)
+    """PEM private key of `etcd_cert_file`; must not be readable by group or others."""
+    leader_lease_s: float = setting(5, c.seconds(1, 60))
+    """TTL of the leader's etcd lease. A leader that cannot renew it stops acting before it
+    runs out; a standby takes over once it has expired."""
+    advertise_address: str = setting("", c.text(r"(?:\S+:\d{1,5})?", 'a "host:port" or ""'))
+    """The address standbys name as the leader's (in their UNAVAILABLE answers) and clients
+    connect to; "" = `host:port`. Set it where `host` is a wildcard such as `0.0.0.0`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +215,10 @@ class CoordinatorConfig(ServerConfig):
     (`tls_cert_file`, `tls_key_file`) on a `host` other than loopback the keys travel in clear,
     which is warned about at start (`api_keys_in_clear`); without this file there,
     `inference_api_open` is."""
-    controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
-    """The Controller's address, where precision alarms and their clears are reported."""
+    controller: str = setting("127.0.0.1:7100", c.CONTROLLERS)
+    """The Controller's address, where precision alarms and their clears are reported. With
+    standby Controllers (the etcd store), every one of them, comma-separated, or
+    `dns:///name:port`: reports go to whichever is leader."""
     controller_key_file: str = setting("", c.FILE)
     """Management key presented to the Controller when reporting precision alarms."""
     precision_check_enabled: bool = setting(False, c.BOOLEAN)
@@ -229,8 +252,10 @@ class NodeManagerConfig(ServerConfig):
 
     port: int = setting(7300, c.PORT)
     """gRPC port of motor.v1.NodeManager."""
-    controller: str = setting("127.0.0.1:7100", c.HOSTPORT)
-    """The Controller to register with."""
+    controller: str = setting("127.0.0.1:7100", c.CONTROLLERS)
+    """The Controller to register with. With standby Controllers (the etcd store), every one of
+    them, comma-separated, or `dns:///name:port`: the NodeManager finds the leader and follows
+    it to a new one after a failover (re-registering, engines untouched)."""
     controller_key_file: str = setting("", c.FILE)
     """Management key presented to the Controller."""
     job_name: str = setting("", c.text())
