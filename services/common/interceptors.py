@@ -19,6 +19,8 @@ import grpc
 from services.common import log
 
 KEY_METADATA = "x-motor-management-key"
+# The pushing Controller's leader term (etcd store): Coordinators refuse an older one.
+LEADER_TERM_METADATA = "x-motor-leader-term"
 _MOTOR_PREFIX = "/motor.v1."
 
 

@@ -78,7 +78,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 class MotorServer:
     """One gRPC server. ``readiness_gated``: ``""`` stays NOT_SERVING until ``set_ready(True)``
-    (the Coordinator's "routable"), instead of following the server's own liveness."""
+    (the Coordinator's "routable"), instead of following the server's own liveness.
+    ``standby``: the served service names stay NOT_SERVING until ``set_serving(True)`` (a
+    standby Controller: alive, but not the one to talk to)."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class MotorServer:
         *,
         port: int,
         readiness_gated: bool = False,
+        standby: bool = False,
     ) -> None:
         self.name = name
         self.cfg = cfg
@@ -96,6 +99,8 @@ class MotorServer:
         self.health = health_aio.HealthServicer()
         self._services = services
         self._readiness_gated = readiness_gated
+        self._standby = standby
+        self._names: list[str] = []
         self._stop_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._server: grpc.aio.Server | None = None
         self._stopping = False
@@ -140,8 +145,9 @@ class MotorServer:
         exposure.check_management(self.name, self.cfg, self.address)
         await server.start()
         self._server = server
+        self._names = names
         for n in names:
-            await self.health.set(n, SERVING)
+            await self.health.set(n, NOT_SERVING if self._standby else SERVING)
         await self.health.set("", NOT_SERVING if self._readiness_gated else SERVING)
         return bound
 
@@ -150,6 +156,13 @@ class MotorServer:
 
     async def set_ready(self, ready: bool) -> None:
         await self.health.set("", SERVING if ready else NOT_SERVING)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Every served service name (not ``""``) to SERVING or NOT_SERVING."""
+        if self._stopping:
+            return
+        for n in self._names:
+            await self.health.set(n, SERVING if serving else NOT_SERVING)
 
     async def stop(self) -> None:
         """NOT_SERVING everywhere, drain, end streams, then stop with a grace period."""

@@ -39,6 +39,7 @@ from .faults import FaultManager
 from .heartbeats import STATS_WINDOW_S, HeartbeatHub
 from .instance_reconciler import InstanceReconciler
 from .instances import InstanceTable
+from .leadership import Leadership
 from .liveclock import LiveClock
 from .nm_client import NodeManagerClients
 from .pending import PendingAssemblies
@@ -48,6 +49,7 @@ from .recovery import Recovery
 from .registration import Registrar
 from .service import ControllerService
 from .sessions import SessionTable
+from .state_store import StateStore
 from .store import Store
 
 # Every key is looked at again this often, whatever events said: what a lost event missed is
@@ -74,17 +76,27 @@ def _lock_state_dir(state_dir: str) -> int:
 
 class Controller:
     def __init__(
-        self, cfg: ControllerConfig, *, coordinator_alarm_after_s: float = COORDINATOR_ALARM_AFTER_S
+        self,
+        cfg: ControllerConfig,
+        *,
+        coordinator_alarm_after_s: float = COORDINATOR_ALARM_AFTER_S,
+        store: StateStore | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
+        """``store``: an opened shared store (etcd) instead of ``state_dir``'s database, and
+        ``leadership`` the election this process has won, whose term fences every push."""
         self.cfg = cfg
+        self.leadership = leadership
         # Key files first: a bad one is a start-up error before anything is opened.
         nm_key = read_key_file(cfg.nodemanager_key_file) if cfg.nodemanager_key_file else None
         coord_key = read_key_file(cfg.coordinator_key_file) if cfg.coordinator_key_file else None
-        self._lock = _lock_state_dir(cfg.state_dir)
+        # A shared store is guarded by the election instead of a lock file.
+        self._lock = _lock_state_dir(cfg.state_dir) if store is None else None
         try:
-            self._build(cfg, nm_key, coord_key, coordinator_alarm_after_s)
+            self._build(cfg, nm_key, coord_key, coordinator_alarm_after_s, store)
         except BaseException:  # a corrupt state file among others: the next start may retry
-            os.close(self._lock)
+            if self._lock is not None:
+                os.close(self._lock)
             raise
 
     def _build(
@@ -93,8 +105,9 @@ class Controller:
         nm_key: str | None,
         coord_key: str | None,
         coordinator_alarm_after_s: float,
+        store: StateStore | None,
     ) -> None:
-        self.store = Store(cfg.state_dir)
+        self.store: StateStore = Store(cfg.state_dir) if store is None else store
         shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
         self._tick_s = min(1.0, max(0.02, shortest / 4))
         # The timer reads the clock every tick, so a gap of several ticks (and at least one
@@ -180,6 +193,7 @@ class Controller:
             sync_interval_s=cfg.coordinator_set_sync_interval_s,
             resync_s=RESYNC_S,
             on_reachability=self.coordinator_alarms.on_reachability,
+            push_metadata=self.leadership.push_metadata if self.leadership else None,
         )
         self.recovery.coordinators = lambda: self.coordinator_set.current
         self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
@@ -195,7 +209,11 @@ class Controller:
         self._last_report = now
         self._stopped = False
         log.event(
-            "state_loaded", state_dir=cfg.state_dir, instances=len(self.table.live), pending=len(self.pending)
+            "state_loaded",
+            store=cfg.store,
+            at=cfg.state_dir if store is None else cfg.etcd_prefix,
+            instances=len(self.table.live),
+            pending=len(self.pending),
         )
 
     def _coordinators_changed(self, addresses: list[str]) -> None:
@@ -269,4 +287,5 @@ class Controller:
         await self.alarms.drain()
         await self.store.close()
         self.gc.close()
-        os.close(self._lock)
+        if self._lock is not None:
+            os.close(self._lock)

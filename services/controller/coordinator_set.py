@@ -15,44 +15,15 @@ Coordinator from the push.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 from services.common import log
+from services.common.dns import resolve, split_entry
 from services.common.tasks import cancel_quietly, spawn
 
-DNS_PREFIX = "dns:///"
 RESOLVE_S = 5.0
-# getaddrinfo's answers that mean "no such name" rather than "could not ask".
-_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-def split_entry(entry: str) -> tuple[str, int] | None:
-    """(name, port) of a ``dns:///name:port`` entry; None for a plain address."""
-    if not entry.startswith(DNS_PREFIX):
-        return None
-    name, _, port = entry[len(DNS_PREFIX) :].rpartition(":")
-    return name, int(port)
-
-
-def join(host: str, port: int) -> str:
-    # Only an IPv6 address has a colon; it needs brackets before the port.
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def resolve(name: str, port: int) -> list[str]:
-    """Every TCP address of ``name``, sorted; [] when the name does not exist. Raises OSError
-    when the lookup itself failed."""
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        if err.errno in _NO_SUCH_NAME:
-            return []
-        raise
-    return sorted({join(str(info[4][0]), port) for info in infos})
 
 
 class CoordinatorSet:

@@ -18,6 +18,11 @@ from services.controller.db import StateCorrupt
 
 async def serve(cfg: Config, stop: asyncio.Event) -> int:
     c = cfg.controller
+    if c.store == "etcd":
+        # Imported here: the SQLite deployment never loads the etcd client.
+        from services.controller.ha import serve_ha
+
+        return await serve_ha(c, stop)
     try:
         controller = Controller(c)
     except StateCorrupt as err:

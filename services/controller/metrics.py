@@ -26,6 +26,8 @@ from services.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECIS
 
 if TYPE_CHECKING:
     from services.controller.app import Controller
+    from services.controller.ha import Lead
+    from services.controller.leadership import Leadership
 
 P = "motor_controller_"
 # Every live status (DELETED instances are history, not counted) of every role, so a dashboard
@@ -48,12 +50,45 @@ def registry(controller: Controller) -> CollectorRegistry:
     return r
 
 
+def ha_registry(lead: Lead) -> CollectorRegistry:
+    """The etcd store's Controllers: the election always, the rest while this one leads."""
+    r = CollectorRegistry()
+    r.register(LeadCollector(lead))
+    return r
+
+
+def leader_metrics(leadership: Leadership | None) -> Iterator[Metric]:
+    """Without an election (SQLite) the one Controller is always the leader, term 0."""
+    leading = GaugeMetricFamily(
+        P + "leader", "1 while this Controller leads; 0 while it stands by (etcd store)."
+    )
+    leading.add_metric([], 1 if leadership is None or leadership.valid() else 0)
+    yield leading
+    term = GaugeMetricFamily(
+        P + "leader_term", "The term (leader key create revision in etcd) this Controller leads in; 0 = none."
+    )
+    term.add_metric([], leadership.term if leadership is not None and leadership.valid() else 0)
+    yield term
+
+
+class LeadCollector(Collector):
+    def __init__(self, lead: Lead) -> None:
+        self._lead = lead
+
+    def collect(self) -> Iterator[Metric]:
+        if self._lead.controller is None:
+            yield from leader_metrics(self._lead.leadership)
+        else:
+            yield from ControllerCollector(self._lead.controller).collect()
+
+
 class ControllerCollector(Collector):
     def __init__(self, controller: Controller) -> None:
         self._c = controller
 
     def collect(self) -> Iterator[Metric]:
         c = self._c
+        yield from leader_metrics(c.leadership)
         yield self._instances()
 
         hub = c.hub

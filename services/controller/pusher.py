@@ -56,6 +56,10 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _CALL_FAILED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError)
 
 
+# The metadata every push carries (the HA leader's term); raises when no push may be sent.
+PushMetadata = Callable[[], tuple[tuple[str, str], ...]]
+
+
 @dataclass(frozen=True)
 class Held:
     """What a Coordinator holds of one instance, as far as this Controller knows."""
@@ -77,8 +81,10 @@ class CoordinatorPusher:
         sync_interval_s: float = 0.0,
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_reachability: Reachability | None = None,
+        push_metadata: PushMetadata | None = None,
     ) -> None:
         self.address = address
+        self._push_metadata = push_metadata
         self._table = table
         self._enqueue = enqueue
         self._key = key
@@ -225,7 +231,9 @@ class CoordinatorPusher:
         gen = self._set_gen = self.channel_gen
         self._stale = False
         try:
-            resp = await self._stub.SetInstances(req, timeout=self._timeout, wait_for_ready=False)
+            resp = await self._stub.SetInstances(
+                req, timeout=self._timeout, metadata=self._metadata(), wait_for_ready=False
+            )
         except _CALL_FAILED as err:
             self.stats["set_failed"] += 1
             self._failed("set", err, gen)
@@ -290,25 +298,36 @@ class CoordinatorPusher:
     ) -> None:
         stub, gen, t = self._stub, self.channel_gen, self._timeout
         assert stub is not None
+        md = self._metadata()
         try:
             resp: _Answer
             if kind == "add":
                 resp = await stub.AddInstances(
-                    coordinator_pb2.AddInstancesRequest(instances=instances), timeout=t, wait_for_ready=False
+                    coordinator_pb2.AddInstancesRequest(instances=instances),
+                    timeout=t,
+                    metadata=md,
+                    wait_for_ready=False,
                 )
             elif kind == "delete":
                 resp = await stub.DeleteInstances(
                     coordinator_pb2.DeleteInstancesRequest(instances=instances),
                     timeout=t,
+                    metadata=md,
                     wait_for_ready=False,
                 )
             elif kind == "pause":
                 resp = await stub.PauseInstances(
-                    coordinator_pb2.PauseInstancesRequest(ids=ids), timeout=t, wait_for_ready=False
+                    coordinator_pb2.PauseInstancesRequest(ids=ids),
+                    timeout=t,
+                    metadata=md,
+                    wait_for_ready=False,
                 )
             else:
                 resp = await stub.ResumeInstances(
-                    coordinator_pb2.ResumeInstancesRequest(ids=ids), timeout=t, wait_for_ready=False
+                    coordinator_pb2.ResumeInstancesRequest(ids=ids),
+                    timeout=t,
+                    metadata=md,
+                    wait_for_ready=False,
                 )
         except _CALL_FAILED as err:
             if isinstance(err, grpc.aio.AioRpcError) and kind == "delete" and err.code() == NOT_FOUND:
@@ -318,6 +337,11 @@ class CoordinatorPusher:
         self.stats["incremental_ok"] += 1
         self._last_warn = ("", float("-inf"))
         self._check_incarnation(resp.incarnation)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """The leader's term on every push (HA); raises NotLeader once leadership has ended, so
+        nothing is sent."""
+        return self._push_metadata() if self._push_metadata is not None else ()
 
     def _failed(self, call: str, err: BaseException, gen: int) -> NoReturn:
         """A failed call: retried (as a full Set) with the key's backoff. One warning per new
@@ -383,10 +407,12 @@ class CoordinatorSync:
         resync_s: float = RESYNC_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_reachability: Reachability | None = None,
+        push_metadata: PushMetadata | None = None,
     ) -> None:
         self._table = table
         self._new_pusher = functools.partial(
             CoordinatorPusher,
+            push_metadata=push_metadata,
             key=key,
             tls=tls,
             max_message_bytes=max_message_bytes,

@@ -13,7 +13,8 @@ import grpc
 from motor.v1 import coordinator_pb2 as pb
 from motor.v1 import coordinator_pb2_grpc
 
-from services.common import log
+from services.common import errors, log
+from services.common.interceptors import LEADER_TERM_METADATA
 from services.coordinator import validation
 from services.coordinator.table import RoutingTable
 
@@ -39,6 +40,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._on_change = on_change
         # Drops the precision-detection state of group (p, d); True when there was some.
         self._dismiss_precision = dismiss_precision
+        # The highest Controller leader term seen on a push (0: none yet, or no HA).
+        self.leader_term = 0
+
+    def _fence(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a push from a Controller whose leadership is older than one already seen: a
+        paused or cut-off old leader must never overwrite what the new one pushed. A push
+        without a term (one Controller on SQLite, ``motor register``) is not fenced."""
+        term = _term_of(context)
+        if term is None:
+            return
+        if term < self.leader_term:
+            raise errors.precondition(
+                "STALE_LEADER",
+                f"term/{term}",
+                f"{rpc} from a Controller leader of term {term}, older than term {self.leader_term}",
+            )
+        if term > self.leader_term:
+            log.event("leader_term", term=term, previous=self.leader_term)
+            self.leader_term = term
 
     async def _applied(self, rpc: str, changed: bool, resp_cls: Callable[..., R]) -> R:
         state = self.table.state
@@ -54,27 +74,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def SetInstances(
         self, request: pb.SetInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetInstancesResponse:
+        self._fence("SetInstances", context)
         return await self._applied("SetInstances", self.table.set(request.instances), pb.SetInstancesResponse)
 
     async def AddInstances(
         self, request: pb.AddInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.AddInstancesResponse:
+        self._fence("AddInstances", context)
         return await self._applied("AddInstances", self.table.add(request.instances), pb.AddInstancesResponse)
 
     async def DeleteInstances(
         self, request: pb.DeleteInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteInstancesResponse:
+        self._fence("DeleteInstances", context)
         changed = self.table.delete(request.instances)
         return await self._applied("DeleteInstances", changed, pb.DeleteInstancesResponse)
 
     async def PauseInstances(
         self, request: pb.PauseInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseInstancesResponse:
+        self._fence("PauseInstances", context)
         return await self._applied("PauseInstances", self.table.pause(request.ids), pb.PauseInstancesResponse)
 
     async def ResumeInstances(
         self, request: pb.ResumeInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResumeInstancesResponse:
+        self._fence("ResumeInstances", context)
         changed = self.table.resume(request.ids)
         return await self._applied("ResumeInstances", changed, pb.ResumeInstancesResponse)
 
@@ -103,3 +128,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dismissed = self._dismiss_precision(p, d)
         log.event("precision_alarm_dismissed", p=p, d=d, dismissed=dismissed)
         return pb.ClearPrecisionAlarmResponse(dismissed=dismissed)
+
+
+def _term_of(context: grpc.aio.ServicerContext) -> int | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == LEADER_TERM_METADATA:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                raise errors.bad_request([(LEADER_TERM_METADATA, "must be a decimal integer")]) from None
+    return None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import dns
 from services.common.config import ConfigError, load
 from services.controller import coordinator_set
 from services.controller.alarm_sources import COORDINATOR_FAULT
@@ -50,7 +51,7 @@ async def test_a_real_name_resolves_to_its_addresses() -> None:
     assert "127.0.0.1:7200" in found
     assert all(a.endswith(":7200") for a in found)
     if socket.has_ipv6:
-        assert coordinator_set.join("::1", 7200) == "[::1]:7200"
+        assert dns.join("::1", 7200) == "[::1]:7200"
 
 
 def test_the_config_takes_dns_entries_and_refuses_bad_ones() -> None:

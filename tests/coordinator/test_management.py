@@ -265,3 +265,46 @@ async def test_clear_precision_alarm_drops_the_group_state_once(start_coordinato
     assert await _clear_alarm(r, d=5) is True  # p = 0: every group of decode instance 5
     assert await _clear_alarm(r, d=5, p=3) is False
     assert len(monitor.groups) == 0
+
+
+async def test_a_push_from_an_older_leader_term_is_refused_and_changes_nothing(coord: Running) -> None:
+    """Fencing of Controller leaders: once term 7 has pushed, a push of term 6 (a paused old
+    leader waking up) is FAILED_PRECONDITION STALE_LEADER and the table stays as term 7 left it;
+    the same or a newer term, and a push without a term, are applied."""
+    term = "x-motor-leader-term"
+    new = await coord.stub.SetInstances(
+        pb.SetInstancesRequest(instances=[instance(1, PREFILL, 9001)]), timeout=T, metadata=((term, "7"),)
+    )
+    for call in (
+        coord.stub.SetInstances(pb.SetInstancesRequest(), timeout=T, metadata=((term, "6"),)),
+        coord.stub.AddInstances(
+            pb.AddInstancesRequest(instances=[instance(2, DECODE, 9002)]), timeout=T, metadata=((term, "6"),)
+        ),
+        coord.stub.DeleteInstances(
+            pb.DeleteInstancesRequest(instances=[c.Instance(id=1)]), timeout=T, metadata=((term, "1"),)
+        ),
+        coord.stub.PauseInstances(pb.PauseInstancesRequest(ids=[1]), timeout=T, metadata=((term, "6"),)),
+        coord.stub.ResumeInstances(pb.ResumeInstancesRequest(ids=[1]), timeout=T, metadata=((term, "6"),)),
+    ):
+        err = await _error(call)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        (failure,) = [d for d in details_of(err) if isinstance(d, error_details_pb2.PreconditionFailure)]
+        assert failure.violations[0].type == "STALE_LEADER"
+    listed = await _list(coord)
+    assert (listed.revision, _ids(listed.available)) == (new.revision, [1])
+
+    same = await coord.stub.AddInstances(
+        pb.AddInstancesRequest(instances=[instance(2, DECODE, 9002)]), timeout=T, metadata=((term, "7"),)
+    )
+    untermed = await _add(coord, instance(3, DECODE, 9003))
+    newer = await coord.stub.PauseInstances(
+        pb.PauseInstancesRequest(ids=[3]), timeout=T, metadata=((term, "8"),)
+    )
+    assert new.revision < same.revision < untermed.revision < newer.revision
+    err = await _error(
+        coord.stub.ResumeInstances(pb.ResumeInstancesRequest(ids=[3]), timeout=T, metadata=((term, "7"),))
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    bad = await _error(coord.stub.SetInstances(pb.SetInstancesRequest(), timeout=T, metadata=((term, "x"),)))
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _ids((await _list(coord)).paused) == [3]
