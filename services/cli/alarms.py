@@ -1,5 +1,5 @@
 """``motor alarms [--all|--watch]``: the Controller's alarm store, listed page by page or
-followed across Controller restarts."""
+followed across Controller restarts (and, with several Controllers, to whichever leads)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import sys
 from datetime import UTC
 
 import grpc
-from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc
+from motor.v1 import alarm_pb2, controller_pb2
 
 from services.cli import client
 from services.cli.views import as_dict, parser, print_table, run, short_enum
+from services.common.errors import RpcFailure
+from services.common.leader_target import ControllerTarget, moves_on
 from services.common.retry import TERMINAL_CODES, Backoff
 
 # Alarms per ListAlarms call (the server's maximum).
@@ -46,12 +48,12 @@ def alarm_line(a: alarm_pb2.Alarm) -> str:
 
 
 async def list_alarms(
-    stub: controller_pb2_grpc.ControllerAsyncStub,
+    target: ControllerTarget,
     *,
     active_only: bool,
     alarm_id: str,
     deadline_s: float,
-    wait_for_ready: bool = True,
+    wait_for_ready: bool | None = None,
 ) -> list[alarm_pb2.Alarm]:
     """Every page of ListAlarms, oldest first."""
     found: list[alarm_pb2.Alarm] = []
@@ -60,7 +62,7 @@ async def list_alarms(
         req = controller_pb2.ListAlarmsRequest(
             active_only=active_only, alarm_id=alarm_id, page_size=PAGE_SIZE, page_token=token
         )
-        resp = await stub.ListAlarms(req, timeout=deadline_s, wait_for_ready=wait_for_ready)
+        resp = await target.call("ListAlarms", req, deadline_s, wait_for_ready=wait_for_ready)
         found.extend(resp.alarms)
         token = resp.next_page_token
         if not token:
@@ -69,13 +71,15 @@ async def list_alarms(
 
 
 async def alarms(args: argparse.Namespace, key: str | None) -> int:
-    async with client.channel(args, args.controller, key) as ch:
-        stub = controller_pb2_grpc.ControllerStub(ch)
+    target = client.controller_target(args, key)
+    try:
         if args.watch:
-            return await watch_alarms(args, stub)
+            return await watch_alarms(args, target)
         found = await list_alarms(
-            stub, active_only=not args.all, alarm_id=args.alarm_id, deadline_s=args.timeout
+            target, active_only=not args.all, alarm_id=args.alarm_id, deadline_s=args.timeout
         )
+    finally:
+        await target.close()
     if args.output == "json":
         print(json.dumps([as_dict(a) for a in found], indent=2))
     else:
@@ -83,9 +87,9 @@ async def alarms(args: argparse.Namespace, key: str | None) -> int:
     return 0
 
 
-async def watch_alarms(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerAsyncStub) -> int:
-    """Follow WatchAlarms; a broken stream (a Controller restart) is resumed after the last
-    sequence seen, so every alarm is printed once."""
+async def watch_alarms(args: argparse.Namespace, target: ControllerTarget) -> int:
+    """Follow WatchAlarms; a broken stream (a Controller restart, a new leader) is resumed after
+    the last sequence seen, so every alarm is printed once."""
 
     def emit(a: alarm_pb2.Alarm) -> None:
         if not args.alarm_id or a.alarm_id == args.alarm_id:
@@ -94,7 +98,7 @@ async def watch_alarms(args: argparse.Namespace, stub: controller_pb2_grpc.Contr
     last = args.after
     if not last:
         # "From now on", as a sequence: what a resume after a break must start from.
-        newest = await stub.ListAlarms(controller_pb2.ListAlarmsRequest(page_size=1), timeout=args.timeout)
+        newest = await target.call("ListAlarms", controller_pb2.ListAlarmsRequest(page_size=1), args.timeout)
         last = newest.alarms[0].sequence if newest.alarms else 0
     backoff = Backoff(*WATCH_RETRY)
     resumed = False
@@ -103,23 +107,34 @@ async def watch_alarms(args: argparse.Namespace, stub: controller_pb2_grpc.Contr
             if resumed and not last:
                 # The store was empty when the watch began and nothing came since: all it holds
                 # now is new, and after_sequence=0 would skip it.
-                for a in await list_alarms(stub, active_only=False, alarm_id="", deadline_s=args.timeout):
+                for a in await list_alarms(target, active_only=False, alarm_id="", deadline_s=args.timeout):
                     emit(a)
                     last = a.sequence
-            async for item in stub.WatchAlarms(controller_pb2.WatchAlarmsRequest(after_sequence=last)):
+            # Of several Controllers, a dead one must fail at once: another may lead.
+            watched = target.stub().WatchAlarms(
+                controller_pb2.WatchAlarmsRequest(after_sequence=last), wait_for_ready=not target.following
+            )
+            async for item in watched:
+                target.reached()
                 if item.alarm.sequence > last:
                     emit(item.alarm)
                     last = item.alarm.sequence
                     backoff.reset()
             why = "stream ended"
+            delay = backoff.next()
         except grpc.aio.AioRpcError as err:
             if err.code() in TERMINAL_CODES:
                 raise
+            failure = RpcFailure.of(err)
             why = err.code().name
-        delay = backoff.next()
-        print(
-            f"motor alarms: watch broken ({why}); resuming after sequence {last}", file=sys.stderr, flush=True
-        )
+            # Not the leader, or not there: the next Controller at once, if there is one.
+            delay = target.failed(failure) if moves_on(failure) and target.following else backoff.next()
+        if delay:
+            print(
+                f"motor alarms: watch broken ({why}); resuming after sequence {last}",
+                file=sys.stderr,
+                flush=True,
+            )
         await asyncio.sleep(delay)
         resumed = True
 

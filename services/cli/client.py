@@ -1,5 +1,9 @@
 """What every operator command shares: the flags that say where the services are and how to
-talk to them, the channel they open, and the one line printed when a call fails."""
+talk to them, the channel they open, and the one line printed when a call fails.
+
+``--controller`` takes one Controller, several (comma-separated) or ``dns:///NAME:PORT``: every
+call goes to the leader among them (:class:`~services.common.leader_target.ControllerTarget`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import argparse
 
 import grpc
 
+from services.common import errors
 from services.common.channel import ClientTLS, open_channel
 from services.common.config import read_key_file
+from services.common.leader_target import NOT_LEADER, ControllerTarget
 
 
 def addresses(text: str) -> list[str]:
@@ -29,7 +35,13 @@ def add_flags(
     """``coordinators``: ``--coordinator`` takes a comma-separated list (``args.coordinator``
     is then a list of addresses)."""
     if controller:
-        p.add_argument("--controller", default="127.0.0.1:7100", metavar="H:P")
+        p.add_argument(
+            "--controller",
+            default="127.0.0.1:7100",
+            metavar="H:P[,H:P...]",
+            help="the Controller; with several (comma-separated, or dns:///NAME:PORT) the one "
+            "leading them answers",
+        )
     if coordinators:
         p.add_argument(
             "--coordinator",
@@ -71,8 +83,16 @@ def channel(
     return open_channel(target, key=key, tls=tls_of(args), service="cli", retries=retries)
 
 
+def controller_target(args: argparse.Namespace, key: str | None) -> ControllerTarget:
+    """The Controllers ``--controller`` names; ``close()`` it when done."""
+    return ControllerTarget(args.controller, key=key, tls=tls_of(args), service="cli")
+
+
 def rpc_error_line(prog: str, peer: str, address: str, err: grpc.aio.AioRpcError) -> str:
     """The one line a command prints for a failed call to ``peer`` ("Controller"...)."""
+    failure = errors.RpcFailure.of(err)
+    if failure.reason == NOT_LEADER:
+        return f"{prog}: no {peer} leader among {address} ({failure.message})"
     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return f"{prog}: cannot reach the {peer} at {address} ({err.code().name})"
     return f"{prog}: {err.code().name}: {err.details()}"

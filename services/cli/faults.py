@@ -12,7 +12,7 @@ import json
 import sys
 
 import grpc
-from motor.v1 import controller_pb2, controller_pb2_grpc
+from motor.v1 import controller_pb2
 
 from services.cli import client
 from services.common.config import ConfigError
@@ -57,9 +57,14 @@ def request_of(args: argparse.Namespace) -> controller_pb2.ReportFaultsRequest:
 
 
 async def send(args: argparse.Namespace, key: str | None) -> controller_pb2.ReportFaultsResponse:
-    async with client.channel(args, args.controller, key) as ch:
-        stub = controller_pb2_grpc.ControllerStub(ch)
-        return await stub.ReportFaults(request_of(args), timeout=args.timeout)
+    target = client.controller_target(args, key)
+    try:
+        resp: controller_pb2.ReportFaultsResponse = await target.call(
+            "ReportFaults", request_of(args), args.timeout
+        )
+        return resp
+    finally:
+        await target.close()
 
 
 def main(argv: list[str]) -> int:

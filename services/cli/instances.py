@@ -4,7 +4,8 @@ The watch is level-triggered, like ``kubectl get -w``: it polls ListInstances an
 differs between two snapshots (an instance added, changed or gone), so a state an instance
 passes through between two polls is not shown, but the latest one always is. It outlives a
 Controller restart: the outage and the recovery are one stderr line each, and the first answer
-after it is compared with the last one before."""
+after it is compared with the last one before; with several Controllers it follows the leader
+(the lines name the Controller lost and the one answering again)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from motor.v1 import common_pb2, controller_pb2
 
 from services.cli import client
 from services.cli.views import (
@@ -30,6 +31,7 @@ from services.cli.views import (
     print_table,
     run,
 )
+from services.common.leader_target import ControllerTarget
 from services.common.retry import TERMINAL_CODES, Backoff
 
 # Polling again after a failed ListInstances: from 0.2 s, doubling up to 5 s.
@@ -57,10 +59,10 @@ def changes(before: Snapshot, after: Snapshot) -> Iterator[tuple[Change, common_
 
 
 async def list_instances(
-    stub: controller_pb2_grpc.ControllerAsyncStub, deadline_s: float, *, wait_for_ready: bool = True
+    target: ControllerTarget, deadline_s: float, *, wait_for_ready: bool | None = None
 ) -> Snapshot:
-    resp = await stub.ListInstances(
-        controller_pb2.ListInstancesRequest(), timeout=deadline_s, wait_for_ready=wait_for_ready
+    resp = await target.call(
+        "ListInstances", controller_pb2.ListInstancesRequest(), deadline_s, wait_for_ready=wait_for_ready
     )
     return {i.id: i for i in resp.instances}
 
@@ -86,8 +88,8 @@ class Printer:
         print(line, flush=True)
 
 
-async def watch(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerAsyncStub) -> int:
-    seen = await list_instances(stub, args.timeout)
+async def watch(args: argparse.Namespace, target: ControllerTarget) -> int:
+    seen = await list_instances(target, args.timeout)
     out = Printer(args.output == "json", seen)
     out.header()
     for change, inst in changes({}, seen):
@@ -99,15 +101,15 @@ async def watch(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerAs
         await asyncio.sleep(delay)
         try:
             # Not waiting for a connection: a Controller that is down is told at once.
-            now = await list_instances(stub, args.timeout, wait_for_ready=False)
+            asked = target.address
+            now = await list_instances(target, args.timeout, wait_for_ready=False)
         except grpc.aio.AioRpcError as err:
             if err.code() in TERMINAL_CODES:
                 raise
             if not lost:
                 lost = True
                 print(
-                    f"motor instances: lost the Controller at {args.controller} ({err.code().name}); "
-                    "retrying",
+                    f"motor instances: lost the Controller at {asked} ({err.code().name}); retrying",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -117,7 +119,7 @@ async def watch(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerAs
             lost = False
             backoff.reset()
             print(
-                f"motor instances: the Controller at {args.controller} answers again",
+                f"motor instances: the Controller at {target.address} answers again",
                 file=sys.stderr,
                 flush=True,
             )
@@ -127,11 +129,13 @@ async def watch(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerAs
 
 
 async def instances(args: argparse.Namespace, key: str | None) -> int:
-    async with client.channel(args, args.controller, key) as ch:
-        stub = controller_pb2_grpc.ControllerStub(ch)
+    target = client.controller_target(args, key)
+    try:
         if args.watch:
-            return await watch(args, stub)
-        found = await list_instances(stub, args.timeout)
+            return await watch(args, target)
+        found = await list_instances(target, args.timeout)
+    finally:
+        await target.close()
     if args.output == "json":
         print(json.dumps([as_dict(i) for i in found.values()], indent=2))
     else:

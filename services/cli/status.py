@@ -25,7 +25,6 @@ from motor.v1 import (
     alarm_pb2,
     common_pb2,
     controller_pb2,
-    controller_pb2_grpc,
     coordinator_pb2,
     coordinator_pb2_grpc,
     nodemanager_pb2,
@@ -129,22 +128,32 @@ async def controller_part(
         "fault_tolerance": None,
         "alarms": None,
     }
-    async with client.channel(args, args.controller, key, retries=False) as ch:
-        stub = controller_pb2_grpc.ControllerStub(ch)
+    target = client.controller_target(args, key)
+    try:
+        # The instances first: finding them finds the leader (of several Controllers), which
+        # the rest is asked of.
+        listed = await attempt(
+            target.call(
+                "ListInstances", controller_pb2.ListInstancesRequest(), deadline.left(), wait_for_ready=False
+            )
+        )
+        if not isinstance(listed, grpc.aio.AioRpcError):
+            part["address"] = target.address
         left = deadline.left()
-        served, listed, ft, active = await asyncio.gather(
-            attempt(health(ch, "", deadline)),
+        served, ft, active = await asyncio.gather(
+            attempt(health(target.channel(), "", deadline)),
             attempt(
-                stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=left, wait_for_ready=False)
-            ),
-            attempt(
-                stub.GetFaultToleranceStatus(
+                target.stub().GetFaultToleranceStatus(
                     controller_pb2.GetFaultToleranceStatusRequest(), timeout=left, wait_for_ready=False
                 )
             ),
-            attempt(list_alarms(stub, active_only=True, alarm_id="", deadline_s=left, wait_for_ready=False)),
+            attempt(
+                list_alarms(target, active_only=True, alarm_id="", deadline_s=left, wait_for_ready=False)
+            ),
         )
-    errors = [r for r in (served, listed, ft, active) if isinstance(r, grpc.aio.AioRpcError)]
+    finally:
+        await target.close()
+    errors = [r for r in (listed, served, ft, active) if isinstance(r, grpc.aio.AioRpcError)]
     part["health"] = UNREACHABLE if isinstance(served, grpc.aio.AioRpcError) else served
     part["error"] = failure(errors[0]) if errors else None
     instances = None

@@ -209,28 +209,35 @@ def details_of(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[Message]:
 class RpcFailure(Exception):
     """A call a peer answered with an error, as a client sees it: the status code, the message,
     and what the google.rpc details say — ``reason`` (ErrorInfo reason, or the PreconditionFailure
-    type such as ``NODE_MISMATCH`` or ``STALE_SESSION``) and ``retry_after`` (RetryInfo, seconds).
+    type such as ``NODE_MISMATCH`` or ``STALE_SESSION``), ``metadata`` (the ErrorInfo's, such as
+    the ``leader`` a standby Controller names) and ``retry_after`` (RetryInfo, seconds).
     """
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, reason: str = "", retry_after: float | None = None
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str = "",
+        retry_after: float | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         super().__init__(f"{code.name}: {message}" if message else code.name)
         self.code = code
         self.message = message
         self.reason = reason
         self.retry_after = retry_after
+        self.metadata = metadata or {}
 
     @classmethod
     def of(cls, err: grpc.RpcError) -> RpcFailure:
         code = err.code() if callable(getattr(err, "code", None)) else None
         message = err.details() if callable(getattr(err, "details", None)) else ""
-        reason, retry_after = "", None
+        reason, retry_after, metadata = "", None, {}
         for d in details_of(err) if callable(getattr(err, "trailing_metadata", None)) else []:
             if isinstance(d, error_details_pb2.ErrorInfo) and not reason:
-                reason = d.reason
+                reason, metadata = d.reason, dict(d.metadata)
             elif isinstance(d, error_details_pb2.PreconditionFailure) and d.violations and not reason:
                 reason = d.violations[0].type
             elif isinstance(d, error_details_pb2.RetryInfo):
                 retry_after = d.retry_delay.seconds + d.retry_delay.nanos / 1e9
-        return cls(code or grpc.StatusCode.UNKNOWN, message or "", reason, retry_after)
+        return cls(code or grpc.StatusCode.UNKNOWN, message or "", reason, retry_after, metadata)

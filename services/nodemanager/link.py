@@ -7,6 +7,13 @@ out yet. The stream stays open for the node's life: a beat every interval and at
 status change, an engine event the instant an engine dies; it reconnects after 0.2 s doubling to
 2 s with jitter, and on ``DIRECTIVE_REREGISTER`` (or a STALE_SESSION refusal) registers again with
 its instance id (the engines keep running).
+
+Several Controllers (``controller`` lists them, or a ``dns:///`` name stands for them): both
+calls go to the leader (:class:`~services.common.leader_target.ControllerTarget`). A standby's
+NOT_LEADER, a refused connection or a stream gone silent moves the link to the next Controller
+at once, and a round over all of them that found no leader is followed by a short pause (0.2 s
+to 0.5 s, not the backoffs above): a new leader hears from every node well within a heartbeat
+interval of serving, and tells it to register again as a restarted Controller would.
 """
 
 from __future__ import annotations
@@ -17,11 +24,11 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from motor.v1 import common_pb2, controller_pb2
 
 from services.common import enums, errors, log, retry
-from services.common.channel import open_channel
 from services.common.config import NodeManagerConfig, read_key_file
+from services.common.leader_target import NOT_LEADER, ControllerTarget, moves_on
 from services.nodemanager import launch
 from services.nodemanager.supervisor import EngineSupervisor
 
@@ -34,6 +41,8 @@ DEFAULT_INTERVAL_S = 3.0
 # has not noticed yet.
 ACK_INTERVALS = 4
 ACK_MIN_S = 10.0
+# The pause between two rounds over several Controllers that found no leader.
+SEARCH_BACKOFF = (0.2, 0.5)
 
 
 class RegistrationRefused(Exception):
@@ -46,14 +55,14 @@ class ControllerLink:
         self.nm_port = nm_port
         self.sup = supervisor
         key_file = nm_cfg.controller_key_file
-        self.channel = open_channel(
+        self.target = ControllerTarget(
             nm_cfg.controller,
             key=read_key_file(key_file) if key_file else None,
             tls=nm_cfg,
             max_message_bytes=nm_cfg.max_message_bytes,
             service="nodemanager",
+            backoff=retry.Backoff(*SEARCH_BACKOFF),
         )
-        self.stub: controller_pb2_grpc.ControllerAsyncStub = controller_pb2_grpc.ControllerStub(self.channel)
         self.node_id = 0
         self.session_epoch = 0
         self.interval_s = DEFAULT_INTERVAL_S
@@ -94,24 +103,31 @@ class ControllerLink:
         backoff = retry.Backoff(initial=1.0, maximum=30.0)
         self.registered.clear()
         while True:
+            await self.target.resolve()
             req = self.register_request()
+            address = self.target.address
             try:
-                resp = await self.stub.Register(req, timeout=REGISTER_TIMEOUT_S, wait_for_ready=False)
+                resp = await self.target.stub().Register(
+                    req, timeout=REGISTER_TIMEOUT_S, wait_for_ready=False
+                )
             except grpc.aio.AioRpcError as err:
                 failure = errors.RpcFailure.of(err)
                 if not REGISTER_POLICY.retryable(failure.code):
                     log.error("register_refused", code=failure.code.name, message=failure.message)
                     raise RegistrationRefused(str(failure)) from None
-                wait = backoff.next()
-                log.warn(
-                    "register_failed",
-                    controller=self.nm_cfg.controller,
-                    code=failure.code.name,
-                    message=failure.message,
-                    retry_in_s=round(wait, 2),
-                )
+                wait = self._retry_delay(failure, backoff)
+                # Going straight on to the next Controller is the search at work, not a failure.
+                if wait:
+                    log.warn(
+                        "register_failed",
+                        controller=address,
+                        code=failure.code.name,
+                        message=failure.message,
+                        retry_in_s=round(wait, 2),
+                    )
                 await asyncio.sleep(wait)
                 continue
+            self.target.reached()
             self.node_id = resp.node_id
             self.session_epoch = resp.session_epoch
             self.interval_s = (
@@ -122,7 +138,7 @@ class ControllerLink:
                 self.sup.instance_id = resp.instance_id
             log.event(
                 "registered",
-                controller=self.nm_cfg.controller,
+                controller=self.target.address,
                 node_id=self.node_id,
                 session_epoch=self.session_epoch,
                 instance_id=resp.instance_id,
@@ -139,14 +155,28 @@ class ControllerLink:
         await self.register()
         backoff = retry.Backoff(initial=0.2, maximum=2.0)
         while True:
-            outcome, healthy = await self._stream_once()
+            outcome, healthy, failure = await self._stream_once()
             if outcome == "reregister":
                 await self.register()
                 backoff.reset()
                 continue
             if healthy:
                 backoff.reset()
-            await backoff.sleep()
+            await asyncio.sleep(self._retry_delay(failure, backoff))
+
+    def _retry_delay(self, failure: errors.RpcFailure | None, backoff: retry.Backoff) -> float:
+        """How long to wait before the next try after ``failure`` (None: the Controller ended
+        the stream itself). Not reaching the leader moves to the next Controller, at once or
+        after the pause that ends a round; with a single Controller the link keeps ``backoff``.
+        Any other failure is the leader's own answer: ``backoff`` too."""
+        if failure is None or not moves_on(failure):
+            if failure is not None:
+                self.target.reached()
+            return backoff.next()
+        delay = self.target.failed(failure)
+        if delay and not self.target.following:
+            return backoff.next()
+        return delay
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -213,9 +243,12 @@ class ControllerLink:
                 call.cancel()
                 return
 
-    async def _stream_once(self) -> tuple[str, bool]:
-        """One stream's life: ("broken" | "reregister", whether it carried any ack)."""
-        call = self.stub.Heartbeat(self._requests(), wait_for_ready=False)
+    async def _stream_once(self) -> tuple[str, bool, errors.RpcFailure | None]:
+        """One stream's life: ("broken" | "reregister", whether it carried any ack, why it broke
+        when the Controller did not end it itself)."""
+        await self.target.resolve()
+        address = self.target.address
+        call = self.target.stub().Heartbeat(self._requests(), wait_for_ready=False)
         self._last_rx = time.monotonic()
         watchdog = asyncio.create_task(self._watchdog(call))
         healthy = False
@@ -225,6 +258,7 @@ class ControllerLink:
                 kind = resp.WhichOneof("kind")
                 if kind == "ack":
                     if not healthy:
+                        self.target.reached()
                         log.event(
                             "heartbeat_stream_open", node_id=self.node_id, session_epoch=self.session_epoch
                         )
@@ -233,31 +267,38 @@ class ControllerLink:
                 elif kind == "directive" and resp.directive == enums.REREGISTER:
                     log.warn("reregister_requested", node_id=self.node_id, session_epoch=self.session_epoch)
                     call.cancel()
-                    return "reregister", healthy
+                    return "reregister", healthy, None
             log.warn("heartbeat_stream_ended", node_id=self.node_id)
-            return "broken", healthy
+            return "broken", healthy, None
         except grpc.aio.AioRpcError as err:
             failure = errors.RpcFailure.of(err)
             if failure.reason == "STALE_SESSION":
                 log.warn("session_stale", node_id=self.node_id, message=failure.message)
-                return "reregister", healthy
-            if failure.code != grpc.StatusCode.CANCELLED:
-                log.warn("heartbeat_stream_broken", code=failure.code.name, message=failure.message)
-            return "broken", healthy
+                return "reregister", healthy, None
+            # A standby's refusal is part of finding the leader, not a break.
+            if failure.code != grpc.StatusCode.CANCELLED and failure.reason != NOT_LEADER:
+                log.warn(
+                    "heartbeat_stream_broken",
+                    controller=address,
+                    code=failure.code.name,
+                    message=failure.message,
+                )
+            return "broken", healthy, failure
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 call.cancel()
                 raise
-            # The watchdog cancelled the call (grpc raises CancelledError for a local cancel).
-            return "broken", healthy
+            # The watchdog cancelled the call (grpc raises CancelledError for a local cancel): the
+            # Controller may be cut off, another may lead.
+            return "broken", healthy, errors.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "no ack in time")
         finally:
             self.connected = False
             watchdog.cancel()
             # Events taken from the queue by a dead stream are re-sent by the next one.
 
     async def close(self) -> None:
-        await self.channel.close(grace=None)
+        await self.target.close()
 
 
 def register_request(

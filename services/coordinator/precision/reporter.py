@@ -5,6 +5,10 @@ order they were raised, and one supervised task sends them (exponential backoff 
 between failures). The queue outlives any Controller outage; it does not outlive this process:
 an alarm not yet accepted when the Coordinator stops is lost (logged as
 ``precision_reports_lost``), and the group is sampled afresh by the next Coordinator.
+
+With several Controllers (``coordinator.controller`` lists them, or names them with
+``dns:///``) every delivery goes to the leader: each attempt follows a standby's NOT_LEADER
+answer and skips a Controller that is down before it counts as failed.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from collections.abc import Callable, Mapping
 
 import grpc
 from google.protobuf import timestamp_pb2
-from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc
+from motor.v1 import alarm_pb2, controller_pb2
 
 from services.common import errors, log, retry, tasks
-from services.common.channel import open_channel
 from services.common.config import CoordinatorConfig
+from services.common.leader_target import ControllerTarget, first_address
 
 ALARM_ID = "0xFC001009"
 ALARM_NAME = "Precision issue"
@@ -54,12 +58,13 @@ def _split(hostport: str) -> tuple[str, str]:
 async def service_ip(host: str, controller: str) -> str:
     """The Coordinator's address for its alarms' moi: ``host`` as it serves, unless that is a
     wildcard (0.0.0.0, ::), which names no one. Then the local address this machine uses to
-    reach the Controller: the address the Controller sees the Coordinator at, chosen by the
-    kernel's routing (a UDP connect sends nothing). The host name when even that fails."""
+    reach the Controller (the first one ``controller`` names): the address the Controller sees
+    the Coordinator at, chosen by the kernel's routing (a UDP connect sends nothing). The host
+    name when even that fails."""
     if host not in _WILDCARDS:
         return host
     try:
-        chost, cport = _split(controller)
+        chost, cport = _split(first_address(controller))
         infos = await asyncio.get_running_loop().getaddrinfo(chost, cport, type=socket.SOCK_DGRAM)
         family, _, _, _, addr = infos[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -105,16 +110,13 @@ class AlarmReporter:
         on_pending: Callable[[int], None] = lambda n: None,
         backoff: retry.Backoff | None = None,
     ) -> None:
-        self._target = cfg.controller
-        self._channel = open_channel(
+        self._target = ControllerTarget(
             cfg.controller,
             key=key,
             tls=cfg,
             max_message_bytes=cfg.max_message_bytes,
             service="coordinator",
         )
-        stub: controller_pb2_grpc.ControllerAsyncStub = controller_pb2_grpc.ControllerStub(self._channel)
-        self._stub = stub
         self._queue: collections.deque[alarm_pb2.Alarm] = collections.deque()
         self._wake = asyncio.Event()
         self._on_pending = on_pending
@@ -142,8 +144,8 @@ class AlarmReporter:
             # its CLEAR.
             batch = [self._queue[i] for i in range(min(MAX_BATCH, len(self._queue)))]
             try:
-                resp = await self._stub.ReportAlarms(
-                    controller_pb2.ReportAlarmsRequest(alarms=batch), timeout=REPORT_TIMEOUT_S
+                resp = await self._target.call(
+                    "ReportAlarms", controller_pb2.ReportAlarmsRequest(alarms=batch), REPORT_TIMEOUT_S
                 )
             except grpc.aio.AioRpcError as err:
                 failure = errors.RpcFailure.of(err)
@@ -154,7 +156,7 @@ class AlarmReporter:
                 logger = log.error if failure.code in retry.TERMINAL_CODES else log.warn
                 logger(
                     "precision_report_failed",
-                    controller=self._target,
+                    controller=self._target.address,
                     code=failure.code.name,
                     message=failure.message,
                     pending=len(self._queue),
@@ -184,5 +186,5 @@ class AlarmReporter:
         await tasks.cancel_quietly(self._task)
         self._task = None
         if self._queue:
-            log.warn("precision_reports_lost", pending=len(self._queue), controller=self._target)
-        await self._channel.close()
+            log.warn("precision_reports_lost", pending=len(self._queue), controller=self._target.target)
+        await self._target.close()
