@@ -1,7 +1,7 @@
 """Chaos on the control stream: `motor up --prefill 1 --decode 2` plus a second prefill
 NodeManager started here, which reaches the Controller only through a loopback TCP proxy. Its
 stream is cut (every connection reset), then stalled (nothing moves, nothing is closed) for
-twice the heartbeat timeout; last the Controller itself is stopped (SIGSTOP) for 15 s, past
+twice the heartbeat timeout; last the Controller itself is stopped (SIGSTOP) for 12 s, past
 the heartbeat timeout and past the NodeManagers' own 10 s watchdog on a silent stream.
 
 A short heartbeat (1 s) and heartbeat timeout (4 s) keep the stalls short. The NodeManager's
@@ -38,7 +38,7 @@ from tests.procs import Proc, exited
 pytestmark = pytest.mark.timeout(150)
 
 HEARTBEAT_S, TIMEOUT_S = 1, 4
-STOP_S = 15.0  # a VM pause or a long stall, well past every timeout on both sides
+STOP_S = 12.0  # a VM pause or a long stall, past every timeout on both sides (NodeManager: 10 s)
 CONFIG = {
     "controller": {
         "heartbeat_interval_s": HEARTBEAT_S,
