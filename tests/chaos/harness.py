@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from services.nodemanager.statefile import StateFile
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, ENGINE, HTTP, NM, NM_METRICS, up_ports
+from tests.e2e.cluster import CONTROLLER, CONTROLLER_1, COORDINATOR, ENGINE, HTTP, NM, NM_METRICS, up_ports
 from tests.poll import wait_until
 from tests.ports import reserve
 from tests.procs import Proc, child_pids, exited, motor_argv
@@ -53,17 +53,25 @@ class Cluster:
     itself (``start_nodemanager``)."""
 
     def __init__(
-        self, tmp: Path, prefill: int, decode: int, config: dict[str, Any], extra_nodes: int = 0
+        self,
+        tmp: Path,
+        prefill: int,
+        decode: int,
+        config: dict[str, Any],
+        extra_nodes: int = 0,
+        ha: bool = False,
     ) -> None:
         self.tmp = tmp
         self.nodes = prefill + decode
-        self.ports = reserve(up_ports(self.nodes + extra_nodes))
+        self.ha = ha
+        self.ports = reserve(up_ports(self.nodes + extra_nodes, ha=ha))
         self.off = self.ports.shift
         self.state = tmp / "state"
         self.config = tmp / "chaos.json"
         self.config.write_text(json.dumps(config))
         self.own: dict[int, tuple[Proc, Path]] = {}  # NodeManagers started by the test, by index
         argv = ["up", "--prefill", str(prefill), "--decode", str(decode), "--config", str(self.config)]
+        argv += ["--ha"] if ha else []
         self.up = Proc(
             motor_argv(*argv, "--port-offset", str(self.off), "--state-dir", str(self.state)), cwd=tmp
         )
@@ -74,7 +82,19 @@ class Cluster:
 
     @property
     def controller(self) -> str:
-        return self.addr(CONTROLLER)
+        """The Controller; under --ha the one that leads now (waited for)."""
+        if not self.ha:
+            return self.addr(CONTROLLER)
+        return wait_until(self.leader, 30, "a Controller leading", every=0.05)
+
+    @property
+    def controllers(self) -> list[str]:
+        """controller-0 and controller-1 (--ha)."""
+        return [self.addr(CONTROLLER), self.addr(CONTROLLER_1)]
+
+    def leader(self) -> str:
+        """The --ha Controller whose motor.v1.Controller health is SERVING; "" when none is."""
+        return next((a for a in self.controllers if self.serving(a, "motor.v1.Controller")), "")
 
     @property
     def coordinator(self) -> str:
