@@ -34,6 +34,7 @@ from services.controller.db import StateCorrupt
 from services.controller.etcd_client import EtcdClient, EtcdUnavailable
 from services.controller.etcd_store import EtcdStore
 from services.controller.leadership import Leadership
+from services.controller.main import start_listeners
 from services.controller.standby import LeaderGate
 
 # The exit status of a leader that lost its lease: not a crash, a step-down.
@@ -81,12 +82,8 @@ async def serve_ha(c: ControllerConfig, stop: asyncio.Event, on_lost: Callable[[
     lead = Lead(leadership)
     scrape = MetricsServer(c.host, c.metrics_port, metrics.ha_registry(lead)) if c.metrics_port else None
     try:
-        if scrape is not None:
-            await scrape.start()
-        await server.start()
+        await start_listeners(server, scrape)
     except BaseException:
-        if scrape is not None:
-            await scrape.stop()
         await client.close()
         raise
     # Known only once bound (port 0 in tests).

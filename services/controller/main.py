@@ -40,13 +40,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     server.on_stop(controller.end_streams)
     scrape = MetricsServer(c.host, c.metrics_port, metrics.registry(controller)) if c.metrics_port else None
     try:
-        # Bound before the gRPC port: SERVING means /metrics answers too.
-        if scrape is not None:
-            await scrape.start()
-        await server.start()
+        await start_listeners(server, scrape)
     except BaseException:
-        if scrape is not None:
-            await scrape.stop()
         await controller.stop()
         raise
     await controller.start()
@@ -59,6 +54,19 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
             await scrape.stop()
         await controller.stop()
     return 0
+
+
+async def start_listeners(server: MotorServer, scrape: MetricsServer | None) -> None:
+    """/metrics, then the gRPC port: SERVING means /metrics answers too. When either cannot
+    start, neither is left running."""
+    try:
+        if scrape is not None:
+            await scrape.start()
+        await server.start()
+    except BaseException:
+        if scrape is not None:
+            await scrape.stop()
+        raise
 
 
 def main(argv: list[str]) -> int:
