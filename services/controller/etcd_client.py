@@ -239,9 +239,11 @@ class EtcdClient:
     # ---- endpoints -----------------------------------------------------------------------------
 
     async def _call(self, what: str, attempt: Callable[[_Endpoint], Awaitable[T]]) -> T:
-        """``attempt`` on each endpoint in turn, from the one that answered last, until one answers."""
+        """``attempt`` on each endpoint in turn, from the one that answered last, until one
+        answers; the first one gets a second try at the end, since a connection that was just
+        reset fails one call before the channel reconnects (so does a lone endpoint's)."""
         failures = []
-        for k in range(len(self._targets)):
+        for k in range(len(self._targets) + 1):
             i = (self._current + k) % len(self._targets)
             try:
                 result = await attempt(self._endpoint(i))
