@@ -16,8 +16,12 @@ Everything runs twice: with engine relaunch (the default) and with it disabled
 (`controller.enable_engine_relaunch = false`: the NodeManager's pod-restart fallback instead).
 Targets: detection < 1 s, overhead < 2 s, no failed request while another pair exists.
 
-    python -m bench.bench_failover [--rounds 10]
-    python -m bench failover
+Then the Controller (bench/loadgen/controller_failover.py): `motor up --ha` (etcd and two
+Controllers), 10 SIGKILLs of the leader, timing the new leader and the NodeManagers' re-attach.
+It needs etcd; without it the report says so and the rest runs.
+
+    python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,controller] [--out DIR]
+    python -m bench failover   # everything, into bench/results
 """
 
 from __future__ import annotations
@@ -34,19 +38,22 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import openai
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
-from openai.types.chat import ChatCompletionMessageParam
 
+from bench.loadgen import controller_failover
+from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.harness import machine, publish
 from bench.loadgen.up import CONTROLLER, NM, Up
 from services.cli.up import HEALTHY_RUN_S
 
-RESULTS = Path(__file__).parent / "results" / "failover.md"
+RESULTS = Path(__file__).parent / "results"
+REPORT = "failover.md"
+KINDS = ("engine", "nodemanager")  # the instance faults; "controller" is the third part
+PARTS = (*KINDS, "controller")
 DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
 ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
 DECODE = common_pb2.ROLE_DECODE
@@ -59,27 +66,6 @@ class Round:
     detect_s: float
     serving_s: float
     failed: int
-
-
-@dataclass
-class Load:
-    """One client, one request at a time, counting failures."""
-
-    url: str
-    ok: int = 0
-    failed: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30)
-        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "failover"}]
-        while not self.stop.is_set():
-            try:
-                client.chat.completions.create(model="motor-sim", messages=messages, max_tokens=4)
-                self.ok += 1
-            except Exception:
-                self.failed += 1
-                time.sleep(0.01)
 
 
 def engine_start_s(runs: int = 5) -> float:
@@ -184,22 +170,14 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     return result
 
 
-def process_age_s(pid: int) -> float:
-    """How long process ``pid`` has been running."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-def run_mode(relaunch: bool, rounds: int) -> list[Round]:
+def run_mode(relaunch: bool, rounds: int, kinds: list[str]) -> list[Round]:
     c = Cluster(relaunch)
     load = Load(c.url)
     thread = threading.Thread(target=load.run, daemon=True)
     try:
         c.all_active()
         thread.start()
-        out = [one_round(c, load, kind, r % 2) for kind in ("engine", "nodemanager") for r in range(rounds)]
+        out = [one_round(c, load, kind, r % 2) for kind in kinds for r in range(rounds)]
         c.all_active()
         return out
     finally:
@@ -237,22 +215,31 @@ def verdict(rounds: list[Round], engine_s: float) -> str:
     return "all targets met" if not missed else "**missed: " + "; ".join(missed) + "**"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.bench_failover")
     p.add_argument("--rounds", type=int, default=10, help="kills of each kind per mode")
-    args = p.parse_args(argv or [])  # `python -m bench failover` runs the defaults
-    engine_s = engine_start_s()
-    results = {mode: run_mode(mode == "relaunch on", args.rounds) for mode in ("relaunch on", "relaunch off")}
-    rows = []
-    for mode, rounds in results.items():
-        for kind in ("engine", "nodemanager"):
-            rows.append(f"| {mode} | {kind} SIGKILL | " + " | ".join(summary(rounds, kind, engine_s)) + " |")
-    lines = [
-        "# Failover under load (motor up --prefill 1 --decode 2, simulated engines)",
-        "",
-        f"{time.strftime('%Y-%m-%d')}, {machine()}, {args.rounds} kills of each kind per mode, one client "
-        "sending non-streaming requests back to back",
-        "",
+    p.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        metavar="PARTS",
+        help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR", help=f"where {REPORT} goes")
+    args = p.parse_args(argv)
+    asked = {part.strip() for part in args.only.split(",") if part.strip()}
+    if not asked or asked - set(PARTS):
+        p.error(f"--only takes a comma-separated list of {', '.join(PARTS)}")
+    args.only = [part for part in PARTS if part in asked]  # in the order they run
+    return args
+
+
+def instance_section(results: dict[str, list[Round]], kinds: list[str], engine_s: float) -> list[str]:
+    rows = [
+        f"| {mode} | {kind} SIGKILL | " + " | ".join(summary(rounds, kind, engine_s)) + " |"
+        for mode, rounds in results.items()
+        for kind in kinds
+    ]
+    return [
         f"Engine's own start time (spawn → /health 200, median of 5): {engine_s:.2f} s, subtracted from "
         "the time to serving again.",
         "",
@@ -267,7 +254,28 @@ def main(argv: list[str] | None = None) -> int:
         *(f"- {mode}: {verdict(rounds, engine_s)}" for mode, rounds in results.items()),
         "",
     ]
-    return publish(RESULTS, "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv or [])  # `python -m bench failover` runs the defaults: everything
+    kinds = [k for k in KINDS if k in args.only]
+    lines = [
+        "# Failover under load (motor up --prefill 1 --decode 2, simulated engines)",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, {machine()}, {args.rounds} kills of each kind per mode, one client "
+        "sending non-streaming requests back to back",
+        "",
+        *([] if args.only == list(PARTS) else [f"Parts run: {', '.join(args.only)} (--only).", ""]),
+    ]
+    if kinds:
+        engine_s = engine_start_s()
+        modes = ("relaunch on", "relaunch off")
+        results = {mode: run_mode(mode == "relaunch on", args.rounds, kinds) for mode in modes}
+        lines += instance_section(results, kinds, engine_s)
+    if "controller" in args.only:
+        ran = controller_failover.run(args.rounds) if controller_failover.available() else None
+        lines += controller_failover.section(ran)
+    return publish(args.out / REPORT, "\n".join(lines))
 
 
 if __name__ == "__main__":

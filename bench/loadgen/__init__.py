@@ -5,4 +5,9 @@
 - ``fleet``: a generator process (``python -m bench.loadgen.fleet``) driving thousands of nodes.
 - ``echo``: an echo-only Controller (``python -m bench.loadgen.echo``), the CPU baseline.
 - ``harness``: process start, CPU pinning, /proc CPU accounting, ``event=listening`` parsing.
+- ``etcd_proc.Etcd``: a one-member etcd on free ports, pinned to CPUs, its database size read.
+- ``fleets``: bench_scale's side of the generator processes: start them, sum their counts, wait.
+- ``scale_report``: results/scale.md from scale.json, one row per Controller run (SQLite or etcd).
+- ``failover_load``: bench_failover's client load (failed requests) and process age (restart backoff).
+- ``controller_failover``: bench_failover's Controller part: SIGKILL the ``motor up --ha`` leader.
 """

@@ -26,7 +26,7 @@ _PIN = (
 )
 REPO = Path(__file__).resolve().parents[2]
 # What a server that found its port taken says: Motor's components, the simulated engine, Rust.
-PORT_TAKEN = re.compile(r"address in use|event=bind_failed|Address already in use")
+PORT_TAKEN = re.compile(r"address (already )?in use|event=bind_failed", re.IGNORECASE)
 
 
 class PortTaken(RuntimeError):
