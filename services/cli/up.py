@@ -1,7 +1,9 @@
 """``motor up``: a whole local cluster under one supervisor, as Kubernetes would run it.
 
 Controller and Coordinator first; once both report SERVING, one NodeManager per instance (in the
-order prefill, decode, union), each launching its engines. Children that exit unasked are
+order prefill, decode, union), each launching its engines. With ``--ha``, an etcd before them
+(once its /health says true) and two Controllers on it: the NodeManagers start once one of them
+leads (services/cli/up_plan.py says what runs). Children that exit unasked are
 restarted with backoff (0.1 s doubling to 10 s), like pods. ``READY http://host:port`` goes to
 stdout exactly once, when the Coordinator is routable (``https://`` when its section has a
 TLS certificate); every child's log goes to stderr with a
@@ -13,12 +15,14 @@ everything stops and the last line is ``motor up: <child> failed to start (exit 
 child's last error line>``, exit code 1.
 
 Stopping: SIGTERM/SIGINT stop the NodeManagers (and so their engines), then the Coordinator and
-Controller; a second signal kills every process we started, and their process groups, at once
-(exit 128 + signal). A child's stdin is a pipe from us that we never write to: closing it is how
-we ask the child to stop (no signal: after a terminal's Ctrl-C, which reaches our whole process
-group, another one would count as the child's second), and it closes by itself when we are
-gone, even by SIGKILL, so no child outlives us. The temporary state directory (no
-``--state-dir``) is removed on every way out but SIGKILL; a given one is kept.
+Controllers, then etcd; a second signal kills every process we started, and their process
+groups, at once (exit 128 + signal). A child's stdin is a pipe from us that we never write to:
+closing it is how we ask the child to stop (no signal: after a terminal's Ctrl-C, which reaches
+our whole process group, another one would count as the child's second), and it closes by itself
+when we are gone, even by SIGKILL, so no child outlives us. etcd, which does not watch its stdin,
+runs in a session of its own (a Ctrl-C does not reach it), is stopped by SIGTERM, and is sent
+SIGTERM by the kernel when we are gone. The temporary state directory (no ``--state-dir``) is
+removed on every way out but SIGKILL; a given one is kept.
 
 Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
 one engine each. Engines are numbered k = 0, 1, ... across the NodeManagers: NodeManager i owns
@@ -31,12 +35,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import ssl
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -45,8 +47,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.up_args import parse
 from services.cli.up_output import error_line, pump
-from services.cli.up_procs import kill_descendants, remove_state_dir
-from services.common import log, retry, tasks
+from services.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
+from services.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
+from services.common import log, tasks
 from services.common.channel import open_channel
 from services.common.config import Config, ConfigError, ServerConfig, load
 from services.common.procgroup import Reaper, become_subreaper
@@ -59,36 +62,19 @@ STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover e
 # How long the rest of a dead child's output may take: a grandchild that inherited the pipe
 # (the Coordinator's workers do) can hold it open after the child is gone.
 OUTPUT_DRAIN_S = 2.0
-# /metrics of the Controller and of NodeManager i (+ i), where the configuration leaves it off.
-CONTROLLER_METRICS_PORT, NODEMANAGER_METRICS_PORT = 9100, 9300
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    state_dir: Path | None = None  # NodeManagers: where engines.json records their engines
-    proc: asyncio.subprocess.Process | None = None
-    pump: asyncio.Task[None] | None = None
-    restarts: int = 0
-    # A child that was running fine is back at once (its work waits on it); one that keeps
-    # crashing slows down to one try every 10 s.
-    backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=0.1, maximum=10.0))
-    started: float = 0.0
-    last_error: str | None = None  # the last line of its output that can say why it failed
+ETCD_STOP_S = 1.5  # etcd stops last, after the Controllers; taken from the NodeManagers' share
 
 
 class Cluster:
-    def __init__(self, args: argparse.Namespace, cfg: Config, state: Path, *, own_state: bool) -> None:
+    def __init__(
+        self, args: argparse.Namespace, cfg: Config, state: Path, *, own_state: bool, etcd: str = "etcd"
+    ) -> None:
         self.args, self.cfg, self.state = args, cfg, state
         self.own_state = own_state  # a temporary directory of ours, removed on the way out
-        off = args.port_offset
+        self.plan = plan(args, cfg, state, etcd)
+        self.children = self.plan.children
         self.host = cfg.coordinator.host
-        self.controller_addr = f"{cfg.controller.host}:{cfg.controller.port + off}"
-        self.coordinator_addr = f"{self.host}:{cfg.coordinator.port + off}"
-        self.http_port = cfg.coordinator.http_port + off
-        self.children: list[Child] = []
+        self.http_port = cfg.coordinator.http_port + args.port_offset
         self.stopping = asyncio.Event()
         self.ready = False  # READY printed: from then on a child's exit is a crash to restart
         self.failure: str | None = None  # why start-up failed: our last line
@@ -97,109 +83,19 @@ class Cluster:
         # our own children to asyncio, which waits on them by pid.
         self.reaper = Reaper()
 
-    # -- what to run -------------------------------------------------------------------------
-    def plan(self) -> None:
-        a, off, base = self.args, self.args.port_offset, [sys.executable, "-m", "services.cli"]
-        config = ["--config", a.config] if a.config else []
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        ctl = self.cfg.controller
-        self.children.append(
-            Child(
-                "controller",
-                [
-                    *base,
-                    "controller",
-                    *config,
-                    "--port",
-                    str(ctl.port + off),
-                    "--metrics-port",
-                    str((ctl.metrics_port or CONTROLLER_METRICS_PORT) + off),
-                ],
-                dict(
-                    env,
-                    MOTOR_CONTROLLER_COORDINATORS=json.dumps([self.coordinator_addr]),
-                    MOTOR_CONTROLLER_STATE_DIR=str(self.state / "controller"),
-                ),
-            )
-        )
-        self.children.append(
-            Child(
-                "coordinator",
-                [
-                    *base,
-                    "coordinator",
-                    *config,
-                    "--port",
-                    str(self.cfg.coordinator.port + off),
-                    "--http-port",
-                    str(self.http_port),
-                ],
-                dict(env, **self._coordinator_env()),
-            )
-        )
-        nm_cfg = self.cfg.nodemanager
-        dp = a.dp or nm_cfg.parallel.dp
-        nm_env = dict(env)
-        if a.dp:  # replaces the configured DP size; tp, pp, ... stay as configured
-            nm_env["MOTOR_NODEMANAGER_PARALLEL"] = json.dumps(asdict(replace(nm_cfg.parallel, dp=dp)))
-        engine_base = nm_cfg.ports[0] + off
-        roles = ["prefill"] * a.prefill + ["decode"] * a.decode + ["union"] * a.union
-        seen: dict[str, int] = {}
-        for i, role in enumerate(roles):
-            n = seen[role] = seen.get(role, -1) + 1
-            first = i * dp  # this NodeManager's engines are first .. first + dp - 1
-            state_dir = self.state / f"nm-{i}"
-            self.children.append(
-                Child(
-                    f"nm-{i}",
-                    [
-                        *base,
-                        "nodemanager",
-                        *config,
-                        "--port",
-                        str(nm_cfg.port + i + off),
-                        "--metrics-port",
-                        str((nm_cfg.metrics_port or NODEMANAGER_METRICS_PORT) + i + off),
-                    ],
-                    dict(
-                        nm_env,
-                        MOTOR_NODEMANAGER_CONTROLLER=self.controller_addr,
-                        MOTOR_NODEMANAGER_JOB_NAME=f"{a.model}-{role}-{n}",
-                        MOTOR_NODEMANAGER_ROLE=role,
-                        MOTOR_NODEMANAGER_MODEL=a.model,
-                        MOTOR_NODEMANAGER_ENGINE_TYPE=a.engine_type,
-                        MOTOR_NODEMANAGER_SIM_PROTOCOL=a.sim_protocol,
-                        MOTOR_NODEMANAGER_PORTS=json.dumps(
-                            [engine_base + 2 * k for k in range(first, first + dp)]
-                        ),
-                        MOTOR_NODEMANAGER_STATE_DIR=str(state_dir),
-                        # Engine output is prefixed [engine-<k>] by the NodeManager itself.
-                        MOTOR_UP_ENGINE_INDEX=str(first),
-                    ),
-                    state_dir=state_dir,
-                )
-            )
-
-    def _coordinator_env(self) -> dict[str, str]:
-        """Where the Coordinator reports precision alarms: this cluster's Controller (its port
-        moves with --port-offset), with the key that Controller requires unless the
-        configuration names another."""
-        env = {"MOTOR_COORDINATOR_CONTROLLER": self.controller_addr}
-        co, ctl = self.cfg.coordinator, self.cfg.controller
-        if not co.controller_key_file and ctl.management_key_file:
-            env["MOTOR_COORDINATOR_CONTROLLER_KEY_FILE"] = ctl.management_key_file
-        return env
-
     # -- running children ----------------------------------------------------------------------
     async def spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
             env=dict(child.env, **{STDIN_GUARD_ENV: "1"}),
             # Never written to: closing it is how we ask the child to stop, and it closes by
-            # itself when we exit, however we exit (even by SIGKILL).
+            # itself when we exit, however we exit (even by SIGKILL). etcd ignores it: the
+            # kernel stops it when we are gone instead.
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            start_new_session=child.foreign,
+            preexec_fn=die_with_parent() if child.foreign else None,
         )
         self.reaper.watch(child.proc.pid)
         child.last_error = None
@@ -238,7 +134,7 @@ class Cluster:
             await self._drained(child)  # its last lines, the error among them, are read
             if self.stopping.is_set():
                 return
-            if rc > 0 and not self.ready:
+            if rc > 0 and not self.ready and rc not in child.restart_codes:
                 self._start_failed(child, rc)
                 return
             if loop.time() - child.started > HEALTHY_RUN_S:
@@ -275,6 +171,31 @@ class Cluster:
                         return
                 await asyncio.sleep(0.05)
 
+    async def wait_leader(self) -> None:
+        """Until one Controller serves motor.v1.Controller: the leader (standbys answer
+        NOT_SERVING)."""
+        waits = [
+            tasks.start(f"wait-{c.name}", self.wait_serving(addr, "motor.v1.Controller", self.cfg.controller))
+            for c, addr in zip(self.plan.controllers, self.plan.controller_addrs, strict=True)
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                await tasks.cancel_quietly(w)
+
+    async def wait_etcd(self, endpoint: str) -> None:
+        """Until etcd's /health says true: it has a leader and serves requests."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+            while not self.stopping.is_set():
+                # Not up yet (refused, or a body that is not the answer yet): the loop retries.
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    async with http.get(f"http://{endpoint}/health") as resp:
+                        if (await resp.json(content_type=None)).get("health") == "true":
+                            log.event("etcd_ready", endpoint=endpoint)
+                            return
+                await asyncio.sleep(0.05)
+
     async def announce_ready(self) -> None:
         co = self.cfg.coordinator
         https = bool(co.tls_cert_file and co.tls_key_file)
@@ -294,22 +215,28 @@ class Cluster:
 
     async def run(self) -> int:
         """0 after a stop that was asked for, 1 when start-up failed (``self.failure``)."""
-        self.plan()
         running = [tasks.spawn("reaper", self.reaper.run)]
-        core, nodes = self.children[:2], self.children[2:]
+        p = self.plan
+
+        async def start(child: Child) -> None:
+            await self.spawn(child)
+            running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
+
         try:
-            for child in core:
-                await self.spawn(child)
-                running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
+            if p.etcd is not None:
+                await start(p.etcd)
+                await self.wait_etcd(p.etcd_endpoint)
+            for child in [*p.controllers, p.coordinator]:
+                if not self.stopping.is_set():
+                    await start(child)
             await asyncio.gather(
-                self.wait_serving(self.controller_addr, "motor.v1.Controller", self.cfg.controller),
-                self.wait_serving(self.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
+                self.wait_leader(),
+                self.wait_serving(p.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
             )
-            for child in nodes:
+            for child in p.nodes:
                 if self.stopping.is_set():
                     break
-                await self.spawn(child)
-                running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
+                await start(child)
             running.append(tasks.start("announce-ready", self.announce_ready()))
             await self.stopping.wait()
         except OSError as exc:  # a child could not even be started (spawn() raised)
@@ -322,12 +249,16 @@ class Cluster:
         return 1 if self.failure else 0
 
     async def shutdown(self) -> None:
-        """NodeManagers first (they stop their engines), then the Coordinator and Controller."""
+        """NodeManagers first (they stop their engines), then the Coordinator and Controllers,
+        then etcd: a leader gives its lease back on the way out."""
         log.event("stopping", component="up")
-        nodes = [c for c in self.children[2:] if c.proc]
-        core = [c for c in reversed(self.children[:2]) if c.proc]
-        await self._terminate(nodes, STOP_BUDGET_S * 2 / 3)
+        p = self.plan
+        nodes = [c for c in p.nodes if c.proc]
+        core = [c for c in [p.coordinator, *reversed(p.controllers)] if c.proc]
+        etcd = [p.etcd] if p.etcd is not None and p.etcd.proc else []
+        await self._terminate(nodes, STOP_BUDGET_S * 2 / 3 - (ETCD_STOP_S if p.etcd else 0))
         await self._terminate(core, STOP_BUDGET_S / 3)
+        await self._terminate(etcd, ETCD_STOP_S)
         # A NodeManager that died hard leaves engines behind: its record says which.
         for c in nodes:
             if c.state_dir is not None:
@@ -336,7 +267,9 @@ class Cluster:
 
     async def _terminate(self, children: list[Child], budget: float) -> None:
         for c in children:
-            if c.proc and c.proc.returncode is None and c.proc.stdin is not None:
+            if c.proc and c.proc.returncode is None and c.foreign:
+                c.proc.terminate()
+            elif c.proc and c.proc.returncode is None and c.proc.stdin is not None:
                 c.proc.stdin.close()  # the stop request (see the module's docstring)
         waits = [c.proc.wait() for c in children if c.proc and c.proc.returncode is None]
         if waits:
@@ -372,6 +305,12 @@ def main(argv: list[str]) -> int:
         )
         return 1
     log.setup("up", cfg.controller.log_format)
+    etcd = ""
+    if args.ha:
+        etcd = etcd_binary() or ""
+        if not etcd:
+            print(NO_ETCD, file=sys.stderr)
+            return 1
     own_state = not args.state_dir
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="motor-up-"))
     cluster: Cluster | None = None
@@ -382,7 +321,7 @@ def main(argv: list[str]) -> int:
 
         async def amain() -> int:
             nonlocal cluster
-            cluster = Cluster(args, cfg, state, own_state=own_state)
+            cluster = Cluster(args, cfg, state, own_state=own_state, etcd=etcd)
             install_stop_signals(cluster.stopping.set, before_forced_exit=cluster.kill_all)
             log.event(
                 "starting", component="up", state_dir=str(state), http=f"{cluster.host}:{cluster.http_port}"

@@ -11,7 +11,13 @@ NodeManager i 7300 + i; Prometheus /metrics of the Controller 9100 and of NodeMa
 across the NodeManagers (prefill, decode, union): NodeManager i runs engines i*dp .. i*dp+dp-1,
 one per DP rank, and engine k serves on nodemanager.ports[0] + 2k (10000 + 2k) and uses that
 port + 1 too (SGLang bootstrap, vLLM DP RPC). Real engines also use port + 4000 (vLLM NIXL side
-channel)."""
+channel).
+
+--ha: an etcd (client 2379, peer 2380, data in <state-dir>/etcd) and two Controllers on it,
+controller-0 on 7100 (metrics 9100) and controller-1 on 7101 (metrics 9101): one leads, the other
+stands by and takes over when the leader goes. NodeManagers and the Coordinator follow the
+leader; give the operator commands both too: motor status --controller 127.0.0.1:7100,127.0.0.1:7101
+(each port + --port-offset)."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -46,6 +52,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--model", default="motor-sim", help="model every engine serves (default motor-sim)")
     p.add_argument("--config", metavar="FILE", help="sectioned JSON config applied to every component")
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="two Controllers, a leader and a standby, sharing their state in an etcd started "
+        "first (etcd on PATH or /usr/bin/etcd); see below",
+    )
     p.add_argument("--port-offset", type=int, default=0, help="added to every default port")
     p.add_argument("--state-dir", help="state directory (default: a fresh temporary directory)")
     args = p.parse_args(argv)

@@ -23,6 +23,8 @@ _TRACEBACK_HEADS = (
 _KV_PAIR = re.compile(r'([^\s=]+)=("(?:[^"\\]|\\.)*"|\S*)')
 _KV_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)")
 _KV_NAMED = {"n": "\n", "r": "\r", "t": "\t"}
+# Levels of a zap JSON line (etcd's log) that end the process or report a failure.
+_ZAP_ERRORS = frozenset({"error", "dpanic", "panic", "fatal"})
 
 
 async def pump(name: str, stream: asyncio.StreamReader, on_line: Callable[[bytes], None]) -> None:
@@ -45,7 +47,8 @@ async def pump(name: str, stream: asyncio.StreamReader, on_line: Callable[[bytes
 def error_line(raw: bytes) -> str | None:
     """The line, if it can say why a child failed: a plain line (``motor controller: cannot
     bind ...``, a traceback's last line) or a structured log line at level error, shortened to
-    ``<event>: <reason>``. None for everything else (info lines, a traceback's frames)."""
+    ``<event>: <reason>`` (etcd's: ``<msg>: <error>``). None for everything else (info lines, a
+    traceback's frames)."""
     text = raw.decode(errors="replace").rstrip("\r\n")
     if not text.strip() or text[0].isspace() or text.startswith(_TRACEBACK_HEADS):
         return None
@@ -60,12 +63,16 @@ def error_line(raw: bytes) -> str | None:
 
 
 def _structured(text: str) -> dict[str, Any] | None:
-    """The fields of one of our own log lines (kv or JSON), or None for any other line."""
+    """The fields of one of our own log lines (kv or JSON) or of etcd's (zap JSON, read as ours),
+    or None for any other line."""
     if text.startswith("{"):
         try:
             fields = json.loads(text)
         except ValueError:
             return None
+        if isinstance(fields, dict) and "event" not in fields and "msg" in fields and "level" in fields:
+            level = "error" if fields["level"] in _ZAP_ERRORS else fields["level"]
+            return {"level": level, "event": fields["msg"], "reason": fields.get("error")}
         return fields if isinstance(fields, dict) and "event" in fields else None
     if not text.startswith("ts="):
         return None

@@ -1,12 +1,15 @@
-"""``motor up``'s last resorts: killing everything it started at once, and removing its
-temporary state directory."""
+"""``motor up``'s last resorts: killing everything it started at once, having the kernel stop a
+child that cannot watch for our exit itself, and removing its temporary state directory."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from services.common import log
@@ -41,6 +44,25 @@ def kill_descendants(root: int) -> None:
         for pgid in {p.pgid for p in procs} - {own}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn`` after which the kernel sends the child SIGTERM when we are gone, however
+    we go (even SIGKILL): for a child that ignores the stdin we stop the others by (etcd)."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # we were gone before it was armed
+            os._exit(1)
+
+    return arm
 
 
 def remove_state_dir(state: Path, own: bool) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ MOTOR_SERVICES = ("controller", "coordinator", "nodemanager")
 # What render() applies; a kustomization using anything else would be checked as it is not.
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
 _ADDRESS = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?:\d+$")
+_ENV_REF = re.compile(r"\$\((\w+)\)")
 _UNITS = {
     "m": 1e-3,
     "k": 1e3,
@@ -156,14 +157,15 @@ class Pod:
         return max(mounts, key=lambda m: len(m["mountPath"]), default=None)
 
     def env(self, pod_ip: str) -> dict[str, str]:
-        """The main container's environment, with what the downward API gives filled in."""
+        """The main container's environment, with what the downward API gives filled in and
+        ``$(VAR)`` references to variables defined before expanded, as the kubelet does."""
         given = {"status.podIP": pod_ip}
         if self.workload["kind"] == "StatefulSet":
             given[POD_INDEX] = str(self.ordinal)
         out = {}
         for e in self.main.get("env", []):
             if "value" in e:
-                out[e["name"]] = e["value"]
+                out[e["name"]] = _ENV_REF.sub(lambda m: out.get(m[1], m[0]), e["value"])
             else:
                 ref = e["valueFrom"]["fieldRef"]["fieldPath"]
                 assert ref in given, f"{self.name}: {e['name']} from {ref}, which this pod does not have"
@@ -233,11 +235,12 @@ class Pod:
             subprocess.run(argv, check=True, timeout=30, capture_output=True)
 
 
-def pods_of(docs: list[Doc], files: Path) -> list[Pod]:
+def pods_of(docs: list[Doc], files: Path, skip: Collection[str] = ()) -> list[Pod]:
+    """The pods of every workload but those named in ``skip`` (ones that run no Motor service)."""
     return [
         Pod(docs, d, i, files)
         for d in docs
-        if d["kind"] in ("Deployment", "StatefulSet")
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] not in skip
         for i in range(d["spec"].get("replicas", 1))
     ]
 
@@ -278,10 +281,14 @@ def local_pods(
                 value = [moved[p] for p in value]
             elif key == "host" and value == "0.0.0.0":
                 value = "127.0.0.1"
+            elif key == "advertise_address" and value:
+                value = f"127.0.0.1:{moved[int(value.rpartition(':')[2])]}"
             elif isinstance(value, str) and value.startswith("/") and pod.mount_of(value):
                 value = str(root / value.lstrip("/"))
             elif isinstance(value, str) and _ADDRESS.match(value) and value.rpartition(":")[0] in services:
                 value = local(value)[0]
+            elif isinstance(value, str) and value.startswith("dns:///") and _ADDRESS.match(value[7:]):
+                value = ",".join(local(value))  # every pod the name resolves to, in turn
             elif (
                 isinstance(value, list)
                 and value

@@ -16,13 +16,17 @@ from tests.procs import Proc, child_pids, grpcurl, motor_argv, pids_with
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
 CONTROLLER_METRICS, NM_METRICS = 9100, 9300  # /metrics of the Controller, of NodeManager i (+ i)
+# Under --ha: the second Controller (and its /metrics), and etcd's client and peer ports.
+CONTROLLER_1, CONTROLLER_1_METRICS, ETCD_CLIENT, ETCD_PEER = 7101, 9101, 2379, 2380
 
 
-def up_ports(nodes: int, dp: int = 1) -> list[int]:
+def up_ports(nodes: int, dp: int = 1, ha: bool = False) -> list[int]:
     """Every default port ``motor up`` binds for ``nodes`` NodeManagers of ``dp`` engines each
-    (the services, the NodeManagers, their metrics ports, each engine's port and port + 1),
-    before --port-offset."""
+    (the services, the NodeManagers, their metrics ports, each engine's port and port + 1; with
+    ``ha``, the second Controller's and etcd's), before --port-offset."""
     ports = [CONTROLLER, COORDINATOR, HTTP, CONTROLLER_METRICS]
+    if ha:
+        ports += [CONTROLLER_1, CONTROLLER_1_METRICS, ETCD_CLIENT, ETCD_PEER]
     ports += [p + i for i in range(nodes) for p in (NM, NM_METRICS)]
     return ports + [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
 
@@ -39,17 +43,24 @@ class Cluster:
     ports, moved by --port-offset, so it cannot take port 0). ``nodes`` (NodeManagers) and ``dp``
     (engines of each) must match what ``args`` ask for: they are not parsed here. ``env`` is added
     to the environment of ``motor up``, which every component and engine inherits (PATH,
-    PYTHONPATH)."""
+    PYTHONPATH). ``ha``: ``motor up --ha`` (etcd and two Controllers)."""
 
     def __init__(
-        self, tmp: Path, *args: str, nodes: int = 2, dp: int = 1, env: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        *args: str,
+        nodes: int = 2,
+        dp: int = 1,
+        env: dict[str, str] | None = None,
+        ha: bool = False,
     ) -> None:
         self.nodes, self.dp = nodes, dp
-        self.ports = reserve(up_ports(nodes, dp))
+        self.ports = reserve(up_ports(nodes, dp, ha))
         self.off = self.ports.shift
         self.state = tmp / "state"
+        ha_args = ["--ha"] if ha else []
         self.proc = Proc(
-            motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *args),
+            motor_argv("up", "--port-offset", str(self.off), "--state-dir", str(self.state), *ha_args, *args),
             cwd=tmp,
             env=env,
         )
@@ -108,6 +119,14 @@ class Cluster:
         nodemanager); 0 unless exactly one matches."""
         found = child_pids(self.proc.popen.pid, name)
         return found[0] if len(found) == 1 else 0
+
+    def controller_addrs(self) -> list[str]:
+        """Both Controllers of an --ha cluster, controller-0 first."""
+        return [self.grpc(CONTROLLER), self.grpc(CONTROLLER_1)]
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return self.grpc(ETCD_CLIENT)
 
     def nodemanager_pid(self, i: int) -> int:
         """The pid of NodeManager nm-<i>."""
