@@ -30,6 +30,7 @@ from tests.controller.fakes import FakeNodeManager, Harness, NodeAgent, running_
 from tests.coordinator.conftest import StartCoordinator, instance, set_table
 from tests.fuzz.conftest import start_nodemanager
 from tests.fuzz.harness import ALLOWED
+from tests.poll import until
 from tests.ports import reserved_port
 
 # -- fixed ----------------------------------------------------------------------------------------
@@ -176,7 +177,11 @@ async def test_list_alarms_with_a_deeply_nested_page_token(tmp_path: Path) -> No
 
 async def _base_node(h: Harness, nm: FakeNodeManager) -> NodeAgent:
     agent = await h.start_node(nm, job="base")
-    assert [i.status for i in await h.instances()] == [c.INSTANCE_STATUS_ACTIVE]
+
+    async def active() -> bool:
+        return [i.status for i in await h.instances()] == [c.INSTANCE_STATUS_ACTIVE]
+
+    await until(active, 10, "the base instance ACTIVE")
     return agent
 
 
