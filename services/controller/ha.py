@@ -112,9 +112,11 @@ async def serve_ha(c: ControllerConfig, stop: asyncio.Event, on_lost: Callable[[
             if await _first(leadership.ended.wait(), stop):
                 on_lost()
                 return LOST_LEADERSHIP_EXIT
+            # Still renewing while the last writes drain; the lease goes back only once
+            # nothing more will be written.
             await server.stop()
-            await cancel_quietly(keeper)
             await controller.stop()
+            await cancel_quietly(keeper)
             await leadership.resign()
         finally:
             await cancel_quietly(keeper)
