@@ -51,6 +51,16 @@ class NodeManagerClients:
             cache.move_to_end(address)
         return nodemanager_pb2_grpc.NodeManagerStub(ch)
 
+    def registered(self, address: str) -> None:
+        """The NodeManager at ``address`` just registered, so it answers now: a cached channel
+        still in reconnect backoff from its predecessor (a restart in place) is dropped, or the
+        assembly's probe that follows would fail on it and drop the registration."""
+        for cache in (self._channels, self._probes):
+            ch = cache.get(address)
+            if ch is not None and ch.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                del cache[address]
+                self._close_later(ch)
+
     def _open(self, address: str, retries: bool) -> grpc.aio.Channel:
         return open_channel(
             address,

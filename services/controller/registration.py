@@ -65,6 +65,7 @@ class Registrar:
         """A NodeManager restarted in place (a later incarnation at the address of a live
         instance's member) first retires that instance, so it is rebuilt now rather than after
         the heartbeat timeout; then the registration is handled as any other."""
+        self.nm_clients.registered(f"{req.host}:{req.nm_port}")
         inst = self._restart_candidate(req)
         if inst is not None and await self._proves_restart(req):
             member = inst.member_at(req.host, req.nm_port)

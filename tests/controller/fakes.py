@@ -166,10 +166,14 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.stopped_at.append(time.monotonic())
         return nodemanager_pb2.StopResponse()
 
-    async def start(self, host: str = "127.0.0.1") -> FakeNodeManager:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeNodeManager:
+        """``port``: the address of a NodeManager that died, for its successor."""
         cfg = load(None, env={}, overrides={"nodemanager": {"host": host}}).nodemanager
         self.server = MotorServer(
-            "nodemanager", cfg, [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], self)], port=0
+            "nodemanager",
+            cfg,
+            [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], self)],
+            port=port,
         )
         self.host, self.port = host, await self.server.start()
         return self

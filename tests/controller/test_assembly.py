@@ -13,7 +13,15 @@ from services.common import errors
 from services.common.errors import details_of
 from services.controller import assembler, assembly, validation
 from services.controller.model import JobSpec, Member
-from tests.controller.fakes import ACTIVE, DELETED, INACTIVE, INITIAL, NORMAL, running_controller
+from tests.controller.fakes import (
+    ACTIVE,
+    DELETED,
+    INACTIVE,
+    INITIAL,
+    NORMAL,
+    FakeNodeManager,
+    running_controller,
+)
 from tests.poll import until
 
 SIM, SGLANG = common_pb2.ENGINE_TYPE_SIM, common_pb2.ENGINE_TYPE_SGLANG
@@ -354,6 +362,36 @@ async def test_a_restarted_node_manager_retires_its_instance_at_once(tmp_path, n
         await until(lambda: len(nm.starts) == 2)
         assert nm.starts[1].instance_id == 2  # assembled again, under a new id
         assert [i.id for i in await h.instances(status=DELETED)] == [1]
+
+
+async def test_a_node_manager_restarted_right_after_it_was_found_gone_is_assembled_at_once(
+    tmp_path, node_managers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Controller found the dead process unreachable (its channels to the address are in
+    reconnect backoff) just before the new one registers: the new one is probed on a fresh
+    channel, not refused by the old one's backoff and dropped."""
+    old_nm = await node_managers()
+    async with running_controller(tmp_path, instance_heartbeat_timeout_s=600) as h:
+        old_nm.incarnation = 100
+        old = h.agent(job="p", nm=old_nm, incarnation=100)
+        await old.register()
+        await until(lambda: old_nm.starts)
+        await old.beat(NORMAL)
+        await until(lambda: h.instances(status=ACTIVE))
+        await old_nm.stop()
+        old.drop_stream()
+        await until(
+            lambda: any(getattr(r, "event", "") == "node_manager_unreachable" for r in caplog.records)
+        )
+        new_nm = FakeNodeManager()
+        new_nm.incarnation = 200
+        await new_nm.start(old_nm.host, old_nm.port)
+        try:
+            await h.agent(job="p", nm=new_nm, incarnation=200).register()
+            await until(lambda: new_nm.starts, 10, "the new process told to start its engines")
+            assert not [r for r in caplog.records if getattr(r, "event", "") == "registration_dropped"]
+        finally:
+            await new_nm.stop()
 
 
 async def test_a_stale_or_forged_registration_cannot_evict_a_live_member(tmp_path, node_managers) -> None:
