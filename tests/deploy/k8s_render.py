@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 MOTOR_SERVICES = ("controller", "coordinator", "nodemanager")
@@ -81,6 +81,23 @@ def quantity(q: str | int | float) -> float:
     m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(q))
     assert m is not None and (m[2] == "" or m[2] in _UNITS), f"quantity {q!r}"
     return float(m[1]) * _UNITS.get(m[2], 1)
+
+
+def config_refusals(docs: list[Doc], pods: list[Pod], pod_ip: str) -> list[str]:
+    """What Motor's config loader says of each pod's file and environment (the service-link
+    variables included unless the pod turns them off: Motor would read MOTOR_CONTROLLER_PORT=
+    tcp://... as its own key); [] when every pod would start."""
+    links = service_link_env(docs)
+    refused = []
+    for pod in pods:
+        env = pod.env(pod_ip)
+        if pod.spec.get("enableServiceLinks", True):
+            env = {**links, **env}
+        try:
+            load_config(str(pod.config_file()), env=env)
+        except ConfigError as exc:
+            refused.append(f"{pod.name}: {exc}")
+    return refused
 
 
 def service_link_env(docs: list[Doc]) -> dict[str, str]:

@@ -38,13 +38,13 @@ from services.coordinator.workers import pool
 from services.nodemanager import main as nodemanager_main
 from tests.deploy.k8s_render import (
     Pod,
+    config_refusals,
     fsgroup_secret_volume,
     local_pods,
     matches,
     pods_of,
     quantity,
     render,
-    service_link_env,
 )
 from tests.poll import wait_until
 from tests.ports import reserved_pair, reserved_port
@@ -136,17 +136,7 @@ def test_the_config_file_passes_motor_config_check(pods: list[Pod]) -> None:
 def test_every_pod_environment_is_configuration_motor_accepts(
     docs: list[dict[str, Any]], pods: list[Pod]
 ) -> None:
-    # Service links (on unless a pod turns them off) would add MOTOR_CONTROLLER_PORT=tcp://... and
-    # the like, which Motor reads as its own keys: the pod would not start.
-    links = service_link_env(docs)
-    for pod in pods:
-        env = pod.env(POD_IP)
-        if pod.spec.get("enableServiceLinks", True):
-            env = {**links, **env}
-        try:
-            load_config(str(pod.config_file()), env=env)
-        except ConfigError as exc:
-            pytest.fail(f"{pod.name}: {exc}")
+    assert config_refusals(docs, pods, POD_IP) == []
 
 
 # -- probes, ports, addresses ----------------------------------------------------------------

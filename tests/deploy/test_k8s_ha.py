@@ -26,11 +26,11 @@ from google.rpc import error_details_pb2
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from services.common import server as grpc_server
-from services.common.config import ConfigError, load_config
+from services.common.config import load_config
 from services.common.errors import details_of
 from services.common.interceptors import KEY_METADATA
 from services.controller.ha import ETCD_TIMEOUT_S
-from tests.deploy.k8s_render import Doc, Pod, local_pods, matches, pods_of, quantity, render, service_link_env
+from tests.deploy.k8s_render import Doc, Pod, config_refusals, local_pods, matches, pods_of, quantity, render
 from tests.deploy.test_k8s import HEALTH_NAME, K8S, POD_IP, SECTION, VERSIONS, serving
 from tests.etcd import EtcdServer
 from tests.poll import wait_until
@@ -138,15 +138,7 @@ def test_the_config_file_passes_motor_config_check(pods: list[Pod]) -> None:
 
 
 def test_every_pod_environment_is_configuration_motor_accepts(docs: list[Doc], pods: list[Pod]) -> None:
-    links = service_link_env(docs)
-    for pod in pods:
-        env = pod.env(POD_IP)
-        if pod.spec.get("enableServiceLinks", True):
-            env = {**links, **env}
-        try:
-            load_config(str(pod.config_file()), env=env)
-        except ConfigError as exc:
-            pytest.fail(f"{pod.name}: {exc}")
+    assert config_refusals(docs, pods, POD_IP) == []
 
 
 # -- the Controllers -------------------------------------------------------------------------
