@@ -3,8 +3,9 @@
 non-streaming completions back to back. Each round SIGKILLs the leading Controller (the one whose
 health for ``motor.v1.Controller`` is SERVING) and measures
 
-- new leader: the kill → the other Controller's health SERVING (polled every 10 ms). The killed
-  one, restarted by ``motor up`` as a standby, campaigns too; when it wins, its SERVING counts;
+- new leader: the kill → a Controller's health SERVING again (polled every 10 ms): the other
+  one, or the killed one once ``motor up`` has restarted it (it campaigns too; the dead process
+  itself never counts);
 - re-attached: the kill → the new leader's ``motor_controller_nodemanagers_connected`` equals the
   number of NodeManagers (polled every 20 ms);
 - failed requests from the kill until the killed Controller is back standing by;
@@ -251,8 +252,9 @@ def section(result: Result | None) -> list[str]:
         "",
         f"{len(rs)} SIGKILLs of the leading Controller (controller-0 on 7100, controller-1 on 7101), "
         f"leader_lease_s {LEASE_S:g} and heartbeat_interval_s {HEARTBEAT_S:g} (the defaults), the "
-        "same client load. New leader: kill → the other Controller's health motor.v1.Controller "
-        f"SERVING (polled every 10 ms); re-attached: kill → the new leader's "
+        "same client load. New leader: kill → a Controller's health motor.v1.Controller SERVING "
+        "again, the standby's or the killed one's once motor up has restarted it (polled every "
+        f"10 ms); re-attached: kill → the new leader's "
         f"motor_controller_nodemanagers_connected = {NODEMANAGERS} (polled every 20 ms). Failed "
         "requests: from the kill until the killed Controller is back standing by.",
         "",
