@@ -18,7 +18,7 @@ Those are reserved here, and a reservation is what makes check-then-bind safe:
 
 ``reserve(pattern)`` finds one shift that frees every port of a pattern at once (``motor up``'s
 ports at some offset); ``reserved_port()`` and ``reserved_pair()`` (an engine's port and port + 1)
-reserve for the rest of the test session, which is simpler than handing each one back and
+(with its KV events ports) reserve for the rest of the test session, which is simpler than handing each one back and
 cannot run out (one pytest run takes a few hundred of the 12,000).
 """
 
@@ -108,6 +108,7 @@ def reserved_port() -> int:
 
 
 def reserved_pair() -> int:
-    """A port P with P + 1 reserved too (an engine's port; P + 1 its SGLang bootstrap / DP RPC)."""
-    _SESSION.append(reserve([0, 1]))
+    """A port P with P + 1 reserved too (an engine's port; P + 1 its SGLang bootstrap / DP RPC),
+    and P + 2000, P + 2001 (the KV cache events ports a NodeManager gives that engine)."""
+    _SESSION.append(reserve([0, 1, 2000, 2001]))
     return _SESSION[-1][0]

@@ -25,7 +25,8 @@ from bench.loadgen.harness import PORT_TAKEN, REPO, PortTaken, clean_env
 CONTROLLER, COORDINATOR, HTTP, NM = 7100, 7200, 8000, 7300
 CONTROLLER_METRICS, NM_METRICS = 9100, 9300  # /metrics of the Controller, of NodeManager i (+ i)
 CONTROLLER_1, CONTROLLER_1_METRICS = 7101, 9101  # under --ha: the second Controller, its /metrics
-OFFSETS = range(10_000, 22_000, 10)  # highest port used: 10000 + 2 * engines + 1 + offset < 32768
+# Highest port used: an engine's KV events replay port, 12000 + 2 * engines + 1 + offset < 32768.
+OFFSETS = range(10_000, 20_000, 10)
 
 
 class Up:

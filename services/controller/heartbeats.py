@@ -23,7 +23,7 @@ from services.common.latency import LatencyHistogram
 from services.common.rpc import BidiStream
 
 from .instances import InstanceTable
-from .model import Instance, Member, Session
+from .model import Instance, Member, Session, observe_kv_ports
 from .sessions import SessionTable
 
 STATS_WINDOW_S = 10.0
@@ -158,6 +158,7 @@ class HeartbeatHub:
                 changed = True
             if reported.pid != ep.pid:
                 ep.pid = reported.pid
+            observe_kv_ports(ep, reported)
         if changed:
             self.enqueue(inst.id)
 

@@ -29,7 +29,7 @@ from . import state_machine as sm
 from .db import StateWriteError
 from .faults import FaultManager
 from .instances import InstanceTable
-from .model import Instance, Member
+from .model import Instance, Member, observe_kv_ports
 from .nm_client import NodeManagerClients
 from .reconciler import DONE, Result, Retry, Terminal
 
@@ -135,7 +135,10 @@ class InstanceReconciler:
                 m.started = True
                 for reported in result.endpoints:
                     ep = m.by_id.get(reported.id)
-                    if ep is not None and reported.pid:
+                    if ep is None:
+                        continue
+                    observe_kv_ports(ep, reported)
+                    if reported.pid:
                         ep.pid = reported.pid
         if not failed:
             inst.start_failures = 0

@@ -1,8 +1,9 @@
 """The Controller's in-memory records: job specs, NodeManager members, sessions, pending
 assemblies and instances. Conversions to protobuf and to database rows live in convert.py.
 
-Endpoints are kept as live ``common_pb2.Endpoint`` messages: a beat updates their status and pid
-in place, and every read (ListInstances, the event pusher) copies them into a fresh Instance.
+Endpoints are kept as live ``common_pb2.Endpoint`` messages: a beat updates their status, pid
+and KV event ports in place, and every read (ListInstances, the event pusher) copies them into a
+fresh Instance.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from dataclasses import dataclass, field, fields
 from motor.v1 import common_pb2
 
 from services.common.enums import InstanceStatus
+
+
+def observe_kv_ports(ep: common_pb2.Endpoint, reported: common_pb2.Endpoint) -> None:
+    """Where the engine publishes its KV cache events, as its NodeManager reports them: the
+    Coordinators get them with the instance. They come from the launch, so they are copied with
+    every report and a relaunch keeps them."""
+    ep.kv_events_port = reported.kv_events_port
+    ep.kv_events_replay_port = reported.kv_events_replay_port
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from services.common import enums, errors, log, tasks
 from services.common.config import ControllerConfig
 
 from .instances import InstanceTable
-from .model import Instance
+from .model import Instance, observe_kv_ports
 from .nm_client import NodeManagerClients
 
 PROBE_RETRY_S = 0.5
@@ -175,6 +175,7 @@ class EngineRelaunch:
             ep = member.by_id.get(reported.id)
             if ep is not None:
                 ep.status, ep.pid = reported.status, reported.pid
+                observe_kv_ports(ep, reported)
 
     async def _abort(self) -> None:
         """ABORT to every NodeManager whose restart was not accepted; an error line names each

@@ -18,9 +18,10 @@ from services.common.httpserver import HttpServer
 from services.coordinator.admission import Admission
 from services.coordinator.health import Breaker
 from services.coordinator.http_app import ApiKeys, InferenceApp
+from services.coordinator.kv import routing as kv_routing
 from services.coordinator.metrics import Metrics
 from services.coordinator.pd import CompletedSink, Router
-from services.coordinator.policies import make_policy
+from services.coordinator.policies import Policy, least_load, make_policy
 from services.coordinator.routes import RoutingView, netloc
 from services.coordinator.upstream import Deadlines, Engines
 
@@ -72,9 +73,20 @@ def request_tracer() -> RequestTracer | None:
     return RequestTracer(telemetry.hold("coordinator"))
 
 
-def make_router(cfg: CoordinatorConfig, metrics: Metrics, breaker: Breaker) -> Router:
+def make_router(
+    cfg: CoordinatorConfig, metrics: Metrics, breaker: Breaker, view: Callable[[], RoutingView] | None
+) -> Router:
+    """``view``: the routing view a kv_aware policy follows; None for a router that only sends
+    pinned requests (the management process's, beside its inference workers)."""
     engines = Engines(metrics, breaker.refused, deadlines(cfg))
-    return Router(engines, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy))
+    kv = kv_routing.KvRouting(cfg, view, metrics) if view is not None and kv_routing.wanted(cfg) else None
+
+    def policy(name: str) -> Policy:
+        if name != kv_routing.POLICY:
+            return make_policy(name)
+        return kv.policy if kv is not None else least_load
+
+    return Router(engines, policy(cfg.prefill_policy), policy(cfg.decode_policy), kv)
 
 
 class InferenceServer:
@@ -97,7 +109,7 @@ class InferenceServer:
         self._ssl = ssl_context
         self._workers = workers
         self.breaker = Breaker(view, metrics.endpoints_down.set)
-        self.router = make_router(cfg, metrics, self.breaker)
+        self.router = make_router(cfg, metrics, self.breaker, view)
         self.admission = Admission.share(
             cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
         )
@@ -122,6 +134,8 @@ class InferenceServer:
             raise OSError(f"cannot bind HTTP {netloc(host, port)}: address in use or not available") from exc
         self.address = netloc(host, bound)
         self.breaker.start()
+        if self.router.kv is not None:
+            await self.router.kv.start()
         self.metrics.start_flushing()
         # Everything alive now (modules, config, the server) lives as long as the process: out
         # of the collector's sight, a full collection walks only what requests allocate, which
@@ -135,6 +149,8 @@ class InferenceServer:
         self.app.draining = True
         await self.http.close(grace_s)
         await self.breaker.stop()
+        if self.router.kv is not None:
+            await self.router.kv.stop()
         await self.router.close()
         self.router.engines.close()
         await self.metrics.stop_flushing()

@@ -189,12 +189,12 @@ class Metrics:
             for kind in ("connect", "disconnect", "timeout", "status"):
                 self._upstream_errors.labels(role, kind)
         # The request path counts in plain integers (tally.py); flush() publishes them.
-        self._tallies = Tallies()
+        self.tallies = Tallies()
         self._requests_t: dict[tuple[str, int], CounterTally] = {}
         self._latency_t: dict[str, HistogramTally] = {}
         self._routed_t: dict[str, CounterTally] = {}
         self._phase_t: dict[str, HistogramTally] = {}
-        self._ttft_t = self._tallies.histogram(lambda: self._ttft, LATENCY_BUCKETS)
+        self._ttft_t = self.tallies.histogram(lambda: self._ttft, LATENCY_BUCKETS)
         self.in_flight_now = 0
         self.queued_now = 0
         self._err_children: dict[tuple[str, str], Counter] = {}
@@ -205,13 +205,13 @@ class Metrics:
         key = (route, status)
         c = self._requests_t.get(key)
         if c is None:
-            c = self._requests_t[key] = self._tallies.counter(
+            c = self._requests_t[key] = self.tallies.counter(
                 lambda: self._requests.labels(route, str(status))
             )
         c.n += 1
         h = self._latency_t.get(route)
         if h is None:
-            h = self._latency_t[route] = self._tallies.histogram(
+            h = self._latency_t[route] = self.tallies.histogram(
                 lambda: self._latency.labels(route), LATENCY_BUCKETS
             )
         h.observe(seconds)
@@ -226,7 +226,7 @@ class Metrics:
     def routed(self, mode: str) -> None:
         c = self._routed_t.get(mode)
         if c is None:
-            c = self._routed_t[mode] = self._tallies.counter(lambda: self._legs.labels(mode))
+            c = self._routed_t[mode] = self.tallies.counter(lambda: self._legs.labels(mode))
         c.n += 1
 
     def first_byte(self, seconds: float) -> None:
@@ -235,7 +235,7 @@ class Metrics:
     def phase(self, name: str, seconds: float) -> None:
         h = self._phase_t.get(name)
         if h is None:
-            h = self._phase_t[name] = self._tallies.histogram(
+            h = self._phase_t[name] = self.tallies.histogram(
                 lambda: self._phase.labels(name), LATENCY_BUCKETS
             )
         h.observe(seconds)
@@ -251,7 +251,7 @@ class Metrics:
 
     def flush(self) -> None:
         """Publish what the request path counted since the last flush."""
-        self._tallies.flush()
+        self.tallies.flush()
         self.in_flight.set(self.in_flight_now)
         self._queued.set(self.queued_now)
 

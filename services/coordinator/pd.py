@@ -29,8 +29,12 @@ from services.coordinator.precision.groups import Completed
 from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
 from services.coordinator.upstream import Answer, Engines, PhaseTimeout, Unreachable
 
-if TYPE_CHECKING:  # loaded only when tracing is on
+if TYPE_CHECKING:  # loaded only when tracing is on (kv: only with a kv_aware policy)
+    from services.coordinator.kv.prompt import Prompt
+    from services.coordinator.kv.routing import KvRouting
     from services.coordinator.tracing import RequestTrace
+
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class Call:
     t0: float  # loop time the request arrived
     trace: RequestTrace | None = None  # its spans, when tracing is on (each leg attempt gets one)
     reply: Headers = None  # headers every answer carries (the trace's)
+    prompt: Prompt | None = None  # its tokenized prompt, when a policy is kv_aware
 
 
 class NoUpstream(Exception):
@@ -62,17 +67,33 @@ class NoUpstream(Exception):
 CompletedSink = Callable[[int, int, Completed], None]
 
 
+def _endpoint(t: Target, prompt: Prompt | None) -> Upstream:
+    """The endpoint of ``t`` that serves a leg: the one kv_aware found holding the prompt's
+    prefix when it chose ``t``, else the instance's own rotation."""
+    if prompt is not None:
+        ep = prompt.endpoint
+        if ep is not None and ep.owner is t and not ep.down:
+            return ep
+    return t.pick_endpoint()
+
+
 class Router:
-    def __init__(self, engines: Engines, prefill_policy: Policy, decode_policy: Policy) -> None:
+    def __init__(
+        self, engines: Engines, prefill_policy: Policy, decode_policy: Policy, kv: KvRouting | None = None
+    ) -> None:
         self.engines = engines
         self.metrics = engines.metrics
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
+        self.kv = kv
         self.completed: CompletedSink | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
     async def route(self, call: Call, routes: ModelRoutes) -> None:
         metrics = self.metrics
+        if self.kv is not None:
+            some = routes.pd[0].prefill[0] if routes.pd else (routes.union or routes.prefill_only)[0]
+            call.prompt = self.kv.prompt(call.req, call.path == CHAT_PATH, some)
         try:
             if routes.pd:
                 group = routes.pd[0] if len(routes.pd) == 1 else random.choice(routes.pd)
@@ -105,11 +126,11 @@ class Router:
             if tried_d and all(t.id in tried_d for t in group.decode):
                 # Every decode failed: a new prefill leg would have nothing to hand off to.
                 raise NoUpstream("decode", call.model, last)
-            p = self.prefill_policy(group.prefill, tried_p)
+            p = self.prefill_policy(group.prefill, tried_p, call.prompt)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             p.load += call.prompt_tokens
-            pep = p.pick_endpoint()
+            pep = _endpoint(p, call.prompt)
             leg = None if call.trace is None else call.trace.leg("prefill", pep)
             t = loop.time()
             try:
@@ -126,7 +147,7 @@ class Router:
             self.metrics.phase("prefill", loop.time() - t)
             if answer.status >= 400:
                 return answer.send(call.out, call.reply)  # the engine's own status and error body
-            d = self.decode_policy(group.decode, tried_d)
+            d = self.decode_policy(group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
             try:
@@ -145,7 +166,7 @@ class Router:
         tried: set[int] = set()
         last: BaseException | None = None
         while True:
-            t = policy(targets, tried)
+            t = policy(targets, tried, call.prompt)
             if t is None:
                 raise NoUpstream(role, call.model, last)
             try:
@@ -160,7 +181,7 @@ class Router:
         Raises Unreachable (nothing was sent to the client yet)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        ep = t.pick_endpoint()
+        ep = _endpoint(t, call.prompt)
         leg = None if call.trace is None else call.trace.leg(role, ep)
         t.load += call.total_tokens
         try:
@@ -184,14 +205,15 @@ class Router:
         tried_d: set[int] = set()
         last: BaseException | None = None
         while True:
-            p = self.prefill_policy(group.prefill, tried_p)
+            p = self.prefill_policy(group.prefill, tried_p, call.prompt)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
-            d = self.decode_policy(group.decode, tried_d)
+            pep = _endpoint(p, call.prompt)
+            d = self.decode_policy(group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
             try:
-                return await self._sglang_pair(call, p, d)
+                return await self._sglang_pair(call, p, pep, d)
             except Unreachable as exc:
                 last = exc
                 if exc.role == "prefill":
@@ -200,8 +222,7 @@ class Router:
                     tried_d.add(d.id)
                 self.metrics.retry(exc.role)
 
-    async def _sglang_pair(self, call: Call, p: Target, d: Target) -> None:
-        pep = p.pick_endpoint()
+    async def _sglang_pair(self, call: Call, p: Target, pep: Upstream, d: Target) -> None:
         body = with_fields(call.raw, call.req, _bootstrap(pep))
         prefill = asyncio.ensure_future(self._sglang_prefill(call, p, pep, body))
         loop = asyncio.get_running_loop()
@@ -209,7 +230,7 @@ class Router:
         d.load += call.total_tokens
         resp: Response | None = None
         answered = False
-        dep = d.pick_endpoint()
+        dep = _endpoint(d, call.prompt)
         leg = None if call.trace is None else call.trace.leg("decode", dep)
         try:
             decode = asyncio.ensure_future(self.engines.open(dep, call.path_b, body, "decode", leg))

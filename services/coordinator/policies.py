@@ -11,16 +11,29 @@ per-candidate Python work beyond what the policy itself needs.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from operator import attrgetter
+from typing import TYPE_CHECKING, Protocol
 
 from services.coordinator.routes import Target
 
-Policy = Callable[[Sequence[Target], Collection[int]], "Target | None"]
+if TYPE_CHECKING:
+    from services.coordinator.kv.prompt import Prompt
+
+
+class Policy(Protocol):
+    """Picks one of ``targets`` not in ``exclude``; ``prompt`` is the request's tokenized prompt
+    when a KV-aware policy is configured (load policies ignore it)."""
+
+    def __call__(
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+    ) -> Target | None: ...
+
+
 _load = attrgetter("load")
 
 
-def _candidates(targets: Sequence[Target], exclude: Collection[int]) -> Sequence[Target]:
+def candidates(targets: Sequence[Target], exclude: Collection[int]) -> Sequence[Target]:
     if exclude:
         targets = [t for t in targets if t.id not in exclude]
     # Every candidate is of one table: its count says whether any endpoint of it is out.
@@ -36,8 +49,10 @@ class RoundRobin:
     def __init__(self) -> None:
         self._cursor: dict[int, int] = {}
 
-    def __call__(self, targets: Sequence[Target], exclude: Collection[int] = ()) -> Target | None:
-        cands = _candidates(targets, exclude)
+    def __call__(
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+    ) -> Target | None:
+        cands = candidates(targets, exclude)
         if len(cands) <= 1:
             return cands[0] if cands else None
         # Keyed by the routing view's own tuple, so retries and breaker changes keep the
@@ -50,10 +65,12 @@ class RoundRobin:
         return cands[n % len(cands)]
 
 
-def least_load(targets: Sequence[Target], exclude: Collection[int] = ()) -> Target | None:
+def least_load(
+    targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+) -> Target | None:
     """The candidate with the fewest in-flight tokens; ties broken at random so an idle
     cluster still spreads requests."""
-    cands = _candidates(targets, exclude)
+    cands = candidates(targets, exclude)
     if len(cands) <= 1:
         return cands[0] if cands else None
     loads = list(map(_load, cands))
@@ -66,9 +83,11 @@ def least_load(targets: Sequence[Target], exclude: Collection[int] = ()) -> Targ
         return cands[loads.index(low)]
 
 
-def power_of_two(targets: Sequence[Target], exclude: Collection[int] = ()) -> Target | None:
+def power_of_two(
+    targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+) -> Target | None:
     """Two random candidates, the less loaded wins: near least-load balance at O(1) cost."""
-    cands = _candidates(targets, exclude)
+    cands = candidates(targets, exclude)
     n = len(cands)
     if n <= 1:
         return cands[0] if cands else None
@@ -81,6 +100,7 @@ def power_of_two(targets: Sequence[Target], exclude: Collection[int] = ()) -> Ta
 
 
 def make_policy(name: str) -> Policy:
+    """A load policy by name (``kv_aware`` is built with its index: kv/routing.py)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

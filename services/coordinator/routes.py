@@ -41,14 +41,29 @@ class DownCount:
 class Upstream:
     """One serving engine endpoint."""
 
-    __slots__ = ("base", "bootstrap_port", "down", "host", "owner", "port")
+    __slots__ = (
+        "base",
+        "bootstrap_port",
+        "down",
+        "host",
+        "kv_port",
+        "kv_replay_port",
+        "owner",
+        "pid",
+        "port",
+    )
 
-    def __init__(self, owner: Target, host: str, port: int, bootstrap_port: int) -> None:
+    def __init__(self, owner: Target, ep: common_pb2.Endpoint) -> None:
         self.owner = owner
-        self.host = host
-        self.port = port
-        self.bootstrap_port = bootstrap_port
-        self.base = f"http://{netloc(host, port)}"
+        self.host = ep.host
+        self.port = ep.port
+        self.bootstrap_port = ep.bootstrap_port
+        # Where the engine publishes its KV cache events and replays them (0 = none), and the
+        # engine process they come from (0 = not known, e.g. a standalone Coordinator).
+        self.kv_port = ep.kv_events_port
+        self.kv_replay_port = ep.kv_events_replay_port
+        self.pid = ep.pid
+        self.base = f"http://{netloc(ep.host, ep.port)}"
         # Set when a connection was refused; cleared by the health prober.
         self.down = False
 
@@ -60,6 +75,7 @@ class Target:
         "_rr",
         "downs",
         "endpoints",
+        "engine_type",
         "id",
         "key",
         "load",
@@ -74,10 +90,9 @@ class Target:
         self.id = inst.id
         self.role = inst.role
         self.model = inst.model_name
+        self.engine_type = inst.engine_type  # which tokenizer reads a prompt as the engine does
         self.protocol = pd_protocol_of(inst.pd_protocol, inst.engine_type)
-        self.endpoints = tuple(
-            Upstream(self, ep.host, ep.port, ep.bootstrap_port) for ep in inst.endpoints if not ep.headless
-        )
+        self.endpoints = tuple(Upstream(self, ep) for ep in inst.endpoints if not ep.headless)
         self.key = _runtime_key(inst)
         # In-flight token estimate the policies compare: this process's own plus ``remote``,
         # the other inference workers' (their load broadcast), so one add per request suffices.
@@ -133,7 +148,23 @@ class Target:
 
 
 def _runtime_key(inst: common_pb2.Instance) -> tuple[object, ...]:
-    eps = tuple(sorted((ep.host, ep.port, ep.bootstrap_port, ep.headless) for ep in inst.endpoints))
+    # The pid and KV event ports too: what the KV index knows of an endpoint's cache holds for
+    # one engine process only, so a relaunched engine (or one publishing elsewhere) is a new
+    # Target, with no load, cursor or down marks carried over from the old process either.
+    eps = tuple(
+        sorted(
+            (
+                ep.host,
+                ep.port,
+                ep.bootstrap_port,
+                ep.headless,
+                ep.pid,
+                ep.kv_events_port,
+                ep.kv_events_replay_port,
+            )
+            for ep in inst.endpoints
+        )
+    )
     return (*identity(inst)[:2], inst.model_name, pd_protocol_of(inst.pd_protocol, inst.engine_type), eps)
 
 

@@ -85,7 +85,7 @@ class Coordinator:
         else:
             self.http_address = await self.pool.start(self.table.state)
             self._breaker = Breaker(lambda: self.view)
-            self._router = make_router(self.cfg, self.metrics, self._breaker)
+            self._router = make_router(self.cfg, self.metrics, self._breaker, None)
             self._breaker.start()
         exposure.check_inference(self.cfg, self.http_address)
         await self.server.start()

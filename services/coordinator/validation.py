@@ -51,6 +51,9 @@ def instance(inst: common_pb2.Instance, path: str) -> list[tuple[str, str]]:
             bad.append((f"{ep_path}.bootstrap_port", "must be 0..65535"))
         elif needs_bootstrap and not ep.headless and not ep.bootstrap_port:
             bad.append((f"{ep_path}.bootstrap_port", "required for an SGLang prefill endpoint"))
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            if getattr(ep, name) > 65535:
+                bad.append((f"{ep_path}.{name}", "must be 0..65535"))
         if ep.status not in _EP_STATUSES:
             bad.append((f"{ep_path}.status", f"unknown status {ep.status}"))
         key = (ep.host, ep.port)

@@ -22,7 +22,7 @@ from motor.v1 import common_pb2
 from services.common import enums, log, procgroup, tasks
 from services.common.config import NodeManagerConfig
 from services.nodemanager.engine_output import LINE_LIMIT, STDOUT, pump
-from services.nodemanager.launch import EndpointSpec, LaunchParams
+from services.nodemanager.launch import EndpointSpec, LaunchParams, kv_events_ports
 
 # How long a stopped engine's last lines may take to reach our stdout before we go on.
 _DRAIN_S = 1.0
@@ -73,6 +73,8 @@ class Engine:
         self.spec = spec
         self.params = params
         self.bootstrap_port = bootstrap_port
+        # Fixed by the launch, so reported even while the process is down or relaunching.
+        self.kv_events_port, self.kv_events_replay_port = kv_events_ports(params, spec)
         self.timing = timing
         self.hooks = hooks
         self.reaper = reaper
@@ -107,6 +109,8 @@ class Engine:
             headless=self.spec.headless,
             device_ids=list(self.spec.device_ids),
             pid=self.pid,
+            kv_events_port=self.kv_events_port,
+            kv_events_replay_port=self.kv_events_replay_port,
         )
 
     def _set(self, status: enums.EndpointStatus, *, force: bool = False) -> None:

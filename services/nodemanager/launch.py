@@ -20,13 +20,18 @@ from motor.v1 import nodemanager_pb2
 
 from services.common import enums, telemetry
 from services.common.config import EngineConfig, NodeManagerConfig
+from services.nodemanager import kv_events
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Ports an engine uses besides its business port P (see docs/operations.md, "Ports"): P + 1 is
-# the SGLang bootstrap / vLLM DP RPC port; these two are fixed offsets too, so every engine on a
+# the SGLang bootstrap / vLLM DP RPC port; these are fixed offsets too, so every engine on a
 # host gets its own without coordination, because business ports are unique per host.
 SIDE_CHANNEL_OFFSET = 4000  # vLLM NIXL side channel of the engine
 RENDEZVOUS_OFFSET = 6000  # torch.distributed rendezvous of a multi-node instance (on its head)
+# The ZMQ PUB socket of the engine's KV cache events (what the Coordinator's KV index follows);
+# its replay ROUTER socket is at KV_EVENTS_OFFSET + 1. P + 2001 stays clear of the next
+# engine's P + 2 + 2000 because business ports are at least 2 apart (P + 1 is taken too).
+KV_EVENTS_OFFSET = 2000
 # An engine's service.name in its spans (unless OTEL_SERVICE_NAME says otherwise): <this>-<role>.
 TRACE_SERVICE_NAMES = {"vllm": "vllm", "sglang": "sglang", "sim": "motor-sim"}
 
@@ -153,6 +158,50 @@ def offset_port(port: int, offset: int) -> int:
 def side_channel_port(ep: EndpointSpec) -> int:
     """The port this engine's NIXL side channel listens on."""
     return offset_port(ep.port, SIDE_CHANNEL_OFFSET)
+
+
+def vllm_dp_rank(params: LaunchParams, ep: EndpointSpec) -> int:
+    """The DP rank vLLM (or the simulated engine) is told: 0 without a DP group."""
+    return dp_rank(params, ep) if params.dp_group and params.dp > 1 else 0
+
+
+def kv_events_ports(params: LaunchParams, ep: EndpointSpec) -> tuple[int, int]:
+    """(PUB port, replay port) the engine publishes its KV cache events on; 0 = none.
+
+    Ours are P + 2000 and P + 2001 on every routable engine. An operator's own
+    ``kv_events_config`` in engine.args replaces ours (``null`` turns events off)."""
+    if ep.headless or _sglang_multi_scheduler(params):
+        return 0, 0
+    if "kv_events_config" in params.args:
+        return kv_events.operator_ports(params.args["kv_events_config"], _kv_events_rank(params, ep))
+    return offset_port(ep.port, KV_EVENTS_OFFSET), offset_port(ep.port, KV_EVENTS_OFFSET + 1)
+
+
+def _kv_events_rank(params: LaunchParams, ep: EndpointSpec) -> int:
+    """The DP rank the engine adds to its KV event ports (SGLang's is 0 with ``--dp-size 1``)."""
+    return 0 if params.engine_type == "sglang" else vllm_dp_rank(params, ep)
+
+
+def _sglang_multi_scheduler(params: LaunchParams) -> bool:
+    """SGLang with ``dp_size`` > 1 in engine.args (DP attention): several schedulers behind one
+    HTTP endpoint, each publishing on the ports + its rank, so rank 1 would take the replay
+    port and no single stream describes the endpoint's cache. Such an endpoint gets none."""
+    if params.engine_type != "sglang":
+        return False
+    size = params.args.get("dp_size", params.args.get("data_parallel_size", 1))
+    try:
+        return int(size) > 1
+    except (TypeError, ValueError):
+        return False  # SGLang refuses it anyway
+
+
+def _kv_events_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
+    """Nothing for an operator's own kv_events_config (engine.args passes it) or where the
+    engine publishes none."""
+    pub, replay = kv_events_ports(params, ep)
+    if "kv_events_config" in params.args or not pub:
+        return []
+    return ["--kv-events-config", kv_events.config(pub, replay, _kv_events_rank(params, ep))]
 
 
 def bootstrap_port(params: LaunchParams, ep: EndpointSpec) -> int:
@@ -308,7 +357,7 @@ def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     else:
         raise LaunchError(f"unknown engine type {params.engine_type!r}")
     # engine.args last: an operator's own tracing flags win.
-    return argv + _tracing_flags(params) + extra_args(params.args)
+    return argv + _kv_events_flags(params, ep) + _tracing_flags(params) + extra_args(params.args)
 
 
 def build_env(
@@ -330,8 +379,7 @@ def build_env(
     env["VLLM_HOST_IP"] = ep.host
     if not params.sglang_style:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ep.host
-        vllm_rank = dp_rank(params, ep) if params.dp_group else 0
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(ep) - vllm_rank)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(ep) - vllm_dp_rank(params, ep))
     if params.engine_type == "sglang":
         # Readiness relies on /health generating a token, not only answering.
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "true"

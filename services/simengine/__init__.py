@@ -4,7 +4,7 @@ Business port (`--host`/`--port`, default 127.0.0.1:10000; `--port 0` binds an e
 the real one is logged as `event=listening service=engine-sim http=H:P [bootstrap=H:B]`):
   POST /v1/chat/completions, /v1/completions   OpenAI, stream or not, usage, logprobs
   GET  /v1/models, /health, /health_generate, /metrics, /get_model_info, /get_server_info, /version
-  POST /flush_cache
+  POST /flush_cache, /reset_prefix_cache       empty the prefix cache (SGLang's and vLLM's names)
   GET|POST /sim/fault                          fault injection, loopback clients only
 
 PD hand-off:
@@ -16,10 +16,21 @@ PD hand-off:
          registers the room on its bootstrap port, a decode-role engine long-polls
          `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py).
 
+Prefix cache (prefix_cache.py): a prompt's full `--block-size` blocks (default 16) are cached,
+LRU, up to `--num-gpu-blocks-override` blocks (default 65536); a cached prefix is not prefilled
+again (`--prefill-ms-per-token` counts only the uncached tokens). On by default as in vLLM V1;
+`--no-enable-prefix-caching` turns it off. Prompts are tokenized by `--tokenizer` (a
+tokenizer.json or a directory with one; default the model's directory), else one token per
+whitespace-separated word; metrics vllm:prefix_cache_queries/hits (tokens).
+KV events (kv_events.py): `--kv-events-config` (vLLM's JSON) publishes every cache change on
+vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank);
+the bound addresses are logged in the listening line (`kv_events=`, `kv_replay=`).
+
 Tracing: with `--otlp-traces-endpoint URL` (vLLM's flag) or OTEL_EXPORTER_OTLP_ENDPOINT, one
 `llm_request` span per completion request, child of its `traceparent` (docs/tracing.md).
 
 Modules: cli (argv), server (process runtime: uvloop, services.common.httpserver), app (routes),
 completion (the completion routes), openai_api (bodies), generation (deterministic text), latency,
-faults, pd, metrics, tracing (spans, loaded only when on), worker (child processes).
+faults, pd, metrics, tokens (prompt token ids), prefix_cache, kv_events, tracing (spans, loaded
+only when on), worker (child processes).
 """

@@ -13,13 +13,17 @@ from typing import Any
 from services.common import log
 from services.common.http_errors import OpenAIError, invalid_request
 from services.common.httpmessages import Handler, Request, Responder, route_table
+from services.common.tokenizer import Builtin, Tokenizer
 from services.simengine import pd
 from services.simengine.completion import Completions, hang
 from services.simengine.config import EngineConfig
 from services.simengine.faults import FaultError, FaultState, parse_fault_body
+from services.simengine.kv_events import Publisher
 from services.simengine.latency import LatencyModel, Slots
 from services.simengine.metrics import Metrics
 from services.simengine.openai_api import MAX_MODEL_LEN, dumps
+from services.simengine.prefix_cache import PrefixCache, seed_key
+from services.simengine.tokens import load_tokenizer
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Nominal KV capacity in sequences when --max-num-seqs is unlimited (only shapes the gauge).
@@ -33,11 +37,22 @@ def _json(obj: Any) -> bytes:
 
 
 class Engine:
-    """The engine's state and routes. Build it inside the running loop."""
+    """The engine's state and routes. Build it inside the running loop; ``tokenizer``: loaded
+    beforehand off the loop (else here: cheap for the built-in one)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg
         self.loop = asyncio.get_running_loop()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        # The built-in tokenizer's counts are the whitespace words the usage numbers always were.
+        self.counts_tokens = not isinstance(self.tokenizer, Builtin)
+        self.kv_events = (
+            Publisher(cfg.kv_events, cfg.host, cfg.data_parallel_rank) if cfg.kv_events.enabled else None
+        )
+        self.prefix: PrefixCache | None = None
+        if cfg.enable_prefix_caching:
+            emit = self.kv_events.publish if self.kv_events is not None else None
+            self.prefix = PrefixCache(cfg.num_gpu_blocks, cfg.block_size, seed_key(cfg.seed), emit)
         self.model_id = cfg.model_id
         self.accepted = cfg.accepted_models
         self.latency = LatencyModel(cfg)
@@ -81,6 +96,8 @@ class Engine:
 
     async def close(self) -> None:
         await self.completions.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def _gauges(self) -> tuple[int, int, float]:
         running, waiting = self.slots.running, self.slots.waiting
@@ -101,6 +118,7 @@ class Engine:
                 ("GET", "/get_server_info"): self.server_info,
                 ("GET", "/version"): self.version,
                 ("POST", "/flush_cache"): self.flush_cache,
+                ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
                 ("GET", "/sim/fault"): self.get_fault,
                 ("POST", "/sim/fault"): self.post_fault,
             }
@@ -189,11 +207,25 @@ class Engine:
             await hang()
         out.send(200, b'{"version": "motor-sim"}')
 
+    def _clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+            log.event("prefix_cache_reset")
+
     async def flush_cache(self, req: Request, out: Responder) -> None:
-        # SGLang routers call this on every worker; there is no cache to flush.
+        # SGLang's: flushes its radix cache, here the prefix cache.
         if self.faults.hanging():
             await hang()
+        self._clear_prefix_cache()
         out.send(200, b"Cache flushed.", TEXT_CT)
+
+    async def reset_prefix_cache(self, req: Request, out: Responder) -> None:
+        # vLLM's (a dev-mode route there): nothing is running mid-prefill in the sim, so it
+        # always succeeds.
+        if self.faults.hanging():
+            await hang()
+        self._clear_prefix_cache()
+        out.send(200, b"", TEXT_CT)
 
     # -- fault control ---------------------------------------------------------------------
 

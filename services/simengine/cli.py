@@ -13,7 +13,13 @@ import sys
 import uuid
 
 from services.common import log
-from services.simengine.config import DEFAULT_MODEL, EngineConfig
+from services.simengine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MODEL,
+    DEFAULT_NUM_BLOCKS,
+    EngineConfig,
+    KvEventsConfig,
+)
 from services.simengine.faults import MODES
 
 
@@ -28,6 +34,13 @@ def _nonneg_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
+    return value
+
+
+def _pos_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text}")
     return value
 
 
@@ -83,6 +96,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="export a span per completion request over OTLP/gRPC, as vLLM does "
         "(OTEL_EXPORTER_OTLP_ENDPOINT alone does the same)",
     )
+    kv = p.add_argument_group("prefix cache and KV cache events (vLLM's flags)")
+    kv.add_argument(
+        "--block-size", "--page-size", dest="block_size", type=_pos_int, default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block",
+    )  # fmt: skip
+    kv.add_argument(
+        "--num-gpu-blocks-override", dest="num_gpu_blocks", type=_pos_int, default=DEFAULT_NUM_BLOCKS,
+        metavar="N", help=f"prefix cache capacity in blocks (default {DEFAULT_NUM_BLOCKS})",
+    )  # fmt: skip
+    kv.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="cache prompt blocks: a cached prefix is not prefilled again (default on, as in vLLM V1)",
+    )  # fmt: skip
+    kv.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false")
+    kv.add_argument(
+        "--tokenizer", "--tokenizer-path", dest="tokenizer", metavar="PATH",
+        help="tokenizer.json or a directory with one (default: the model's directory, else one "
+        "token per whitespace-separated word)",
+    )  # fmt: skip
+    kv.add_argument(
+        "--kv-events-config", metavar="JSON", help="vLLM's KVEventsConfig: ZMQ publisher of block events"
+    )
     lat = p.add_argument_group("latency model (all zero: instant engine)")
     lat.add_argument("--ttft-ms", type=_nonneg_float, default=0.0)
     lat.add_argument("--prefill-ms-per-token", type=_nonneg_float, default=0.0)
@@ -129,6 +164,14 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         if not isinstance(loaded, dict):
             parser.error("--kv-transfer-config: must be a JSON object")
         kv = loaded
+    kv_events = KvEventsConfig()
+    if ns.kv_events_config:
+        try:
+            kv_events = KvEventsConfig.from_json(json.loads(ns.kv_events_config))
+        except json.JSONDecodeError as exc:
+            parser.error(f"--kv-events-config: invalid JSON: {exc}")
+        except ValueError as exc:
+            parser.error(f"--kv-events-config: {exc}")
     mode = ns.disaggregation_mode if ns.disaggregation_mode in ("prefill", "decode") else None
     kv_role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(kv.get("kv_role", "")))
     role = mode or kv_role or "union"
@@ -152,6 +195,11 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         headless=ns.headless,
         kv_transfer_config=kv,
         engine_id=str(kv.get("engine_id") or uuid.uuid4().hex),
+        block_size=ns.block_size,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        tokenizer=ns.tokenizer,
+        kv_events=kv_events,
         ttft_ms=ns.ttft_ms,
         prefill_ms_per_token=ns.prefill_ms_per_token,
         tpot_ms=ns.tpot_ms,

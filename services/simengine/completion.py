@@ -5,6 +5,8 @@ send one body over and over, and a request is a pure function of its body apart 
 per-request values: its *plan* (the parsed request, its token counts and the whole answer
 serialized once, split around the per-request id and timestamp) is kept and reused, so a repeat
 is one lookup, one join and one write; no sleep, timer or task is made when nothing has to wait.
+The plan also keeps the prompt's block hashes: only the prefill time depends on the prefix
+cache, and it is worked out per request from the cache's state (prefix_cache.py).
 
 Plain requests are kept by their body bytes. PD legs differ from one request to the next only in
 their hand-off field (`kv_transfer_params` with its ticket, or `bootstrap_room`), so they are kept
@@ -43,6 +45,8 @@ from services.simengine.openai_api import (
     parse_request,
     stream_chunks,
 )
+from services.simengine.prefix_cache import Chain
+from services.simengine.tokens import prompt_ids
 
 if TYPE_CHECKING:
     from services.simengine.app import Engine
@@ -110,9 +114,10 @@ class Plan:
     n_tokens: int
     prompt_tokens: int
     gens: list[Generated]
-    first_s: float
+    first_s: float  # with nothing cached
     decode_s: float
     gen_tokens: int
+    chains: tuple[Chain, ...]  # each prompt's blocks (none without a prefix cache)
     template: Template | None = None
     last_body: bytes | None = None  # a vLLM prefill leg's: the body it was last found by
 
@@ -371,6 +376,14 @@ class Completions:
             raise model_not_found(req.model)
         side, proto = self._leg(req)
         n_tokens = 1 if side == "prefill" else req.max_tokens
+        chains: tuple[Chain, ...] = ()
+        cache = engine.prefix
+        if cache is not None or engine.counts_tokens:
+            ids = prompt_ids(engine.tokenizer, req)
+            if engine.counts_tokens:
+                req.prompt_tokens = [len(i) for i in ids]
+            if cache is not None:
+                chains = tuple(map(cache.chain, ids))
         prompt_tokens = sum(req.prompt_tokens)
         gens = self._generate(req, n_tokens, garbled=fault == "precision")
         return Plan(
@@ -384,6 +397,7 @@ class Completions:
             self.latency.first_token_s(prompt_tokens, kv_transfer=side == "decode"),
             self.latency.decode_s(n_tokens),
             sum(len(g.tokens) for g in gens),
+            chains,
         )
 
     def _leg(self, req: ParsedRequest) -> tuple[str | None, str | None]:
@@ -428,8 +442,18 @@ class Completions:
             else:
                 known = engine.tickets.redeem((kv or {}).get("remote_request_id"))
                 m.tickets["known" if known else "unknown"] += 1
-        if plan.first_s > 0:
-            await asyncio.sleep(plan.first_s)
+        first_s = plan.first_s
+        cache = engine.prefix
+        if cache is not None and side != "decode":  # a decode leg's KV comes by transfer
+            hit = cache.hit_tokens(plan.chains)
+            m.prefix_queries += plan.prompt_tokens
+            if hit:
+                m.prefix_hits += hit
+                first_s = self.latency.first_token_s(plan.prompt_tokens - hit, kv_transfer=False)
+        if first_s > 0:
+            await asyncio.sleep(first_s)
+        if cache is not None:
+            cache.store(plan.chains)
         ticket: bytes | None = None
         if side == "prefill":
             if plan.proto == "vllm":

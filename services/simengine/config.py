@@ -4,10 +4,49 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_MODEL = "motor-sim"
 ROLES = ("prefill", "decode", "union")
 PROTOCOLS = ("vllm", "sglang")
+DEFAULT_BLOCK_SIZE = 16
+# vLLM sizes its cache from GPU memory; without a GPU the sim needs a number (1M tokens at 16).
+DEFAULT_NUM_BLOCKS = 65536
+_KV_EVENTS_TYPES: dict[str, type] = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int}
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """vLLM's `--kv-events-config` (KVEventsConfig): where KV cache events are published."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # vLLM: "zmq" when events are enabled and no publisher is named
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, obj: Any) -> KvEventsConfig:
+        """The config from the flag's parsed JSON; ValueError names what is wrong. Keys this
+        engine does not model (max_queue_size, newer vLLM's) are accepted and ignored."""
+        if not isinstance(obj, dict):
+            raise ValueError("must be a JSON object")
+        values: dict[str, Any] = {k: obj[k] for k in cls.__dataclass_fields__ if obj.get(k) is not None}
+        for name, value in values.items():
+            kind = _KV_EVENTS_TYPES.get(name, str)
+            if type(value) is not kind or (isinstance(value, int) and value < 0):
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {value!r}")
+        if "publisher" not in values:
+            values["publisher"] = "zmq" if values.get("enable_kv_cache_events") else "null"
+        if values["publisher"] not in ("null", "zmq"):
+            raise ValueError(f"publisher: unknown publisher {values['publisher']!r} (null or zmq)")
+        return cls(**values)
 
 
 @dataclass
@@ -27,6 +66,12 @@ class EngineConfig:
     headless: bool = False
     kv_transfer_config: dict[str, object] = field(default_factory=dict)
     engine_id: str = ""
+    # prefix cache and KV events (vLLM's flags)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_gpu_blocks: int = DEFAULT_NUM_BLOCKS
+    enable_prefix_caching: bool = True
+    tokenizer: str | None = None  # None: the model's, when it is a local directory
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     # latency model
     ttft_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
@@ -70,3 +115,7 @@ class EngineConfig:
     @property
     def sglang(self) -> bool:
         return self.protocol == "sglang"
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.dp_rank or 0

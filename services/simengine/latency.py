@@ -20,7 +20,8 @@ class LatencyModel:
         self.kv_transfer_s = cfg.kv_transfer_ms / 1000
 
     def first_token_s(self, prompt_tokens: int, kv_transfer: bool) -> float:
-        """Time to the first token: the prefill, or for a decode leg the KV transfer instead."""
+        """Time to the first token: the prefill of ``prompt_tokens`` (those not already in the
+        prefix cache), or for a decode leg the KV transfer instead."""
         if kv_transfer:
             return self.kv_transfer_s
         return self.ttft_s + self.prefill_s_per_token * prompt_tokens

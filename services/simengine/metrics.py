@@ -50,6 +50,8 @@ class Metrics(Collector):
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were cached
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.legs = {(side, proto): 0 for side in SIDES for proto in PROTOCOLS}
@@ -83,6 +85,8 @@ class Metrics(Collector):
         for name, doc, value in (
             ("vllm:prompt_tokens", "Prefill tokens processed.", self.prompt_tokens),
             ("vllm:generation_tokens", "Generation tokens processed.", self.generation_tokens),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", self.prefix_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", self.prefix_hits),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([model], value)

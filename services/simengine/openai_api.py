@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.tokenizer import message_text, sim_chat_text, token_prompt_text
 from services.simengine.generation import (
     Generated,
     chat_logprob_entries,
@@ -70,13 +71,12 @@ def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
 def _message_text(msg: Any, i: int) -> tuple[str, str]:
     if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
         raise RequestError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-    content = msg.get("content")
-    if content is None or isinstance(content, str):
-        return msg["role"], content or ""
-    if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        return msg["role"], " ".join(str(p) for p in parts)
-    raise RequestError(f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
+    text = message_text(msg.get("content"))
+    if text is None:
+        raise RequestError(
+            f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content"
+        )
+    return msg["role"], text
 
 
 def _prompts(body: dict[str, Any]) -> list[str]:
@@ -87,9 +87,9 @@ def _prompts(body: dict[str, Any]) -> list[str]:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [" ".join(map(str, prompt))]
+            return [token_prompt_text(prompt)]
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            return [" ".join(map(str, p)) for p in prompt]
+            return [token_prompt_text(p) for p in prompt]
     raise RequestError("prompt must be a string, a list of strings, or token ids", "prompt")
 
 
@@ -125,7 +125,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages is required and must be a non-empty list", "messages")
         pairs = [_message_text(m, i) for i, m in enumerate(messages)]
-        prompts = ["\n".join(f"{role}: {text}" for role, text in pairs)]
+        prompts = [sim_chat_text(pairs)]
         user = [text for role, text in pairs if role == "user"]
         question = user[-1] if user else pairs[-1][1]
         max_tokens = _int_field(body, "max_completion_tokens", 1, MAX_MODEL_LEN)

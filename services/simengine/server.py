@@ -17,6 +17,7 @@ from services.common.signals import install_stop_signals
 from services.simengine import app
 from services.simengine.app import Engine
 from services.simengine.config import EngineConfig
+from services.simengine.tokens import load_tokenizer
 
 # In-flight requests get this long to finish on SIGTERM; hung ones are then cancelled.
 DRAIN_S = 1.0
@@ -69,7 +70,7 @@ async def serve(cfg: EngineConfig) -> int:
     # The same stop signals as every Motor process: a second one exits at once (the workers
     # follow: their pipe from us closes).
     install_stop_signals(stop.set)
-    engine = Engine(cfg)
+    engine = Engine(cfg, await asyncio.to_thread(load_tokenizer, cfg))
     tracer = None
     if cfg.otlp_traces_endpoint or telemetry.enabled():
         from services.simengine.tracing import make_tracer
@@ -92,6 +93,12 @@ async def serve(cfg: EngineConfig) -> int:
             "role": cfg.role,
             "engine_id": cfg.engine_id,
         }
+        prefix = engine.prefix
+        fields["prefix_cache"] = f"{prefix.capacity}x{prefix.block_size}" if prefix is not None else "off"
+        if engine.counts_tokens:
+            fields["tokenizer_file"] = engine.tokenizer.name
+        if engine.kv_events is not None:
+            fields.update(engine.kv_events.endpoints)
         if cfg.headless:
             log.event("headless", **fields)
         else:

@@ -73,6 +73,11 @@ async def coordinator_side(address: str) -> tuple[set[Identity], set[int]]:
 # ---- NodeManager server ------------------------------------------------------------------------
 
 
+def kv_ports(port: int) -> dict[str, int]:
+    """The KV event ports a NodeManager reports for an engine at ``port`` (its default ones)."""
+    return {"kv_events_port": port + 2000, "kv_events_replay_port": port + 2001}
+
+
 class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     """Records StartEngines, RestartEngines and Stop; answers GetStatus with ``ready`` (False:
     like a NodeManager whose engines are not up), or with ``status_error`` when set."""
@@ -108,6 +113,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                     port=e.port,
                     pid=40000 + e.id,
                     status=common_pb2.ENDPOINT_STATUS_INITIAL,
+                    **kv_ports(e.port),
                 )
                 for e in req.endpoints
             ]
@@ -133,7 +139,12 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
         endpoints = [
             common_pb2.Endpoint(
-                id=e.id, host=e.host, port=e.port, pid=50000 + e.id, status=common_pb2.ENDPOINT_STATUS_NORMAL
+                id=e.id,
+                host=e.host,
+                port=e.port,
+                pid=50000 + e.id,
+                status=common_pb2.ENDPOINT_STATUS_NORMAL,
+                **kv_ports(e.port),
             )
             for e in cmd.endpoints
         ]
@@ -409,6 +420,7 @@ class NodeAgent:
                 port=self.request.ports[i],
                 status=s,  # type: ignore[arg-type]
                 pid=pids[i] if i < len(pids) else 40000 + (ids[i] if i < len(ids) else i),
+                **kv_ports(self.request.ports[i]),
             )
             for i, s in enumerate(statuses)
         ]

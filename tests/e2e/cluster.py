@@ -15,6 +15,7 @@ from tests.ports import reserve
 from tests.procs import Proc, child_pids, grpcurl, motor_argv, pids_with
 
 CONTROLLER, COORDINATOR, HTTP, NM, ENGINE = 7100, 7200, 8000, 7300, 10000
+ENGINE_KV = 12000  # engine k publishes its KV cache events on ENGINE_KV + 2k (replay: + 1)
 CONTROLLER_METRICS, NM_METRICS = 9100, 9300  # /metrics of the Controller, of NodeManager i (+ i)
 # Under --ha: the second Controller (and its /metrics), and etcd's client and peer ports.
 CONTROLLER_1, CONTROLLER_1_METRICS, ETCD_CLIENT, ETCD_PEER = 7101, 9101, 2379, 2380
@@ -22,13 +23,15 @@ CONTROLLER_1, CONTROLLER_1_METRICS, ETCD_CLIENT, ETCD_PEER = 7101, 9101, 2379, 2
 
 def up_ports(nodes: int, dp: int = 1, ha: bool = False) -> list[int]:
     """Every default port ``motor up`` binds for ``nodes`` NodeManagers of ``dp`` engines each
-    (the services, the NodeManagers, their metrics ports, each engine's port and port + 1; with
-    ``ha``, the second Controller's and etcd's), before --port-offset."""
+    (the services, the NodeManagers, their metrics ports, each engine's port and port + 1 and its
+    KV events ports; with ``ha``, the second Controller's and etcd's), before --port-offset."""
     ports = [CONTROLLER, COORDINATOR, HTTP, CONTROLLER_METRICS]
     if ha:
         ports += [CONTROLLER_1, CONTROLLER_1_METRICS, ETCD_CLIENT, ETCD_PEER]
     ports += [p + i for i in range(nodes) for p in (NM, NM_METRICS)]
-    return ports + [ENGINE + 2 * k + j for k in range(nodes * dp) for j in (0, 1)]
+    return ports + [
+        base + 2 * k + j for base in (ENGINE, ENGINE_KV) for k in range(nodes * dp) for j in (0, 1)
+    ]
 
 
 def nodemanager_pid(port: int) -> int:

@@ -18,6 +18,15 @@ EP = EndpointSpec(id=1, host="10.0.0.5", port=10002, device_ids=(2, 3))
 HEADS = (Head("10.0.0.5", 10000), Head("10.0.0.5", 10002))
 
 
+def kv_events(pub: int) -> list[str]:
+    """The --kv-events-config of an engine of DP rank 0 publishing on ``pub`` (replay: + 1)."""
+    config = (
+        f'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{pub}",'
+        f'"replay_endpoint":"tcp://*:{pub + 1}","topic":""}}'
+    )
+    return ["--kv-events-config", config]
+
+
 def params(**kw: Any) -> LaunchParams:
     base: dict[str, Any] = {
         "engine_type": "sim",
@@ -40,13 +49,14 @@ def test_sim_vllm_style_prefill() -> None:
         "--data-parallel-size", "1",
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"9"}',
         "--protocol", "vllm",
+        *kv_events(12002),
     ]  # fmt: skip
 
 
 def test_sim_sglang_style_decode_gets_bootstrap_port() -> None:
     p = params(sim_protocol="sglang", role="decode")
     argv = launch.build_argv(p, EP)
-    assert argv[-4:] == ["--protocol", "sglang", "--bootstrap-port", "10003"]
+    assert argv[-6:] == ["--protocol", "sglang", "--bootstrap-port", "10003", *kv_events(12002)]
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_role"] == "kv_consumer"
     assert launch.bootstrap_port(p, EP) == 10003
@@ -59,6 +69,7 @@ def test_vllm_union_has_no_kv_config() -> None:
         "vllm", "serve", "/data/llama",
         "--served-model-name", "llama", "--host", "10.0.0.5", "--port", "10000",
         "--tensor-parallel-size", "1", "--data-parallel-size", "1",
+        *kv_events(12000),
     ]  # fmt: skip
 
 
@@ -120,6 +131,7 @@ def test_sglang_one_process_per_rank_and_multinode_flags() -> None:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "/data/llama", "--served-model-name", "llama",
         "--host", "10.0.0.5", "--port", "10002", "--tp-size", "4", "--dp-size", "1",
+        *kv_events(12002),
     ]  # fmt: skip
     heads = (Head("10.0.0.5", 10000), Head("10.0.0.7", 10004))
     p = params(engine_type="sglang", role="decode", dp=2, nnodes=2, node_rank=1, heads=heads)

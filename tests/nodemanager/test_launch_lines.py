@@ -99,10 +99,11 @@ async def test_vllm_launch_line(tmp_path: Path, start_nm) -> None:
         assert int(env_["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + i == plus(port, 4000)
     assert recs[0]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
     assert "ASCEND_RT_VISIBLE_DEVICES" not in recs[1]["env"]  # no devices: unset, not inherited
-    assert [(e.port, e.bootstrap_port, list(e.device_ids)) for e in status.endpoints] == [
-        (ports[0], 0, [0, 1]),
-        (ports[1], 0, []),
-    ]
+    # The operator's kv_events_config (null: none) replaces ours: no events to follow.
+    assert [
+        (e.port, e.bootstrap_port, list(e.device_ids), e.kv_events_port, e.kv_events_replay_port)
+        for e in status.endpoints
+    ] == [(ports[0], 0, [0, 1], 0, 0), (ports[1], 0, [], 0, 0)]
 
 
 async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
@@ -131,6 +132,9 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
         "--dp-size", "1",
         "--disaggregation-mode", "prefill",
         "--disaggregation-bootstrap-port", str(port + 1),
+        "--kv-events-config",
+        '{"enable_kv_cache_events":true,"publisher":"zmq",'
+        f'"endpoint":"tcp://*:{plus(port, 2000)}","replay_endpoint":"tcp://*:{plus(port, 2001)}","topic":""}}',
         "--mem-fraction-static", "0.8",
     ]  # fmt: skip
     assert rec["argv"][0] == str(tmp_path / "pylib" / "sglang" / "launch_server.py")
@@ -143,3 +147,4 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
     assert not {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"} & env_.keys()
     (ep,) = status.endpoints
     assert (ep.port, ep.bootstrap_port) == (port, port + 1)
+    assert (ep.kv_events_port, ep.kv_events_replay_port) == (plus(port, 2000), plus(port, 2001))

@@ -19,6 +19,14 @@ KV_PRODUCER = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_i
 KV_CONSUMER = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"1"}'
 
 
+def kv_events(endpoint: int) -> str:
+    """The --kv-events-config naming ``endpoint`` (replay: + 1), before the engine adds its DP rank."""
+    return (
+        f'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{endpoint}",'
+        f'"replay_endpoint":"tcp://*:{endpoint + 1}","topic":""}}'
+    )
+
+
 def launch_of(case: str, instance: str, endpoint_id: int) -> Launch:
     [found] = [x for x in TABLE[case] if x["instance"] == instance and x["endpoint_id"] == endpoint_id]
     return found
@@ -69,6 +77,8 @@ def test_vllm_prefill_dp2_one_node() -> None:
             "--data-parallel-rpc-port", "10001",
             "--data-parallel-rank", str(rank),
             "--kv-transfer-config", KV_PRODUCER,
+            # vLLM adds its DP rank: it publishes on 12000 and 12002, the business ports + 2000.
+            "--kv-events-config", kv_events(port + 2000 - rank),
         ]  # fmt: skip
         assert nixl(x) == ("127.0.0.1", side_channel)
         assert x["env"]["CUDA_VISIBLE_DEVICES"] == str(rank)
@@ -97,6 +107,7 @@ def test_vllm_decode_dp2_two_nodes() -> None:
         "--master-addr", "127.0.0.1",
         "--master-port", "16000",
         "--kv-transfer-config", KV_CONSUMER,
+        "--kv-events-config", kv_events(12001),  # DP rank 1 publishes on 12002
     ]  # fmt: skip
     headless = launch_of(case, "decode-1", 3)  # DP rank 1's part on node_rank 1
     assert (headless["host"], headless["node_rank"], headless["headless"]) == ("127.0.0.2", 1, True)
@@ -159,6 +170,7 @@ def test_sglang_prefill_dp2_one_node() -> None:
             "--dp-size", "1",
             "--disaggregation-mode", "prefill",
             "--disaggregation-bootstrap-port", str(port + 1),
+            "--kv-events-config", kv_events(port + 2000),
         ]  # fmt: skip
         assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in x["env"]
         assert x["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"

@@ -218,8 +218,8 @@ Global___EndpointStatus: _TypeAlias = EndpointStatus  # noqa: Y015
 
 @_typing.final
 class Endpoint(_message.Message):
-    """One engine server (one DP rank). Its identity is (host, port); status and pid are not part
-    of it.
+    """One engine server (one DP rank). Its identity is (host, port); status, pid and the KV event
+    ports are not part of it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -232,6 +232,8 @@ class Endpoint(_message.Message):
     HEADLESS_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_PORT_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Position inside the instance: node_rank * parallel.dp + the endpoint's DP rank, so the
     serving endpoints (node_rank 0) are 0 .. dp-1. The Controller numbers an instance's
@@ -254,6 +256,16 @@ class Endpoint(_message.Message):
     """Serves no requests: a DP rank's part on node_rank != 0 of a multi-node instance."""
     pid: _builtins.int
     """Engine process-group leader, as its NodeManager sees it; 0 = not running."""
+    kv_events_port: _builtins.int
+    """Port of the engine's ZMQ PUB socket publishing its KV cache events (vLLM's event format),
+    on `host`; 0 = none (a headless endpoint, or an engine that publishes none). Set by the
+    NodeManager: port + 2000 unless the operator's own `kv_events_config` says otherwise.
+    """
+    kv_events_replay_port: _builtins.int
+    """Port of the engine's ZMQ ROUTER socket replaying its recent KV cache event batches from a
+    sequence number, on `host`; 0 = none. Set by the NodeManager: port + 2001 unless the
+    operator's own `kv_events_config` says otherwise.
+    """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerator devices given to this engine (through the variable named by the NodeManager's
@@ -271,10 +283,12 @@ class Endpoint(_message.Message):
         headless: _builtins.bool = ...,
         device_ids: _abc.Iterable[_builtins.int] | None = ...,
         pid: _builtins.int = ...,
+        kv_events_port: _builtins.int = ...,
+        kv_events_replay_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_port", b"bootstrap_port", "device_ids", b"device_ids", "headless", b"headless", "host", b"host", "id", b"id", "pid", b"pid", "port", b"port", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_port", b"bootstrap_port", "device_ids", b"device_ids", "headless", b"headless", "host", b"host", "id", b"id", "kv_events_port", b"kv_events_port", "kv_events_replay_port", b"kv_events_replay_port", "pid", b"pid", "port", b"port", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

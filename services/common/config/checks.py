@@ -214,6 +214,27 @@ def array(item: Check, *, nonempty: bool = False) -> Check:
     return Check(f"{'non-empty ' if nonempty else ''}array of distinct {item.spec}", check)
 
 
+def _paths_by_name(value: Any) -> Result:
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    for name, path in value.items():
+        if not isinstance(name, str) or not name:
+            return value, [("", f"expected a non-empty name, got {short(name)}")]
+        if not isinstance(path, str) or not path or "\0" in path:
+            return value, [(f".{display_name(name)}", f"expected a path without NUL, got {short(path)}")]
+    return value, []
+
+
+PATHS_BY_NAME = Check("object of name to path", _paths_by_name)
+WEIGHT = Check(
+    "number >= 0 and <= 1000000",
+    lambda v: (
+        (v, [])
+        if not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1e6
+        else (v, [("", f"expected a number from 0 to 1000000, got {short(v)}")])
+    ),
+)
+
 PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "nnodes")
 COUNT = integer(1, 1_000_000)
 
@@ -299,7 +320,7 @@ DURATION = seconds(0, WEEK, above=True)
 FILE = text(r"[^\0]*", "a path without NUL", 'a file path, "" = not set')  # NUL: open() would raise
 NONEMPTY = text(r"(?s:.+)", "a non-empty string", "not empty")
 DIRECTORY = text(r"[^\0]+", "a non-empty path without NUL", "a directory path")
-POLICY = choice("round_robin", "least_load", "power_of_two")
+POLICY = choice("round_robin", "least_load", "power_of_two", "kv_aware")
 STORE = choice("sqlite", "etcd")
 HOST = text(r"\S+", "a host name or address")
 URL = text(r"(?:https?://\S+)?", 'an http:// or https:// URL or ""')

@@ -205,9 +205,25 @@ class CoordinatorConfig(ServerConfig):
     answered 400."""
     prefill_policy: str = setting("least_load", c.POLICY)
     """How a prefill instance is chosen: `least_load` (fewest in-flight tokens), `round_robin`,
-    or `power_of_two` (the less loaded of two random ones)."""
+    `power_of_two` (the less loaded of two random ones), or `kv_aware` (the one whose engine
+    holds the longest prefix of the prompt in its KV cache, by the engines' KV cache events,
+    weighed against load; see docs/kv-routing.md)."""
     decode_policy: str = setting("least_load", c.POLICY)
     """How a decode (or union) instance is chosen; same choices as `prefill_policy`."""
+    kv_prefix_weight: float = setting(1.0, c.WEIGHT)
+    """`kv_aware`: weight of the prompt tokens an engine would have to compute (those it has not
+    cached). Each candidate costs `kv_prefix_weight * uncached + kv_load_weight * in-flight
+    tokens`; the cheapest is chosen."""
+    kv_load_weight: float = setting(1.0, c.WEIGHT)
+    """`kv_aware`: weight of an instance's in-flight tokens (see `kv_prefix_weight`)."""
+    kv_index_max_blocks: int = setting(262144, c.integer(1, 1 << 30))
+    """`kv_aware`: most KV blocks remembered per engine endpoint; past it the oldest are
+    forgotten first (a bound on memory should an engine's removals be lost)."""
+    tokenizers: Mapping[str, str] = setting({}, c.PATHS_BY_NAME)
+    """`kv_aware`: served model name → local tokenizer (a directory with `tokenizer.json` and
+    `tokenizer_config.json`, or the file), so prompts are tokenized as the engine does. Without
+    an entry the model name itself is tried as such a path; the simulated engine falls back to
+    its built-in tokenizer, a vLLM or SGLang model without one is routed by load alone."""
     api_keys_file: str = setting("", c.FILE)
     """File of client API keys, one per line (`#` comments allowed). When set, the inference API
     requires `Authorization: Bearer <key>`. It must be a regular file that group and others
@@ -276,8 +292,9 @@ class NodeManagerConfig(ServerConfig):
     ports: tuple[int, ...] = setting((10000,), c.array(c.integer(1, 65534), nonempty=True))
     """One business (HTTP) port per engine this node runs (one engine per DP rank). An engine
     with business port P also uses P + 1 (SGLang bootstrap, vLLM DP RPC on the DP master),
-    P + 4000 (vLLM NIXL side channel) and P + 6000 (multi-node rendezvous on a rank's head);
-    an offset that would pass 65535 is subtracted instead."""
+    P + 2000 and P + 2001 (its KV cache events and their replay), P + 4000 (vLLM NIXL side
+    channel) and P + 6000 (multi-node rendezvous on a rank's head); an offset that would pass
+    65535 is subtracted instead."""
     device_count: int = setting(0, c.integer(0, 4096))
     """Accelerators on this node, split evenly between its engines."""
     device_env: str = setting("auto", c.VARIABLE)

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from services.common import log
 from services.common.config import CoordinatorConfig
@@ -90,7 +90,12 @@ class WorkerPool:
         cfg = self.cfg
         self._port = _hold_port(cfg.host, cfg.http_port)
         port = int(self._port.getsockname()[1])
-        settings = {**dataclasses.asdict(cfg), "http_port": port}
+        # Read-only mappings (coordinator.tokenizers) are plain dicts in the workers' JSON.
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        settings = {
+            **{k: dict(v) if isinstance(v, Mapping) else v for k, v in fields.items()},
+            "http_port": port,
+        }
         await asyncio.to_thread(self._write_config, settings)
         self.hub.set_state(state)
         await self.hub.start()

@@ -1,0 +1,169 @@
+"""Which engine holds which prefix blocks, from the engines' KV cache events.
+
+Each endpoint's blocks are kept under Motor's chained hashes (:mod:`.hashing`), computed from
+the tokens its ``BlockStored`` events carry, so a prompt's hashes can be looked up directly:
+:meth:`KvIndex.match` says how many of a prompt's leading blocks each endpoint holds.
+
+The engine's own hashes are kept too (mapped to ours): ``BlockRemoved`` names blocks by them,
+and a stored chain names its parent by one. One of our hashes can stand for several engine
+hashes (the same tokens cached twice, e.g. under two cache salts or LoRA adapters, which feed
+the engine's hash but not ours), so each is counted per endpoint and a block is forgotten only
+when the last engine hash for it is removed. (Such a block may not be reusable by a request with
+another salt or adapter: the index can then overstate a hit, which costs only a routing choice.)
+
+Memory is bounded per endpoint: past ``max_blocks_per_endpoint`` engine hashes the oldest stored
+are forgotten first. Forgetting only makes the index claim less than an engine holds, which
+costs a cache hit, never a wrong answer about what is cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from itertools import takewhile
+
+from services.coordinator.kv.hashing import ROOT, chain
+from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
+
+DEFAULT_MAX_BLOCKS = 262144
+
+
+class _Held:
+    """One endpoint's blocks."""
+
+    __slots__ = ("block_size", "ours", "refs")
+
+    def __init__(self) -> None:
+        # engine hash -> our hash, oldest stored first (what the bound forgets first)
+        self.ours: OrderedDict[BlockHash, int] = OrderedDict()
+        self.refs: dict[int, int] = {}  # our hash -> how many engine hashes stand for it
+        self.block_size: int | None = None
+
+
+class KvIndex:
+    def __init__(self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS) -> None:
+        if max_blocks_per_endpoint < 1:
+            raise ValueError("max_blocks_per_endpoint must be at least 1")
+        self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self._held: dict[Hashable, _Held] = {}
+        self.size = 0  # (block, endpoint) entries, our hashes
+        self.orphans = 0  # stored chains skipped: their parent was not known
+        self.mismatched = 0  # stored events skipped: their tokens did not fill their blocks
+        self.evicted_by_bound = 0  # engine hashes forgotten for the memory bound
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def apply(self, ep: Hashable, event: Event) -> None:
+        if isinstance(event, Stored):
+            self._store(ep, event)
+        elif isinstance(event, Removed):
+            held = self._held.get(ep)
+            if held is not None:
+                for engine_hash in event.block_hashes:
+                    ours = held.ours.pop(engine_hash, None)
+                    if ours is not None:
+                        self._release(held, ours)
+        elif isinstance(event, Cleared):
+            held = self._held.get(ep)
+            if held is not None:
+                self.size -= len(held.refs)
+                held.ours.clear()
+                held.refs.clear()
+
+    def apply_all(self, ep: Hashable, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(ep, event)
+
+    def drop(self, ep: Hashable) -> None:
+        """Forget ``ep`` entirely (an engine gone for good)."""
+        held = self._held.pop(ep, None)
+        if held is not None:
+            self.size -= len(held.refs)
+
+    def _store(self, ep: Hashable, event: Stored) -> None:
+        held = self._held.get(ep)
+        if held is None:
+            held = self._held[ep] = _Held()
+        held.block_size = event.block_size
+        if event.parent is None:
+            parent = ROOT
+        else:
+            known = held.ours.get(event.parent)
+            if known is None:
+                # Stored before this index started (or forgotten since): the chain's tokens
+                # alone cannot say which prefix it continues.
+                self.orphans += 1
+                return
+            parent = known
+        if len(event.token_ids) != event.block_size * len(event.block_hashes):
+            self.mismatched += 1
+            return
+        for engine_hash, ours in zip(
+            event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True
+        ):
+            self._hold(held, engine_hash, ours)
+
+    def _hold(self, held: _Held, engine_hash: BlockHash, ours: int) -> None:
+        before = held.ours.get(engine_hash)
+        if before is not None:
+            held.ours.move_to_end(engine_hash)
+            if before == ours:
+                return
+            held.ours[engine_hash] = ours
+            self._release(held, before)
+        else:
+            held.ours[engine_hash] = ours
+            if len(held.ours) > self.max_blocks_per_endpoint:
+                _, oldest = held.ours.popitem(last=False)
+                self._release(held, oldest)
+                self.evicted_by_bound += 1
+        count = held.refs.get(ours, 0)
+        held.refs[ours] = count + 1
+        if count == 0:
+            self.size += 1
+
+    def _release(self, held: _Held, ours: int) -> None:
+        count = held.refs[ours]
+        if count > 1:
+            held.refs[ours] = count - 1
+        else:
+            del held.refs[ours]
+            self.size -= 1
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int], eps: Collection[Hashable] | None = None) -> dict[Hashable, int]:
+        """How many leading blocks of ``hashes`` each endpoint (of ``eps``, if given) holds;
+        endpoints holding none are left out."""
+        if not hashes:
+            return {}
+        first = hashes[0]
+        found: dict[Hashable, int] = {}
+        candidates = (
+            self._held.items()
+            if eps is None
+            else [(ep, held) for ep in eps if (held := self._held.get(ep)) is not None]
+        )
+        for ep, held in candidates:
+            refs = held.refs
+            if first in refs:
+                # Each endpoint's walk stops at its first miss and runs in C: takewhile over
+                # the dict's own __contains__, no Python frame per block.
+                found[ep] = len(list(takewhile(refs.__contains__, hashes)))
+        return found
+
+    def endpoints(self) -> list[Hashable]:
+        return list(self._held)
+
+    def blocks(self, ep: Hashable) -> frozenset[int]:
+        held = self._held.get(ep)
+        return frozenset(held.refs) if held is not None else frozenset()
+
+    def endpoint_blocks(self, ep: Hashable) -> int:
+        held = self._held.get(ep)
+        return len(held.refs) if held is not None else 0
+
+    def block_size(self, ep: Hashable) -> int | None:
+        """The block size ``ep``'s events last gave (what a prompt is hashed with for it)."""
+        held = self._held.get(ep)
+        return held.block_size if held is not None else None

@@ -1,0 +1,86 @@
+"""``kv_aware``: the instance whose engine already holds the longest prefix of the prompt,
+weighed against its load.
+
+Each candidate's cost is an estimate, in tokens, of the work ahead of this request there::
+
+    prefix_weight * (prompt tokens the engine has not cached) + load_weight * (its in-flight tokens)
+
+and the cheapest wins (ties at random). What an engine has cached comes from the KV index the
+engines' own events build (:mod:`.index`). When no candidate holds any block of the prompt (a
+cold index, a new prompt, an engine that publishes no events) every prefix term is equal and
+the choice is exactly ``least_load``'s.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+
+from services.coordinator.kv.index import KvIndex
+from services.coordinator.kv.metrics import KvMetrics
+from services.coordinator.kv.prompt import Prompt
+from services.coordinator.policies import candidates, least_load
+from services.coordinator.routes import Target, Upstream
+
+
+class KvAware:
+    def __init__(self, index: KvIndex, metrics: KvMetrics, prefix_weight: float, load_weight: float) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.prefix_weight = prefix_weight
+        self.load_weight = load_weight
+
+    def __call__(
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+    ) -> Target | None:
+        cands = candidates(targets, exclude)
+        if not cands:
+            return None
+        if prompt is None:
+            return least_load(cands)
+        index = self.index
+        block_size = 0
+        for t in cands:
+            for ep in t.endpoints:
+                block_size = index.block_size(ep.base) or 0
+                if block_size:
+                    break
+            if block_size:
+                break
+        held = (
+            index.match(prompt.hashes(block_size), [ep.base for t in cands for ep in t.endpoints])
+            if block_size
+            else {}
+        )
+        n = len(prompt.tokens)
+        if not held:
+            chosen = least_load(cands)
+            prompt.cached, prompt.endpoint = 0, None
+        else:
+            chosen = self._cheapest(cands, held, block_size, n, prompt)
+        if chosen is not None:
+            self.metrics.routed(chosen.role, n, prompt.cached)
+        return chosen
+
+    def _cheapest(
+        self, cands: Sequence[Target], held: dict[object, int], block_size: int, n: int, prompt: Prompt
+    ) -> Target | None:
+        pw, lw = self.prefix_weight, self.load_weight
+        best: list[tuple[Target, int, Upstream | None]] = []
+        best_cost = 0.0
+        for t in cands:
+            cached, where = 0, None  # type: tuple[int, Upstream | None]
+            for ep in t.endpoints:
+                blocks = held.get(ep.base, 0)
+                if blocks * block_size > cached and not ep.down:
+                    cached, where = blocks * block_size, ep
+            cached = min(cached, n)
+            cost = pw * (n - cached) + lw * t.load
+            if not best or cost < best_cost:
+                best, best_cost = [(t, cached, where)], cost
+            elif cost == best_cost:
+                best.append((t, cached, where))
+        t, cached, where = best[0] if len(best) == 1 else random.choice(best)
+        prompt.cached = cached
+        prompt.endpoint = where
+        return t

@@ -1,0 +1,106 @@
+"""A request's prompt as the engine will see it: its token ids, and their block hashes.
+
+``kv_aware`` matches a request against the blocks engines say they hold, so the request must be
+tokenized exactly as the engine tokenizes it (:mod:`services.common.tokenizer`): for the
+simulated engine its ``<role>: <text>`` chat lines and its tokenizer, for vLLM and SGLang the
+model's chat template and ``tokenizer.json``. Only the first prompt of a batched completion
+request is matched (the others usually share its prefix).
+
+A long system prompt repeats in request after request, so with the built-in tokenizer each chat
+line's ids are remembered (a bounded cache): splitting on whitespace, the ids of lines joined by
+newlines are the lines' ids one after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from services.common.tokenizer import Builtin, HfTokenizer, Tokenizer, message_text, token_prompt_text
+from services.coordinator.kv.hashing import chain
+from services.coordinator.routes import Upstream
+
+LINE_CACHE_MAX = 4096  # distinct chat lines remembered (system prompts, earlier turns)
+
+
+class Prompt:
+    """One request's token ids, hashed per block size on first use; ``cached`` and ``endpoint``
+    are what ``kv_aware`` decided (the tokens it expects the chosen engine to have cached, and
+    which of the instance's endpoints holds them)."""
+
+    __slots__ = ("_hashes", "cached", "endpoint", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self._hashes: dict[int, list[int]] = {}
+        self.cached = 0
+        self.endpoint: Upstream | None = None
+
+    def hashes(self, block_size: int) -> list[int]:
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = chain(self.tokens, block_size)
+        return h
+
+
+class Tokens:
+    """Token ids of request bodies for one (model, engine type)."""
+
+    def __init__(self, tokenizer: Tokenizer, sim: bool) -> None:
+        self.tokenizer = tokenizer
+        self.sim = sim
+        self._lines: dict[str, list[int]] = {}
+        self._by_line = sim and isinstance(tokenizer, Builtin)
+
+    def of(self, req: dict[str, Any], chat: bool) -> list[int] | None:
+        """The ids of the request's (first) prompt; None when the body has none we can read."""
+        try:
+            return self._chat(req.get("messages")) if chat else self._completion(req.get("prompt"))
+        except Exception:  # a template or tokenizer error only costs the hint
+            return None
+
+    def _chat(self, messages: Any) -> list[int] | None:
+        if not isinstance(messages, list) or not messages:
+            return None
+        if not self.sim:
+            tok = self.tokenizer
+            text = tok.chat_text(messages) if isinstance(tok, HfTokenizer) else None
+            return None if text is None else tok.encode(text, special=False)
+        lines = []
+        for m in messages:
+            text = message_text(m.get("content")) if isinstance(m, dict) else None
+            role = m.get("role") if isinstance(m, dict) else None
+            if text is None or not isinstance(role, str):
+                return None
+            lines.append(f"{role}: {text}")
+        if not self._by_line:
+            return self.tokenizer.encode("\n".join(lines), special=False)
+        ids: list[int] = []
+        for line in lines:
+            ids += self._line(line)
+        return ids
+
+    def _line(self, line: str) -> list[int]:
+        ids = self._lines.get(line)
+        if ids is None:
+            ids = self.tokenizer.encode(line, special=False)
+            if len(self._lines) >= LINE_CACHE_MAX:
+                self._lines.pop(next(iter(self._lines)))  # oldest first
+            self._lines[line] = ids
+        return ids
+
+    def _completion(self, prompt: Any) -> list[int] | None:
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, special=True)
+        if isinstance(prompt, list) and _all_ints(prompt):
+            # Token ids: a real engine takes them as they are; the simulated one reads them as words.
+            return (
+                self.tokenizer.encode(token_prompt_text(prompt), special=True) if self.sim else list(prompt)
+            )
+        return None
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)

@@ -1,0 +1,183 @@
+"""The engines' KV cache events on the wire: vLLM's ``KVEventBatch`` in msgpack.
+
+A batch is ``[ts, events, data_parallel_rank]`` and each event a tagged list whose first item is
+its class name (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]``,
+``["BlockRemoved", block_hashes, ...]``, ``["AllBlocksCleared"]``): vLLM encodes its structs
+array-like. Newer vLLM encodes them as maps instead (``{"type": "BlockStored", "block_hashes":
+..., ...}``, the batch as ``{"ts": ..., "events": ...}``); both are accepted. Each release appends
+fields (``lora_id``, ``medium``, ``lora_name``, ``extra_keys``, ``group_idx`` ...) and older ones
+lack the trailing ones (no ``data_parallel_rank``, no ``medium``): only the leading fields Motor
+uses are required, the rest are ignored. An event of a kind Motor does not know is skipped and
+counted (``Batch.unknown``), so a newer engine still feeds the index.
+
+The payload comes from another process, possibly buggy: :func:`decode` raises :class:`WireError`
+for anything malformed and never another exception, so a bad batch cannot crash a subscriber.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+BlockHash = int | bytes  # vLLM hashes blocks to 64-bit ints (older) or SHA-256 digests (newer)
+
+# The replay socket's end-of-replay marker, where a sequence number would be.
+SEQ_END = (-1).to_bytes(8, "big", signed=True)
+
+
+class WireError(ValueError):
+    """A payload that is not a KV event batch Motor can read."""
+
+
+@dataclass(slots=True)
+class Stored:
+    """Blocks an engine cached: ``token_ids`` are those blocks' tokens, ``block_size`` per block;
+    ``parent`` is the engine hash of the block before the first one (None: a sequence's first)."""
+
+    block_hashes: list[BlockHash]
+    parent: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None = None  # "GPU", "CPU" ...; None when the engine does not say
+
+
+@dataclass(slots=True)
+class Removed:
+    """Blocks an engine evicted."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+@dataclass(slots=True)
+class Cleared:
+    """The engine dropped its whole prefix cache (a reset, a sleep)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass(slots=True)
+class Batch:
+    ts: float  # the engine's time.time() when it published the batch
+    events: list[Event]
+    dp_rank: int | None = None
+    unknown: int = field(default=0, compare=False)  # events of kinds skipped as unknown
+
+
+_STORED, _REMOVED, _CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+# Where each field Motor reads sits in the array-like form (index 0 is the tag).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+_TOKENS = list[int]
+_HASH_TYPES = frozenset((int, bytes))  # exact types: a bool is no hash
+_decoder = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def decode(payload: bytes) -> Batch:
+    """The batch in ``payload``; :class:`WireError` if it is not one."""
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.MsgspecError, RecursionError) as exc:  # deep nesting is a RecursionError
+        raise WireError(f"not msgpack: {exc}") from None
+    except TypeError as exc:  # not a bytes-like payload at all
+        raise WireError(str(exc)) from None
+    if isinstance(raw, list) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        if "ts" not in raw or "events" not in raw:
+            raise WireError("a batch map needs ts and events")
+        ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise WireError("a batch is a [ts, events, ...] array or a map")
+    if type(ts) not in (int, float) or not math.isfinite(ts):
+        raise WireError(f"bad batch ts {ts!r}")
+    if rank is not None and type(rank) is not int:
+        raise WireError(f"bad data_parallel_rank {rank!r}")
+    if not isinstance(events, list):
+        raise WireError("a batch's events must be an array")
+    batch = Batch(float(ts), [], rank)
+    for raw_event in events:
+        event = _event(raw_event)
+        if event is None:
+            batch.unknown += 1
+        else:
+            batch.events.append(event)
+    return batch
+
+
+def _fields(raw: Any, names: tuple[str, ...], required: int) -> list[Any]:
+    """An event's first ``len(names)`` fields, None for the absent optional ones."""
+    if isinstance(raw, list):
+        values = raw[1 : 1 + len(names)]
+        if len(values) < required:
+            raise WireError(f"{raw[0]} has {len(values)} fields, needs {required}")
+        return values + [None] * (len(names) - len(values))
+    missing = [n for n in names[:required] if n not in raw]
+    if missing:
+        raise WireError(f"{raw['type']} lacks {', '.join(missing)}")
+    return [raw.get(n) for n in names]
+
+
+def _tag(raw: Any) -> str:
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0]
+    if isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        return raw["type"]
+    raise WireError("an event is a tagged array or a map with a type")
+
+
+def _event(raw: Any) -> Event | None:
+    tag = _tag(raw)
+    if tag == _STORED:
+        hashes, parent, tokens, size, _lora, medium = _fields(raw, _STORED_FIELDS, 4)
+        if parent is not None and type(parent) not in (int, bytes):
+            raise WireError(f"bad parent_block_hash {parent!r}")
+        if type(size) is not int or size <= 0:
+            raise WireError(f"bad block_size {size!r}")
+        return Stored(_hashes(hashes), parent, _tokens(tokens), size, _medium(medium))
+    if tag == _REMOVED:
+        hashes, medium = _fields(raw, _REMOVED_FIELDS, 1)
+        return Removed(_hashes(hashes), _medium(medium))
+    if tag == _CLEARED:
+        return Cleared()
+    return None
+
+
+def _hashes(raw: Any) -> list[BlockHash]:
+    if not isinstance(raw, list) or not _HASH_TYPES.issuperset(map(type, raw)):
+        raise WireError("block_hashes must be an array of ints or bytes")
+    return raw
+
+
+def _tokens(raw: Any) -> list[int]:
+    if not isinstance(raw, list):
+        raise WireError("token_ids must be an array")
+    try:
+        return msgspec.convert(raw, _TOKENS)  # checks every item at C speed
+    except msgspec.ValidationError as exc:
+        raise WireError(f"token_ids: {exc}") from None
+
+
+def _medium(raw: Any) -> str | None:
+    if raw is not None and not isinstance(raw, str):
+        raise WireError(f"bad medium {raw!r}")
+    return raw
+
+
+def encode(batch: Batch) -> bytes:
+    """``batch`` in vLLM's array-like form (what engines publish), for tests and benchmarks."""
+    return _encoder.encode([batch.ts, [_raw(e) for e in batch.events], batch.dp_rank])
+
+
+def _raw(event: Event) -> list[Any]:
+    if isinstance(event, Stored):
+        e = event
+        return [_STORED, e.block_hashes, e.parent, e.token_ids, e.block_size, None, e.medium, None]
+    if isinstance(event, Removed):
+        return [_REMOVED, event.block_hashes, event.medium]
+    return [_CLEARED]
