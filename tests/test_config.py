@@ -41,7 +41,8 @@ CONTRACT_KEYS = {
         etcd_ca_file etcd_cert_file etcd_key_file advertise_address""",
     "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
-        max_json_depth prefill_policy decode_policy api_keys_file controller
+        max_json_depth prefill_policy decode_policy kv_prefix_weight kv_load_weight
+        kv_index_max_blocks tokenizers api_keys_file controller
         controller_key_file precision_check_enabled precision_interval_s precision_logprobs
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s""",
@@ -300,6 +301,12 @@ BAD_VALUES = [
     ("coordinator", "max_body_bytes", 10, "must be between 1024 and 2147483648, got 10"),
     ("coordinator", "prefill_policy", "random", None),
     ("coordinator", "decode_policy", "LEAST_LOAD", None),
+    ("coordinator", "kv_prefix_weight", -1, "expected a number from 0 to 1000000, got -1"),
+    ("coordinator", "kv_load_weight", True, "expected a number from 0 to 1000000, got true"),
+    ("coordinator", "kv_index_max_blocks", 0, "must be between 1 and 1073741824, got 0"),
+    ("coordinator", "tokenizers", {"m": 3}, None),
+    ("coordinator", "tokenizers", {"": "/x"}, None),
+    ("coordinator", "tokenizers", ["/x"], "expected object, got array"),
     ("coordinator", "controller", "127.0.0.1", None),
     ("coordinator", "controller", "127.0.0.1:0", None),
     ("coordinator", "controller", "h:99999", None),
@@ -379,6 +386,9 @@ GOOD_VALUES = [
     ("controller", "alarm_webhook_url", "https://hooks.example/x"),
     ("coordinator", "prefill_policy", "power_of_two"),
     ("coordinator", "decode_policy", "round_robin"),
+    ("coordinator", "prefill_policy", "kv_aware"),
+    ("coordinator", "kv_load_weight", 0),
+    ("coordinator", "tokenizers", {"llama": "/models/llama"}),
     ("coordinator", "controller", "localhost:1"),
     ("coordinator", "log_format", "json"),
     ("nodemanager", "role", "union"),

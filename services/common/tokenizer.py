@@ -20,6 +20,7 @@ import json
 import os
 import zlib
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
 BUILTIN_VOCAB = 32000
@@ -65,23 +66,50 @@ class HfTokenizer:
     def has_chat_template(self) -> bool:
         return isinstance(self._config.get("chat_template"), str)
 
-    def chat_text(self, messages: Sequence[dict[str, Any]]) -> str | None:
-        """The chat template rendered as vLLM renders it, or None without a template."""
+    def chat_text(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> str | None:
+        """The chat template rendered as vLLM renders it, or None without a template. A
+        message's list of text parts is one string, the parts joined by newlines (vLLM's "string"
+        content format, what most templates expect)."""
         if not self.has_chat_template:
             return None
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # transformers' environment: templates use {% break %}, its tojson, and today's date
+            # (Llama 3's system header: a fixed fallback date would differ in the first block).
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self._config["chat_template"])
         return str(
             self._template.render(
-                messages=list(messages),
+                messages=[_flat(m) for m in messages],
+                tools=tools,  # None is passed too, as transformers does for a request without tools
+                documents=None,
                 add_generation_prompt=True,
                 bos_token=_token_text(self._config.get("bos_token")),
                 eos_token=_token_text(self._config.get("eos_token")),
             )
         )
+
+
+def _flat(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return {**message, "content": "\n".join(str(p) for p in parts)}
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    """transformers' filter: plain JSON, where Jinja's own escapes HTML characters and sorts keys."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _token_text(token: Any) -> str:

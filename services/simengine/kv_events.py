@@ -122,9 +122,11 @@ class Publisher:
             if cfg.endpoint:
                 self._pub = self._open(zmq.PUB, cfg.endpoint, host, "kv_events", cfg.hwm)
             if cfg.replay_endpoint:
-                # A whole replay fits in the client's pipe: a ROUTER drops what is over its mark.
-                hwm = cfg.buffer_steps + 1
-                self._replay = self._open(zmq.ROUTER, cfg.replay_endpoint, host, "kv_replay", hwm)
+                # No mark: a ROUTER silently drops what is over it, and zmq learns what a peer read
+                # only every (mark + 1) / 2 messages, so a second long answer on one connection
+                # would lose its end marker. Answers go only to a client that asked, each at
+                # most buffer_steps + 1 messages.
+                self._replay = self._open(zmq.ROUTER, cfg.replay_endpoint, host, "kv_replay", 0)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise OSError(exc.errno, f"kv events: {exc}") from None

@@ -38,32 +38,31 @@ class KvAware:
             return None
         if prompt is None:
             return least_load(cands)
+        # Endpoints by block size (engines of one model normally share one): the prompt is
+        # hashed once per size; ``held`` is each endpoint's cached prefix, in tokens.
         index = self.index
-        block_size = 0
+        by_size: dict[int, list[str]] = {}
         for t in cands:
             for ep in t.endpoints:
-                block_size = index.block_size(ep.base) or 0
-                if block_size:
-                    break
-            if block_size:
-                break
-        held = (
-            index.match(prompt.hashes(block_size), [ep.base for t in cands for ep in t.endpoints])
-            if block_size
-            else {}
-        )
+                size = index.block_size(ep.base)
+                if size:
+                    by_size.setdefault(size, []).append(ep.base)
+        held: dict[object, int] = {}
+        for size, eps in by_size.items():
+            for ep_key, blocks in index.match(prompt.hashes(size), eps).items():
+                held[ep_key] = blocks * size
         n = len(prompt.tokens)
         if not held:
             chosen = least_load(cands)
             prompt.cached, prompt.endpoint = 0, None
         else:
-            chosen = self._cheapest(cands, held, block_size, n, prompt)
+            chosen = self._cheapest(cands, held, n, prompt)
         if chosen is not None:
             self.metrics.routed(chosen.role, n, prompt.cached)
         return chosen
 
     def _cheapest(
-        self, cands: Sequence[Target], held: dict[object, int], block_size: int, n: int, prompt: Prompt
+        self, cands: Sequence[Target], held: dict[object, int], n: int, prompt: Prompt
     ) -> Target | None:
         pw, lw = self.prefix_weight, self.load_weight
         best: list[tuple[Target, int, Upstream | None]] = []
@@ -71,9 +70,9 @@ class KvAware:
         for t in cands:
             cached, where = 0, None  # type: tuple[int, Upstream | None]
             for ep in t.endpoints:
-                blocks = held.get(ep.base, 0)
-                if blocks * block_size > cached and not ep.down:
-                    cached, where = blocks * block_size, ep
+                tokens = held.get(ep.base, 0)
+                if tokens > cached and not ep.down:
+                    cached, where = tokens, ep
             cached = min(cached, n)
             cost = pw * (n - cached) + lw * t.load
             if not best or cost < best_cost:

@@ -55,16 +55,18 @@ class Tokens:
     def of(self, req: dict[str, Any], chat: bool) -> list[int] | None:
         """The ids of the request's (first) prompt; None when the body has none we can read."""
         try:
-            return self._chat(req.get("messages")) if chat else self._completion(req.get("prompt"))
+            if chat:
+                return self._chat(req.get("messages"), req.get("tools"))
+            return self._completion(req.get("prompt"))
         except Exception:  # a template or tokenizer error only costs the hint
             return None
 
-    def _chat(self, messages: Any) -> list[int] | None:
+    def _chat(self, messages: Any, tools: Any) -> list[int] | None:
         if not isinstance(messages, list) or not messages:
             return None
         if not self.sim:
             tok = self.tokenizer
-            text = tok.chat_text(messages) if isinstance(tok, HfTokenizer) else None
+            text = tok.chat_text(messages, tools) if isinstance(tok, HfTokenizer) else None
             return None if text is None else tok.encode(text, special=False)
         lines = []
         for m in messages:
@@ -90,7 +92,9 @@ class Tokens:
         return ids
 
     def _completion(self, prompt: Any) -> list[int] | None:
-        if isinstance(prompt, list) and prompt:
+        if isinstance(prompt, list):
+            if not prompt:
+                return None  # no prompt (the engine rejects it), not an empty one
             prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, special=True)
