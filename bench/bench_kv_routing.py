@@ -141,31 +141,33 @@ async def _direct(
     return time.perf_counter() - started
 
 
-async def overhead_run(policy: str) -> tuple[float, float]:
-    """Mean latency per request through the Coordinator and straight to the engines (zero-cost
-    engines, one client), in seconds, over the same requests."""
+async def overhead_run(policy: str) -> list[float]:
+    """Per request, seconds through the Coordinator less the same two legs sent straight to the
+    engines (zero-cost engines, one client). Each request goes both ways back to back, in
+    alternating order, so drift of the machine cancels out."""
     convs, order = kv_workload.build(kv_workload.Shape())
     with tempfile.TemporaryDirectory() as tmp:
-        up = Up(
-            ["--prefill", "2", "--decode", "1", "--config", str(_config(Path(tmp), policy, False))], Path(tmp)
-        )
+        cfg = _config(Path(tmp), policy, False)
+        up = Up(["--prefill", "2", "--decode", "1", "--config", str(cfg)], Path(tmp))
         try:
             await _serving(up, policy)
             await kv_workload.run(up.url, convs, order)  # every answer known, every connection warm
             seen: dict[int, int] = {}
-            requests = []
-            for c in order:
-                requests.append(convs[c].messages(seen.get(c, 0)))
-                seen[c] = seen.get(c, 0) + 1
-            via, direct = [], []
+            diffs = []
             async with aiohttp.ClientSession() as s:
-                for messages in requests:
-                    via.append((await kv_workload.ask(s, up.url, messages))[1])
-                for messages in requests:
-                    direct.append(await _direct(s, _engine_url(up, 0), _engine_url(up, 2), messages))
+                for i, c in enumerate(order):
+                    messages = convs[c].messages(seen.get(c, 0))
+                    seen[c] = seen.get(c, 0) + 1
+                    if i % 2:
+                        via = (await kv_workload.ask(s, up.url, messages))[1]
+                        direct = await _direct(s, _engine_url(up, 0), _engine_url(up, 2), messages)
+                    else:
+                        direct = await _direct(s, _engine_url(up, 0), _engine_url(up, 2), messages)
+                        via = (await kv_workload.ask(s, up.url, messages))[1]
+                    diffs.append(via - direct)
         finally:
             up.stop()
-    return statistics.fmean(via), statistics.fmean(direct)
+    return diffs
 
 
 def _ttft_table(runs: list[Run]) -> list[str]:
@@ -187,22 +189,28 @@ def _ttft_table(runs: list[Run]) -> list[str]:
 
 async def amain() -> int:
     runs = [await one_run(policy, clients) for clients in (1, 4) for policy in POLICIES]
-    overheads: dict[str, list[float]] = {"kv_aware": [], "least_load": []}
+    overheads: dict[str, list[list[float]]] = {"kv_aware": [], "least_load": []}
     for _ in range(OVERHEAD_ROUNDS):
         for policy in overheads:
-            via, direct = await overhead_run(policy)
-            overheads[policy].append(via - direct)
-    costs = kv_index_cost.measure()
+            overheads[policy].append(await overhead_run(policy))
+    costs = await asyncio.to_thread(kv_index_cost.measure)
     return publish(RESULTS, report(runs, overheads, costs))
 
 
-def report(runs: list[Run], overheads: dict[str, list[float]], costs: kv_index_cost.Costs) -> str:
+def _round_medians(rounds: list[list[float]]) -> str:
+    return ", ".join(f"{statistics.median(r) * 1e6:.0f}" for r in rounds)
+
+
+def report(runs: list[Run], overheads: dict[str, list[list[float]]], costs: kv_index_cost.Costs) -> str:
     one = {r.policy: r for r in runs if r.clients == 1}
     speedup = one["least_load"].mean / one["kv_aware"].mean
-    kv_o, ll_o = statistics.median(overheads["kv_aware"]), statistics.median(overheads["least_load"])
-    worst_kv = max(overheads["kv_aware"])
+    pooled = {p: sorted(x for r in rounds for x in r) for p, rounds in overheads.items()}
+    kv_o, ll_o = statistics.median(pooled["kv_aware"]), statistics.median(pooled["least_load"])
+    worst_kv = max(statistics.median(r) for r in overheads["kv_aware"])
     o_ratio = kv_o / ll_o if ll_o > 0 else float("nan")
     kv_run = one["kv_aware"]
+    many = {r.policy: r for r in runs if r.clients == 4}
+    four = many["least_load"].mean / many["kv_aware"].mean
     lines = [
         "# KV-aware routing",
         "",
@@ -219,25 +227,30 @@ def report(runs: list[Run], overheads: dict[str, list[float]], costs: kv_index_c
         *_ttft_table(runs),
         "",
         f"Target: mean TTFT with kv_aware at least {SPEEDUP_TARGET:g}x lower than least_load at one "
-        f"client: **{speedup:.2f}x**, {'met' if speedup >= SPEEDUP_TARGET else '**missed**'}.",
+        f"client: **{speedup:.2f}x**, {'met' if speedup >= SPEEDUP_TARGET else '**missed**'}. At 4 clients "
+        f"the gain is {four:.2f}x: with requests in flight the load term sends some of them to the "
+        "engine without their prefix (these simulated engines never queue, so there it costs; a "
+        "real engine's queue is what the load term protects).",
         "",
         "## Routing overhead",
         "",
-        "Zero-cost engines, one client, the same 128 requests: mean latency through the Coordinator "
-        "minus the mean of the same two legs sent straight to the engines by the same client "
-        f"({OVERHEAD_ROUNDS} rounds per policy, alternating).",
+        "Zero-cost engines, one client, the same 128 requests, each sent through the Coordinator and "
+        "as the same two legs straight to the engines by the same client, back to back in "
+        "alternating order; the overhead is the difference per request "
+        f"({OVERHEAD_ROUNDS} rounds of 128 per policy, a fresh cluster each, policies alternating).",
         "",
-        "| policy | overhead per request, median of rounds | worst round | rounds |",
-        "|---|---|---|---|",
+        "| policy | median | p90 | max | median of each round |",
+        "|---|---|---|---|---|",
         *(
-            f"| {p} | {statistics.median(v) * 1e6:.0f} µs | {max(v) * 1e6:.0f} µs "
-            f"| {', '.join(f'{x * 1e6:.0f}' for x in v)} µs |"
-            for p, v in overheads.items()
+            f"| {p} | {statistics.median(v) * 1e6:.0f} µs | {percentile(v, 90) * 1e6:.0f} µs "
+            f"| {v[-1] * 1e6:.0f} µs | {_round_medians(overheads[p])} µs |"
+            for p, v in pooled.items()
         ),
         "",
-        f"Target: kv_aware's overhead within {OVERHEAD_TARGET - 1:.0%} of least_load's: **{o_ratio:.2f}x** "
-        f"(worst kv_aware round {worst_kv * 1e6:.0f} µs), "
-        f"{'met' if o_ratio <= OVERHEAD_TARGET else '**missed**'}.",
+        f"Target: kv_aware's overhead within {OVERHEAD_TARGET - 1:.0%} of least_load's (medians): "
+        f"**{o_ratio:.2f}x** (worst kv_aware round median {worst_kv * 1e6:.0f} µs), "
+        f"{'met' if o_ratio <= OVERHEAD_TARGET else '**missed**'}. kv_aware's own work per request "
+        f"(tokenize, hash, match) is {statistics.median(costs.path_us):.0f} µs at the median (below).",
         "",
         "## Where the index lives",
         "",

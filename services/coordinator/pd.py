@@ -67,6 +67,15 @@ class NoUpstream(Exception):
 CompletedSink = Callable[[int, int, Completed], None]
 
 
+def _prefill_work(call: Call) -> int:
+    """The prefill load a request puts on the instance just chosen. With kv_aware it is what the
+    engine must compute, its cached prefix aside, counted in the prompt's real tokens (a prefill
+    of a cached prompt is nearly free, and counting all of it would steer the next request of
+    the same prefix elsewhere); otherwise the size estimate."""
+    prompt = call.prompt
+    return call.prompt_tokens if prompt is None else max(1, len(prompt.tokens) - prompt.cached)
+
+
 def _endpoint(t: Target, prompt: Prompt | None) -> Upstream:
     """The endpoint of ``t`` that serves a leg: the one kv_aware found holding the prompt's
     prefix when it chose ``t``, else the instance's own rotation."""
@@ -129,7 +138,8 @@ class Router:
             p = self.prefill_policy(group.prefill, tried_p, call.prompt)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
-            p.load += call.prompt_tokens
+            work = _prefill_work(call)
+            p.load += work
             pep = _endpoint(p, call.prompt)
             leg = None if call.trace is None else call.trace.leg("prefill", pep)
             t = loop.time()
@@ -141,7 +151,7 @@ class Router:
                 self.metrics.retry("prefill")
                 continue
             finally:
-                p.load -= call.prompt_tokens
+                p.load -= work
                 if leg is not None:
                     leg.end()
             self.metrics.phase("prefill", loop.time() - t)
@@ -183,7 +193,12 @@ class Router:
         started = loop.time()
         ep = _endpoint(t, call.prompt)
         leg = None if call.trace is None else call.trace.leg(role, ep)
-        t.load += call.total_tokens
+        # A whole request's prefill is cheaper by its cached prefix; a decode leg's is not.
+        if role == "decode":
+            work = call.total_tokens
+        else:
+            work = _prefill_work(call) + call.total_tokens - call.prompt_tokens
+        t.load += work
         try:
             resp = await self.engines.open(ep, call.path_b, body, role, leg)
             try:
@@ -191,7 +206,7 @@ class Router:
             finally:
                 _done_with(resp)
         finally:
-            t.load -= call.total_tokens
+            t.load -= work
             if leg is not None:
                 leg.end()
         self.metrics.phase("decode" if role == "decode" else "whole", loop.time() - started)
@@ -209,11 +224,12 @@ class Router:
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             pep = _endpoint(p, call.prompt)
+            work = _prefill_work(call)
             d = self.decode_policy(group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
             try:
-                return await self._sglang_pair(call, p, pep, d)
+                return await self._sglang_pair(call, p, pep, work, d)
             except Unreachable as exc:
                 last = exc
                 if exc.role == "prefill":
@@ -222,9 +238,9 @@ class Router:
                     tried_d.add(d.id)
                 self.metrics.retry(exc.role)
 
-    async def _sglang_pair(self, call: Call, p: Target, pep: Upstream, d: Target) -> None:
+    async def _sglang_pair(self, call: Call, p: Target, pep: Upstream, work: int, d: Target) -> None:
         body = with_fields(call.raw, call.req, _bootstrap(pep))
-        prefill = asyncio.ensure_future(self._sglang_prefill(call, p, pep, body))
+        prefill = asyncio.ensure_future(self._sglang_prefill(call, p, pep, body, work))
         loop = asyncio.get_running_loop()
         started = loop.time()
         d.load += call.total_tokens
@@ -263,13 +279,13 @@ class Router:
             self._settle_prefill(prefill, answered)
         self.metrics.phase("decode", loop.time() - started)
 
-    async def _sglang_prefill(self, call: Call, p: Target, ep: Upstream, body: bytes) -> Answer:
-        p.load += call.prompt_tokens
+    async def _sglang_prefill(self, call: Call, p: Target, ep: Upstream, body: bytes, work: int) -> Answer:
+        p.load += work
         leg = None if call.trace is None else call.trace.leg("prefill", ep)
         try:
             return await self.engines.call(ep, call.path_b, body, "prefill", leg=leg)
         finally:
-            p.load -= call.prompt_tokens
+            p.load -= work
             if leg is not None:
                 leg.end()
 

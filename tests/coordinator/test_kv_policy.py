@@ -112,8 +112,8 @@ def test_enough_load_outweighs_the_prefix() -> None:
     prompt = Prompt(PROMPT)
     assert policy(ts, prompt=prompt) is b
     assert prompt.cached == 0 and prompt.endpoint is None
-    a.load = 16  # 8 + 16 == 24 + 0: equal costs, either at random
-    assert set(picks(policy, ts)) == {a.id, b.id}
+    a.load = 16  # 8 + 16 == 24 + 0: equal costs, the emptier cache wins
+    assert picks(policy, ts) == {b.id: DRAWS}
     b.load = 5  # b's load counts the same way
     assert picks(policy, ts) == {a.id: DRAWS}
     # The weights scale the two terms: the prefix counts twice here, a's load no longer outweighs.
@@ -132,7 +132,7 @@ def test_prefix_weight_zero_is_least_load() -> None:
     assert picks(policy, ts) == {b.id: DRAWS}
     assert least_load(ts) is b
     b.load = 5
-    assert set(picks(policy, ts)) == {a.id, b.id}  # tied loads: the cache does not break the tie
+    assert picks(policy, ts) == {b.id: DRAWS}  # tied loads: the emptier cache takes new prefixes
 
 
 def test_nothing_indexed_is_least_load() -> None:
@@ -241,3 +241,32 @@ def test_engines_with_different_block_sizes_are_each_matched_at_their_own() -> N
     prompt = Prompt(list(PROMPT))
     assert policy([a, b], (), prompt) is b
     assert prompt.cached == 16
+
+
+def test_a_prefill_of_a_cached_prompt_loads_its_instance_by_what_is_left_to_compute() -> None:
+    from types import SimpleNamespace
+
+    from services.coordinator.pd import _prefill_work
+
+    policy, index, _ = make()
+    a, b = targets(1, 1)
+    hold(index, a, 5)  # 20 of the prompt's 24 tokens
+    prompt = Prompt(list(PROMPT))
+    assert policy([a, b], (), prompt) is a
+    call = SimpleNamespace(prompt=prompt, prompt_tokens=99)  # 99: a byte-size estimate
+    a.load += _prefill_work(call)  # type: ignore[arg-type]
+    assert a.load == 4
+    # The next request of the same prefix, while that one is in flight, still goes to a.
+    assert picks(policy, [a, b]) == Counter({a.id: DRAWS})
+    assert _prefill_work(SimpleNamespace(prompt=None, prompt_tokens=99)) == 99  # type: ignore[arg-type]
+
+
+def test_new_prefixes_spread_over_the_caches() -> None:
+    policy, index, _ = make()
+    a, b = ts = targets(1, 1)
+    other = list(range(900, 924))
+    hold(index, a, 3, tokens=other)  # a caches another prompt's blocks
+    # Nobody holds this prompt and both are idle: the engine caching less takes it.
+    assert picks(policy, ts) == {b.id: DRAWS}
+    hold(index, b, 3, tokens=list(range(700, 724)))
+    assert set(picks(policy, ts)) == {a.id, b.id}  # as full as each other: at random

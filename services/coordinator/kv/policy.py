@@ -5,10 +5,11 @@ Each candidate's cost is an estimate, in tokens, of the work ahead of this reque
 
     prefix_weight * (prompt tokens the engine has not cached) + load_weight * (its in-flight tokens)
 
-and the cheapest wins (ties at random). What an engine has cached comes from the KV index the
-engines' own events build (:mod:`.index`). When no candidate holds any block of the prompt (a
-cold index, a new prompt, an engine that publishes no events) every prefix term is equal and
-the choice is exactly ``least_load``'s.
+and the cheapest wins; among equal costs the instance caching the fewest blocks, then one at
+random. What an engine has cached comes from the KV index the engines' own events build
+(:mod:`.index`). When no candidate holds any block of the prompt (a cold index, a new prompt, an
+engine that publishes no events) every prefix term is equal and the choice is ``least_load``'s,
+except that a tie goes to the emptier cache: new prefixes spread over the engines.
 """
 
 from __future__ import annotations
@@ -52,21 +53,15 @@ class KvAware:
             for ep_key, blocks in index.match(prompt.hashes(size), eps).items():
                 held[ep_key] = blocks * size
         n = len(prompt.tokens)
-        if not held:
-            chosen = least_load(cands)
-            prompt.cached, prompt.endpoint = 0, None
-        else:
-            chosen = self._cheapest(cands, held, n, prompt)
-        if chosen is not None:
-            self.metrics.routed(chosen.role, n, prompt.cached)
+        chosen = self._cheapest(cands, held, n, prompt)
+        self.metrics.routed(chosen.role, n, prompt.cached)
         return chosen
 
-    def _cheapest(
-        self, cands: Sequence[Target], held: dict[object, int], n: int, prompt: Prompt
-    ) -> Target | None:
+    def _cheapest(self, cands: Sequence[Target], held: dict[object, int], n: int, prompt: Prompt) -> Target:
         pw, lw = self.prefix_weight, self.load_weight
+        index = self.index
         best: list[tuple[Target, int, Upstream | None]] = []
-        best_cost = 0.0
+        best_cost: tuple[float, int] = (0.0, 0)
         for t in cands:
             cached, where = 0, None  # type: tuple[int, Upstream | None]
             for ep in t.endpoints:
@@ -74,7 +69,12 @@ class KvAware:
                 if tokens > cached and not ep.down:
                     cached, where = tokens, ep
             cached = min(cached, n)
-            cost = pw * (n - cached) + lw * t.load
+            # Equal costs (a prompt no engine holds, on idle instances) go to the engine caching
+            # the least: new prefixes spread over the caches instead of piling on one by chance.
+            cost = (
+                pw * (n - cached) + lw * t.load,
+                sum(index.endpoint_blocks(ep.base) for ep in t.endpoints),
+            )
             if not best or cost < best_cost:
                 best, best_cost = [(t, cached, where)], cost
             elif cost == best_cost:
