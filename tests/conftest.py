@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 
 from tests.procs import Proc, motor_argv
 
@@ -33,3 +34,11 @@ def motor_proc(tmp_path: Path) -> Iterator:
     yield start
     for p in started:
         p.kill()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZeroMQ context for a test's own sockets (KV event subscriptions), destroyed after it."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)

@@ -140,13 +140,6 @@ class Follower:
 
 
 @pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
 async def followers() -> AsyncIterator[Callable[..., Follower]]:
     made: list[Follower] = []
 

@@ -20,8 +20,8 @@ from services.coordinator.kv.hashing import chain
 from services.coordinator.kv.index import KvIndex
 from services.coordinator.kv.subscriber import Subscription
 from services.coordinator.kv.wire import SEQ_END, Batch, Cleared, Stored
-from tests.coordinator.test_kv_wire import KVEventBatch, vllm_stored
 from tests.poll import until
+from tests.vllm_kv_events import KVEventBatch, vllm_stored
 
 BS = 4
 
@@ -150,13 +150,6 @@ class Stats:
 
 def held(*seqs: int) -> frozenset[int]:
     return frozenset(chain([s] * BS, BS)[0] for s in seqs)
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

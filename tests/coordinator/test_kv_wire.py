@@ -17,43 +17,9 @@ from hypothesis import strategies as st
 
 from services.coordinator.kv import hashing
 from services.coordinator.kv.wire import Batch, Cleared, Event, Removed, Stored, WireError, decode, encode
+from tests.vllm_kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch, vllm_stored
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# ---- vLLM's structs, as its ZmqEventPublisher encodes them -------------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 # Newer vLLM: no array_like (maps tagged with "type"), and more fields after the old ones.
@@ -87,10 +53,6 @@ class MapRemoved(MapEvent, tag="BlockRemoved"):
 
 class MapCleared(MapEvent, tag="AllBlocksCleared"):
     pass
-
-
-def vllm_stored(hashes: list[Any], parent: Any, tokens: list[int], size: int) -> BlockStored:
-    return BlockStored(hashes, parent, tokens, size, None, "GPU", None)
 
 
 TOKENS = list(range(8))

@@ -9,7 +9,6 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
@@ -17,46 +16,13 @@ from services.common.tokenizer import Builtin
 from tests.poll import wait_until
 from tests.ports import reserve
 from tests.procs import SimEngine
+from tests.vllm_kv_events import DECODE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from .conftest import metric
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 WAIT_MS = 10_000  # a bound on one receive, not a pause
 
