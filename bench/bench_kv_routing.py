@@ -197,6 +197,17 @@ async def amain() -> int:
     return publish(RESULTS, report(runs, overheads, costs))
 
 
+def _verdict_on_placement(c: kv_index_cost.Costs) -> str:
+    trip, path = statistics.median(c.round_trip_us), statistics.median(c.path_us)
+    if trip > path:
+        return (
+            f"The round trip alone ({trip:.0f} µs) costs more than the whole in-process decision "
+            f"({path:.0f} µs), on every request; an index per worker costs memory and the event "
+            "stream once per worker instead."
+        )
+    return f"Here the round trip ({trip:.0f} µs) costs less than the in-process decision ({path:.0f} µs)."
+
+
 def _round_medians(rounds: list[list[float]]) -> str:
     return ", ".join(f"{statistics.median(r) * 1e6:.0f}" for r in rounds)
 
@@ -263,8 +274,7 @@ def report(runs: list[Run], overheads: dict[str, list[list[float]]], costs: kv_i
         f"({kv_run.events / kv_run.seconds:.0f}/s); at the cost above per event that is "
         f"{kv_run.events / kv_run.seconds * costs.ingest_us / 1e4:.2f}% of a core for each worker.",
         "",
-        "The round trip alone costs more than the whole in-process decision, on every request; "
-        "keeping an index per worker costs memory and the event stream once per worker instead.",
+        _verdict_on_placement(costs),
         "",
     ]
     return "\n".join(lines)
