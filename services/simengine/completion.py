@@ -379,7 +379,10 @@ class Completions:
         chains: tuple[Chain, ...] = ()
         cache = engine.prefix
         if cache is not None or engine.counts_tokens:
-            ids = prompt_ids(engine.tokenizer, req)
+            try:
+                ids = prompt_ids(engine.tokenizer, req)
+            except (TypeError, ValueError) as exc:  # a Rust tokenizer refuses lone surrogates
+                raise invalid_request(f"the prompt cannot be tokenized: {exc}", "invalid_prompt") from None
             if engine.counts_tokens:
                 req.prompt_tokens = [len(i) for i in ids]
             if cache is not None:

@@ -240,3 +240,17 @@ def test_no_prefix_caching_publishes_nothing(spawn_engine) -> None:
     # Events are published before the answer leaves: had there been any, replay would have them.
     assert replay(eng.listen_fields()["kv_replay"], 0) == []
     assert metric(metrics(eng), "vllm:prefix_cache_hits_total") == 0
+
+
+def test_a_prompt_the_tokenizer_refuses_is_a_400(spawn_engine, tmp_path) -> None:
+    import urllib.error
+
+    from .test_sim_prefix_cache import wordlevel
+
+    eng = spawn_engine("--tokenizer", str(wordlevel(tmp_path)))
+    body = b'{"model": "motor-sim", "prompt": "hello \\ud800 world", "max_tokens": 2}'
+    req = urllib.request.Request(f"{eng.v1}/completions", body, {"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["code"] == "invalid_prompt"
