@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from services.common.tasks import supervise
+from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.tally import CounterTally, HistogramTally, Tallies
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -190,6 +191,7 @@ class Metrics:
                 self._upstream_errors.labels(role, kind)
         # The request path counts in plain integers (tally.py); flush() publishes them.
         self.tallies = Tallies()
+        self.kv = KvMetrics(r, self.tallies)
         self._requests_t: dict[tuple[str, int], CounterTally] = {}
         self._latency_t: dict[str, HistogramTally] = {}
         self._routed_t: dict[str, CounterTally] = {}

@@ -12,7 +12,6 @@ from prometheus_client import generate_latest
 
 from services.common.enums import DECODE, PREFILL, UNION, Role
 from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.kv.policy import KvAware
 from services.coordinator.kv.prompt import Prompt
 from services.coordinator.kv.wire import BlockHash, Stored
@@ -72,7 +71,7 @@ def make(prefix_weight: float = 1.0, load_weight: float = 1.0) -> tuple[KvAware,
     use_own_process()  # as a one-process Coordinator does: an earlier test may have left workers' mode on
     metrics = Metrics()
     index = KvIndex()
-    return KvAware(index, KvMetrics(metrics), prefix_weight, load_weight), index, metrics
+    return KvAware(index, metrics.kv, prefix_weight, load_weight), index, metrics
 
 
 def picks(

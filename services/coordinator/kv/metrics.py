@@ -8,11 +8,10 @@ already held, by the index, when the request was routed.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.enums import ROLE_NAMES
-from services.coordinator.metrics import Metrics
-from services.coordinator.tally import CounterTally
+from services.coordinator.tally import CounterTally, Tallies
 
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROLES = ("prefill", "decode", "union")
@@ -21,11 +20,11 @@ RESET_REASONS = ("left", "restart", "gap")
 
 
 class KvMetrics:
-    """Also the subscriptions' ``Stats`` (batch, replay, reset)."""
+    """Also the subscriptions' ``Stats`` (batch, replay, reset). Part of every Coordinator's
+    metrics, kv_aware or not, so dashboards see 0 rather than no series."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        r = metrics.registry
-        self._tallies = metrics.tallies
+    def __init__(self, r: CollectorRegistry, tallies: Tallies) -> None:
+        self._tallies = tallies
         prompt = Counter(
             "motor_coordinator_kv_prompt_tokens",
             "Prompt tokens of requests routed by kv_aware, by role of the instance chosen.",

@@ -26,7 +26,6 @@ from services.common.config import CoordinatorConfig
 from services.common.tokenizer import Builtin, Tokenizer, load
 from services.common.tokenizer import tokenizer_file as find_tokenizer
 from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.kv.policy import KvAware
 from services.coordinator.kv.prompt import Prompt, Tokens
 from services.coordinator.kv.subscriber import Subscription
@@ -59,7 +58,7 @@ class KvRouting:
         self.cfg = cfg
         self._view = view
         self.index = KvIndex(cfg.kv_index_max_blocks)
-        self.metrics = KvMetrics(metrics)
+        self.metrics = metrics.kv
         self.policy = KvAware(self.index, self.metrics, cfg.kv_prefix_weight, cfg.kv_load_weight)
         self._subs: dict[str, _Sub] = {}  # by endpoint (its base URL: the index's key)
         self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
