@@ -87,7 +87,7 @@ async def _serving(up: Up, policy: str) -> None:
         return
     async with aiohttp.ClientSession() as s:
         for _ in range(300):
-            if await _metric(s, up.url, "motor_coordinator_kv_subscriptions") >= 3:
+            if await _metric(s, up.url, "motor_coordinator_kv_subscriptions") >= 2:  # the prefills
                 return
             await asyncio.sleep(0.1)
     raise RuntimeError("the Coordinator never subscribed to the engines' KV events")

@@ -1,8 +1,9 @@
 """KV-aware routing in one inference process: the subscriptions, the index, the tokenizers.
 
 Every process that serves inference (the management process with ``workers = 1``, else each
-inference worker) keeps its own index, fed by its own subscription to every engine's KV events
-(ZeroMQ fans a PUB socket out to any number of subscribers). A routing decision then reads
+inference worker) keeps its own index, fed by its own subscription to the KV events of every
+engine a kv_aware policy chooses among (ZeroMQ fans a PUB socket out to any number of
+subscribers). A routing decision then reads
 memory in its own process: no round trip on the request path. The cost is one event stream per
 worker per engine; bench/results/kv_routing.md measures both.
 
@@ -62,6 +63,13 @@ class KvRouting:
         self.policy = KvAware(self.index, self.metrics, cfg.kv_prefix_weight, cfg.kv_load_weight)
         self._subs: dict[str, _Sub] = {}  # by endpoint (its base URL: the index's key)
         self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
+        # Only the roles a kv_aware policy chooses among: the others' events would be work for
+        # nothing (decode_policy also chooses union instances).
+        self._roles: set[int] = set()
+        if cfg.prefill_policy == POLICY:
+            self._roles.add(enums.PREFILL)
+        if cfg.decode_policy == POLICY:
+            self._roles |= {enums.DECODE, enums.UNION}
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -104,6 +112,8 @@ class KvRouting:
     def reconcile(self, view: RoutingView) -> None:
         want: dict[str, _Spec] = {}
         for t in view.targets:
+            if t.role not in self._roles:
+                continue
             self._want_tokenizer(t)
             for ep in t.endpoints:
                 if ep.kv_port:
