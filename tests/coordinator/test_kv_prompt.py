@@ -406,3 +406,16 @@ def test_real_engine_text_parts_and_tools_render_as_vllm_does(model_dir: Path, t
     with_tools = featured.chat_text(body["messages"], body["tools"])
     assert with_tools is not None and with_tools.count("tools: ") == 1
     assert Tokens(featured, sim=False).of(body, True) == featured.encode(with_tools, special=False)
+
+
+SHARED = Tokens(Builtin(), sim=True)  # one cache across examples, as a Coordinator keeps it
+
+
+@settings(max_examples=300, deadline=None)
+@given(chat_bodies(vocab_text), st.sampled_from([1, 2, 3, 16]))
+def test_a_remembered_first_message_hashes_as_the_whole_prompt_would(body: dict[str, Any], bs: int) -> None:
+    for _ in range(2):  # the second time the first message's block hashes are remembered
+        prompt = SHARED.prompt(body, True)
+        assert prompt is not None
+        assert prompt.hashes(bs) == chain(prompt.tokens, bs)
+        assert prompt.tokens == sim_ids(Builtin(), body, True)

@@ -94,8 +94,8 @@ class KvRouting:
         tokens = self._tokens.get((target.model, target.engine_type))
         if tokens is None:
             return None
-        ids = tokens.of(req, chat)
-        return Prompt(ids) if ids else None
+        prompt = tokens.prompt(req, chat)
+        return prompt if prompt is not None and prompt.tokens else None
 
     # -- keeping up with the table ---------------------------------------------------------
 
