@@ -161,6 +161,11 @@ def message_text(content: Any) -> str | None:
     return None
 
 
+def is_token_ids(values: Sequence[Any]) -> bool:
+    """Whether a prompt is given as token ids (integers; a JSON true is not one)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
 def token_prompt_text(ids: Sequence[int]) -> str:
     """A prompt given as token ids, as the simulated engine reads it (its ids joined as words)."""
     return " ".join(map(str, ids))

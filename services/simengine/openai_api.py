@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.tokenizer import message_text, sim_chat_text, token_prompt_text
+from services.common.tokenizer import is_token_ids, message_text, sim_chat_text, token_prompt_text
 from services.simengine.generation import (
     Generated,
     chat_logprob_entries,
@@ -86,9 +86,9 @@ def _prompts(body: dict[str, Any]) -> list[str]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if is_token_ids(prompt):
             return [token_prompt_text(prompt)]
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(isinstance(p, list) and is_token_ids(p) for p in prompt):
             return [token_prompt_text(p) for p in prompt]
     raise RequestError("prompt must be a string, a list of strings, or token ids", "prompt")
 

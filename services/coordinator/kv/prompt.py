@@ -15,10 +15,17 @@ every request, and a 1,000-token prompt costs tens of microseconds to tokenize a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from services.common.tokenizer import Builtin, HfTokenizer, Tokenizer, message_text, token_prompt_text
+from services.common.tokenizer import (
+    Builtin,
+    HfTokenizer,
+    Tokenizer,
+    is_token_ids,
+    message_text,
+    sim_chat_text,
+    token_prompt_text,
+)
 from services.coordinator.kv.hashing import ROOT, chain
 from services.coordinator.routes import Upstream
 
@@ -111,8 +118,7 @@ class Tokens:
                 return None
             pairs.append((role, text))
         if not self._by_line:
-            lines = "\n".join(f"{role}: {text}" for role, text in pairs)
-            return Prompt(self.tokenizer.encode(lines, special=False))
+            return Prompt(self.tokenizer.encode(sim_chat_text(pairs), special=False))
         first = self._line(pairs[0])
         ids = list(first.ids)
         for pair in pairs[1:]:
@@ -122,8 +128,7 @@ class Tokens:
     def _line(self, pair: tuple[str, str]) -> Line:
         line = self._lines.get(pair)
         if line is None:
-            role, text = pair
-            line = Line(self.tokenizer.encode(f"{role}: {text}", special=False))
+            line = Line(self.tokenizer.encode(sim_chat_text([pair]), special=False))
             if len(self._lines) >= LINE_CACHE_MAX:
                 self._lines.pop(next(iter(self._lines)))  # oldest first
             self._lines[pair] = line
@@ -136,13 +141,9 @@ class Tokens:
             prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, special=True)
-        if isinstance(prompt, list) and _all_ints(prompt):
+        if isinstance(prompt, list) and is_token_ids(prompt):
             # Token ids: a real engine takes them as they are; the simulated one reads them as words.
             return (
                 self.tokenizer.encode(token_prompt_text(prompt), special=True) if self.sim else list(prompt)
             )
         return None
-
-
-def _all_ints(values: Sequence[Any]) -> bool:
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)

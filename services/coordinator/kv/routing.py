@@ -135,16 +135,16 @@ class KvRouting:
 
     def _subscribe(self, key: str, spec: _Spec) -> None:
         assert self._ctx is not None
-        sub_ref: list[_Sub] = []
+        sub: _Sub | None = None  # set below, before the task first runs
 
         def apply(k: object, batch: Batch) -> None:
             # A cancelled subscription's last batch must not touch its successor's entries.
-            if self._subs.get(key) is sub_ref[0]:
+            if self._subs.get(key) is sub:
                 for event in batch.events:
                     self.index.apply(key, event)
 
         def reset(k: object, reason: str) -> None:
-            if self._subs.get(key) is sub_ref[0]:
+            if self._subs.get(key) is sub:
                 self.index.drop(key)  # the subscription logged why (event=kv_events_reset)
                 self.metrics.reset(reason)
 
@@ -153,7 +153,6 @@ class KvRouting:
         )
         task = tasks.spawn(f"kv_events {key}", subscription.run)
         sub = _Sub(spec, task)
-        sub_ref.append(sub)
         self._subs[key] = sub
         log.event("kv_subscribed", endpoint=key, events=f"{spec.host}:{spec.port}", pid=spec.pid)
 
