@@ -157,12 +157,16 @@ def test_a_corrupt_controller_state_file_is_one_line_and_exit_1(up: Start, tmp_p
 
 
 SITECUSTOMIZE = """\
-import os, sys
+import fcntl, os, sys
 if os.environ.get("MOTOR_TEST_LONG_LINE"):
     # Every Python process of the cluster says this first: one line far over a pipe's 64 KiB.
-    sys.stderr.write("x" * 100000 + "\\n")
-    sys.stderr.write("after the long line\\n")
-    sys.stderr.flush()
+    # The Coordinator's inference workers share its pipe, and writes that large from several
+    # processes interleave; the lock keeps each process's line whole, as a test of the cutter.
+    with open(os.environ["MOTOR_TEST_LONG_LINE"], "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sys.stderr.write("x" * 100000 + "\\n")
+        sys.stderr.write("after the long line\\n")
+        sys.stderr.flush()
 """
 
 
@@ -171,7 +175,7 @@ def test_a_line_longer_than_a_pipe_holds_is_cut_and_the_cluster_still_starts(tmp
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    c = Cluster(tmp_path, env={"PYTHONPATH": path, "MOTOR_TEST_LONG_LINE": "1"})
+    c = Cluster(tmp_path, env={"PYTHONPATH": path, "MOTOR_TEST_LONG_LINE": str(tmp_path / "line.lock")})
     try:
         c.wait_ready(90)
         lines = c.proc.lines
