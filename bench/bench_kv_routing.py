@@ -163,6 +163,10 @@ async def overhead_run(policy: str) -> list[float]:
                 for i, c in enumerate(order):
                     messages = convs[c].messages(seen.get(c, 0))
                     seen[c] = seen.get(c, 0) + 1
+                    # A question not asked before, as in a live conversation: the Coordinator
+                    # has seen the history (the warm-up sent it) but not this last message.
+                    question = f"{messages[-1]['content']} (asked again, {i})"
+                    messages[-1] = {"role": "user", "content": question}
                     if i % 2:
                         via = (await kv_workload.ask(s, up.url, messages))[1]
                         direct = await _direct(s, _engine_url(up, 0), _engine_url(up, 1), messages)

@@ -74,12 +74,19 @@ def request_tracer() -> RequestTracer | None:
 
 
 def make_router(
-    cfg: CoordinatorConfig, metrics: Metrics, breaker: Breaker, view: Callable[[], RoutingView] | None
+    cfg: CoordinatorConfig,
+    metrics: Metrics,
+    breaker: Breaker,
+    view: Callable[[], RoutingView] | None,
+    kv_shared_dir: str | None = None,
 ) -> Router:
     """``view``: the routing view a kv_aware policy follows; None for a router that only sends
-    pinned requests (the management process's, beside its inference workers)."""
+    pinned requests (the management process's, beside its inference workers).
+    ``kv_shared_dir``: where an inference worker reads the management process's KV index."""
     engines = Engines(metrics, breaker.refused, deadlines(cfg))
-    kv = kv_routing.KvRouting(cfg, view, metrics) if view is not None and kv_routing.wanted(cfg) else None
+    kv = None
+    if view is not None and kv_routing.wanted(cfg):
+        kv = kv_routing.KvRouting(cfg, view, metrics, kv_shared_dir)
 
     def policy(name: str) -> Policy:
         if name != kv_routing.POLICY:
@@ -103,13 +110,14 @@ class InferenceServer:
         *,
         workers: int = 1,
         worker: int | None = None,
+        kv_shared_dir: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self._ssl = ssl_context
         self._workers = workers
         self.breaker = Breaker(view, metrics.endpoints_down.set)
-        self.router = make_router(cfg, metrics, self.breaker, view)
+        self.router = make_router(cfg, metrics, self.breaker, view, kv_shared_dir)
         self.admission = Admission.share(
             cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
         )

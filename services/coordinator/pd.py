@@ -73,7 +73,7 @@ def _prefill_work(call: Call) -> int:
     of a cached prompt is nearly free, and counting all of it would steer the next request of
     the same prefix elsewhere); otherwise the size estimate."""
     prompt = call.prompt
-    return call.prompt_tokens if prompt is None else max(1, len(prompt.tokens) - prompt.cached)
+    return call.prompt_tokens if prompt is None else max(1, prompt.n - prompt.cached)
 
 
 def _endpoint(t: Target, prompt: Prompt | None) -> Upstream:

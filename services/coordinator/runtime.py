@@ -16,6 +16,9 @@ from services.common.enums import ROLE_NAMES
 from services.common.server import MotorServer
 from services.coordinator.health import Breaker
 from services.coordinator.inference import InferenceServer, api_keys, https, make_router
+from services.coordinator.kv import routing as kv_routing
+from services.coordinator.kv.feed import KvFeed
+from services.coordinator.kv.shared import SharedWriter
 from services.coordinator.metrics import Metrics, use_own_process
 from services.coordinator.pd import Router
 from services.coordinator.precision.reporter import AlarmReporter, service_ip
@@ -70,6 +73,8 @@ class Coordinator:
         # Precision detection (coordinator.precision_check_enabled); None while it is off.
         self.precision: PrecisionMonitor | None = None
         self._alarms: AlarmReporter | None = None
+        # With inference workers, the KV index is fed here, once, and shared with them.
+        self._kv_feed: KvFeed | None = None
 
     @property
     def grpc_address(self) -> str:
@@ -83,6 +88,13 @@ class Coordinator:
             self.http_address = await self.inference.start()
             self._router = self.inference.router
         else:
+            if kv_routing.wanted(self.cfg):
+                writer = SharedWriter(self.pool.dir, self.cfg.kv_index_max_blocks)
+                self._kv_feed = KvFeed(
+                    self.cfg, lambda: self.view, self.metrics.kv, kv_routing.roles(self.cfg), writer
+                )
+                await self._kv_feed.start()
+                self.metrics.start_flushing()  # the feed's counters reach the workers' scrapes
             self.http_address = await self.pool.start(self.table.state)
             self._breaker = Breaker(lambda: self.view)
             self._router = make_router(self.cfg, self.metrics, self._breaker, None)
@@ -194,6 +206,9 @@ class Coordinator:
             assert self._router is not None
             await self._router.close()
             self._router.engines.close()
+        if self._kv_feed is not None:
+            await self._kv_feed.stop()
+            await self.metrics.stop_flushing()
 
 
 async def serve(cfg: Config, stop: asyncio.Event) -> int:

@@ -92,7 +92,14 @@ async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
     link = WorkerLink(directory, index, holder.apply, holder.remote_loads, on_lost=lost)
     await link.start()
     server = InferenceServer(
-        cfg, lambda: holder.view, metrics, keys, ssl_context, workers=workers, worker=index
+        cfg,
+        lambda: holder.view,
+        metrics,
+        keys,
+        ssl_context,
+        workers=workers,
+        worker=index,
+        kv_shared_dir=directory,
     )
     if cfg.precision_check_enabled:
         server.set_completed(SampleGate(cfg.precision_interval_s, link.send_sample))

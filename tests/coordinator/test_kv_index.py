@@ -45,8 +45,12 @@ def test_match_counts_leading_blocks_per_endpoint() -> None:
     assert index.match(OURS, ["b", "c", "d", "nobody"]) == {"b": 1}
     assert index.match(OURS, []) == {}
     assert index.match([]) == {}
-    index.apply("a", Removed([3]))  # a hole: the match stops before it
-    assert index.match(OURS)["a"] == 2
+    index.apply("a", Removed([6, 5]))  # an engine evicts a chain from its end
+    assert index.match(OURS)["a"] == 4
+    # A hole no engine makes (a block gone, its children kept): the match, a bisection, ends at
+    # the end of one of the held runs.
+    index.apply("a", Removed([2]))
+    assert index.match(OURS)["a"] in (1, 4)
 
 
 def test_removed_and_cleared() -> None:
@@ -138,9 +142,16 @@ class Engine:
         return [Stored(list(new), new_parent, tokens[first : first + BS * len(new)], BS)]
 
     def evict(self, pick: int) -> list[Event]:
-        if not self.held:
+        # A block no other block continues: engines evict a chain from its end (vLLM frees a
+        # request's blocks last first; a prefix hit refreshes every block before it).
+        leaves = [
+            h
+            for h, tokens in self.held.items()
+            if not any(len(t) == len(tokens) + BS and t[: len(tokens)] == tokens for t in self.held.values())
+        ]
+        if not leaves:
             return []
-        victim = sorted(self.held)[pick % len(self.held)]
+        victim = sorted(leaves)[pick % len(leaves)]
         del self.held[victim]
         return [Removed([victim])]
 

@@ -413,9 +413,31 @@ SHARED = Tokens(Builtin(), sim=True)  # one cache across examples, as a Coordina
 
 @settings(max_examples=300, deadline=None)
 @given(chat_bodies(vocab_text), st.sampled_from([1, 2, 3, 16]))
-def test_a_remembered_first_message_hashes_as_the_whole_prompt_would(body: dict[str, Any], bs: int) -> None:
-    for _ in range(2):  # the second time the first message's block hashes are remembered
+def test_a_remembered_chat_hashes_as_the_whole_prompt_would(body: dict[str, Any], bs: int) -> None:
+    for _ in range(2):  # the second time its messages and their hashes are remembered
         prompt = SHARED.prompt(body, True)
         assert prompt is not None
-        assert prompt.hashes(bs) == chain(prompt.tokens, bs)
+        assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
         assert prompt.tokens == sim_ids(Builtin(), body, True)
+        assert prompt.n == len(prompt.tokens)
+
+
+def test_a_conversation_hashes_right_turn_after_turn_within_its_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prompt_mod, "TURN_CACHE_MAX", 6)
+    monkeypatch.setattr(prompt_mod, "TURN_CACHE_BLOCKS", 40)
+    tokens = Tokens(Builtin(), sim=True)
+    messages = [{"role": "system", "content": " ".join(f"rule{i}" for i in range(37))}]
+    for turn in range(30):
+        messages.append(
+            {"role": "user" if turn % 2 else "assistant", "content": f"turn {turn} " * (turn % 5)}
+        )
+        body = {"messages": list(messages)}
+        prompt = tokens.prompt(body, True)
+        assert prompt is not None and prompt.tokens == sim_ids(SIM_BUILTIN, body, True)
+        for bs in (3, 16):
+            assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
+        assert len(tokens._turns) <= 6
+        # The bound is checked as turns are added, so one request's hashes may pass it.
+        assert tokens._turns.blocks <= 40 + 2 * len(prompt.tokens)

@@ -19,13 +19,25 @@ costs a cache hit, never a wrong answer about what is cached.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Sequence
-from itertools import takewhile
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from typing import Protocol
 
 from services.coordinator.kv.hashing import ROOT, chain
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 
 DEFAULT_MAX_BLOCKS = 262144
+
+
+class Mirror(Protocol):
+    """What else must know which of our hashes each endpoint holds (:mod:`.shared`)."""
+
+    def add(self, ep: Hashable, h: int) -> None: ...
+
+    def remove(self, ep: Hashable, h: int) -> None: ...
+
+    def clear(self, ep: Hashable) -> None: ...
+
+    def block_size(self, ep: Hashable, size: int) -> None: ...
 
 
 class _Held:
@@ -41,10 +53,13 @@ class _Held:
 
 
 class KvIndex:
-    def __init__(self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(
+        self, max_blocks_per_endpoint: int = DEFAULT_MAX_BLOCKS, mirror: Mirror | None = None
+    ) -> None:
         if max_blocks_per_endpoint < 1:
             raise ValueError("max_blocks_per_endpoint must be at least 1")
         self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self.mirror = mirror
         self._held: dict[Hashable, _Held] = {}
         self.size = 0  # (block, endpoint) entries, our hashes
         self.orphans = 0  # stored chains skipped: their parent was not known
@@ -62,13 +77,15 @@ class KvIndex:
                 for engine_hash in event.block_hashes:
                     ours = held.ours.pop(engine_hash, None)
                     if ours is not None:
-                        self._release(held, ours)
+                        self._release(ep, held, ours)
         elif isinstance(event, Cleared):
             held = self._held.get(ep)
             if held is not None:
                 self.size -= len(held.refs)
                 held.ours.clear()
                 held.refs.clear()
+                if self.mirror is not None:
+                    self.mirror.clear(ep)
 
     def apply_all(self, ep: Hashable, events: Iterable[Event]) -> None:
         for event in events:
@@ -79,12 +96,17 @@ class KvIndex:
         held = self._held.pop(ep, None)
         if held is not None:
             self.size -= len(held.refs)
+            if self.mirror is not None:
+                self.mirror.clear(ep)
 
     def _store(self, ep: Hashable, event: Stored) -> None:
         held = self._held.get(ep)
         if held is None:
             held = self._held[ep] = _Held()
-        held.block_size = event.block_size
+        if held.block_size != event.block_size:
+            held.block_size = event.block_size
+            if self.mirror is not None:
+                self.mirror.block_size(ep, event.block_size)
         if event.parent is None:
             parent = ROOT
         else:
@@ -101,40 +123,51 @@ class KvIndex:
         for engine_hash, ours in zip(
             event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True
         ):
-            self._hold(held, engine_hash, ours)
+            self._hold(ep, held, engine_hash, ours)
 
-    def _hold(self, held: _Held, engine_hash: BlockHash, ours: int) -> None:
+    def _hold(self, ep: Hashable, held: _Held, engine_hash: BlockHash, ours: int) -> None:
         before = held.ours.get(engine_hash)
         if before is not None:
             held.ours.move_to_end(engine_hash)
             if before == ours:
                 return
             held.ours[engine_hash] = ours
-            self._release(held, before)
+            self._release(ep, held, before)
         else:
             held.ours[engine_hash] = ours
             if len(held.ours) > self.max_blocks_per_endpoint:
                 _, oldest = held.ours.popitem(last=False)
-                self._release(held, oldest)
+                self._release(ep, held, oldest)
                 self.evicted_by_bound += 1
         count = held.refs.get(ours, 0)
         held.refs[ours] = count + 1
         if count == 0:
             self.size += 1
+            if self.mirror is not None:
+                self.mirror.add(ep, ours)
 
-    def _release(self, held: _Held, ours: int) -> None:
+    def _release(self, ep: Hashable, held: _Held, ours: int) -> None:
         count = held.refs[ours]
         if count > 1:
             held.refs[ours] = count - 1
         else:
             del held.refs[ours]
             self.size -= 1
+            if self.mirror is not None:
+                self.mirror.remove(ep, ours)
 
     # ---- queries -------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int], eps: Collection[Hashable] | None = None) -> dict[Hashable, int]:
         """How many leading blocks of ``hashes`` each endpoint (of ``eps``, if given) holds;
-        endpoints holding none are left out."""
+        endpoints holding none are left out.
+
+        An engine's cached blocks of one chain are a leading run: vLLM frees a request's blocks
+        last first and a prefix hit takes every block before it, so a block is never evicted
+        before its child (SGLang evicts radix-tree leaves first, the simulated engine the deepest
+        blocks first). So the run's end is found by bisection, in about log2(len(hashes)) probes
+        rather than one per block: each probe is a trip to memory on a request path whose CPU
+        caches other processes have just evicted."""
         if not hashes:
             return {}
         first = hashes[0]
@@ -147,9 +180,7 @@ class KvIndex:
         for ep, held in candidates:
             refs = held.refs
             if first in refs:
-                # Each endpoint's walk stops at its first miss and runs in C: takewhile over
-                # the dict's own __contains__, no Python frame per block.
-                found[ep] = len(list(takewhile(refs.__contains__, hashes)))
+                found[ep] = held_run(refs.__contains__, hashes)
         return found
 
     def endpoints(self) -> list[Hashable]:
@@ -167,3 +198,19 @@ class KvIndex:
         """The block size ``ep``'s events last gave (what a prompt is hashed with for it)."""
         held = self._held.get(ep)
         return held.block_size if held is not None else None
+
+
+def held_run(has: Callable[[int], bool], hashes: Sequence[int]) -> int:
+    """The length of the leading run of ``hashes`` that ``has``, ``hashes[0]`` known held, by
+    bisection (see :meth:`KvIndex.match`)."""
+    lo, hi = 1, len(hashes)  # hashes[lo - 1] is held; the run ends at hi at most
+    if has(hashes[hi - 1]):
+        return hi
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if has(hashes[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

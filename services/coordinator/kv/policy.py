@@ -15,17 +15,32 @@ except that a tie goes to the emptier cache: new prefixes spread over the engine
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
+from typing import Protocol
 
-from services.coordinator.kv.index import KvIndex
 from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.kv.prompt import Prompt
 from services.coordinator.policies import candidates, least_load
 from services.coordinator.routes import Target, Upstream
 
 
+class IndexView(Protocol):
+    """What kv_aware reads of an index: a :class:`~.index.KvIndex` or a worker's
+    :class:`~.shared.SharedReader`."""
+
+    def match(
+        self, hashes: Sequence[int], eps: Collection[Hashable] | None = None
+    ) -> dict[Hashable, int]: ...
+
+    def endpoint_blocks(self, ep: Hashable) -> int: ...
+
+    def block_size(self, ep: Hashable) -> int | None: ...
+
+
 class KvAware:
-    def __init__(self, index: KvIndex, metrics: KvMetrics, prefix_weight: float, load_weight: float) -> None:
+    def __init__(
+        self, index: IndexView, metrics: KvMetrics, prefix_weight: float, load_weight: float
+    ) -> None:
         self.index = index
         self.metrics = metrics
         self.prefix_weight = prefix_weight
@@ -52,7 +67,7 @@ class KvAware:
         for size, eps in by_size.items():
             for ep_key, blocks in index.match(prompt.hashes(size), eps).items():
                 held[ep_key] = blocks * size
-        n = len(prompt.tokens)
+        n = prompt.n
         chosen = self._cheapest(cands, held, n, prompt)
         self.metrics.routed(chosen.role, n, prompt.cached)
         return chosen

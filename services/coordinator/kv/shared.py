@@ -1,0 +1,359 @@
+"""The KV index of a Coordinator with inference workers, in memory they all map.
+
+With ``workers > 1`` the management process alone follows the engines' events and keeps the
+index (:mod:`.index`); it mirrors which of Motor's block hashes each endpoint holds into files
+of its private directory that every worker maps read-only. A worker's routing decision then
+reads that memory directly: no round trip, and no event work in the workers, whose CPU belongs
+to the requests. (A copy per worker, fed by its own subscriptions, was measured first: every
+worker decoded and applied every batch, and that work landed on the requests' critical path.)
+
+The files (``<dir>/kv/``):
+
+- ``endpoints``: which file holds which endpoint, as JSON behind a generation count the writer
+  makes odd while it rewrites the JSON (a reader seeing it odd, or changed under it, tries again
+  on its next refresh);
+- one file per endpoint: a header (capacity, block size, blocks held) then ``capacity`` 64-bit
+  slots, an open-addressing set of the endpoint's block hashes (0 marks an empty slot), linear
+  probing, deletion by shifting later entries back (no tombstones). The capacity is at least
+  twice the index's bound per endpoint, so the set is never more than half full.
+
+A reader can race the writer: it may miss a hash that is being shifted, or read a block count a
+moment old. Either costs one routing hint, never a wrong answer, as with any staleness of the
+events themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Collection, Hashable, Sequence
+
+from services.coordinator.kv.index import held_run
+
+DIRECTORY = "endpoints"
+DIRECTORY_BYTES = 1 << 20
+HEADER = 4  # int64s: capacity, block size, blocks held, reserved
+_CAPACITY, _BLOCK_SIZE, _BLOCKS = 0, 1, 2
+MIN_CAPACITY = 1024
+
+
+def capacity_for(max_blocks: int) -> int:
+    """Slots for an endpoint holding at most ``max_blocks``: a power of two, at most half full."""
+    n = MIN_CAPACITY
+    while n < 2 * max_blocks:
+        n *= 2
+    return n
+
+
+def _map(path: str, size: int | None = None) -> mmap.mmap:
+    """Map ``path``; with ``size``, create it that large first (sparse: pages cost memory once
+    touched)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+class Table:
+    """One endpoint's set of block hashes, over a mapped file."""
+
+    __slots__ = ("_mm", "_view", "head", "mask", "path", "slots")
+
+    def __init__(self, path: str, mm: mmap.mmap) -> None:
+        self.path = path
+        self._mm = mm
+        self._view = memoryview(mm).cast("q")
+        self.head = self._view[:HEADER]
+        self.slots = self._view[HEADER:]
+        self.mask = len(self.slots) - 1
+
+    @classmethod
+    def create(cls, path: str, capacity: int) -> Table:
+        t = cls(path, _map(path, (HEADER + capacity) * 8))
+        t.head[_CAPACITY] = capacity
+        return t
+
+    @classmethod
+    def attach(cls, path: str) -> Table:
+        return cls(path, _map(path))
+
+    def close(self) -> None:
+        for view in (self.slots, self.head, self._view):
+            view.release()
+        self._mm.close()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def has(self, h: int) -> bool:
+        slots, mask = self.slots, self.mask
+        key = h or 1
+        i = key & mask
+        while True:
+            s = slots[i]
+            if s == key:
+                return True
+            if not s:
+                return False
+            i = (i + 1) & mask
+
+    @property
+    def block_size(self) -> int:
+        return self.head[_BLOCK_SIZE]
+
+    @property
+    def blocks(self) -> int:
+        return self.head[_BLOCKS]
+
+    # -- writing (the management process only) ------------------------------------------------
+
+    def add(self, h: int) -> None:
+        slots, mask = self.slots, self.mask
+        key = h or 1
+        i = key & mask
+        while True:
+            s = slots[i]
+            if s == key:
+                return
+            if not s:
+                slots[i] = key
+                self.head[_BLOCKS] += 1
+                return
+            i = (i + 1) & mask
+
+    def remove(self, h: int) -> None:
+        slots, mask = self.slots, self.mask
+        key = h or 1
+        i = key & mask
+        while True:
+            s = slots[i]
+            if s == key:
+                break
+            if not s:
+                return
+            i = (i + 1) & mask
+        # Shift back each later entry of the run that may live at i (its home slot is not
+        # cyclically within (i, j]), so that no lookup meets the hole before its entry.
+        j = i
+        while True:
+            j = (j + 1) & mask
+            s = slots[j]
+            if not s:
+                break
+            home = s & mask
+            if (home <= i < j) or (i < j < home) or (j < home <= i):
+                slots[i] = s
+                i = j
+        slots[i] = 0
+        self.head[_BLOCKS] -= 1
+
+    def clear(self) -> None:
+        self.slots[:] = memoryview(bytes(len(self.slots) * 8)).cast("q")
+        self.head[_BLOCKS] = 0
+
+    def set_block_size(self, size: int) -> None:
+        if self.head[_BLOCK_SIZE] != size:
+            self.head[_BLOCK_SIZE] = size
+
+
+class SharedWriter:
+    """The management process's side: a :class:`Table` per endpoint and the directory. Tables
+    are created and unlinked off the event loop (:meth:`create`, :meth:`unlink`); the index's
+    changes (:meth:`add`, :meth:`remove`, :meth:`clear`) only write memory."""
+
+    def __init__(self, directory: str, max_blocks_per_endpoint: int) -> None:
+        self.dir = os.path.join(directory, "kv")
+        self.capacity = capacity_for(max_blocks_per_endpoint)
+        self._tables: dict[Hashable, Table] = {}
+        self._dir: mmap.mmap | None = None
+        self._n = 0
+
+    def open(self) -> None:
+        """Create the directory file (blocking: call it off the event loop)."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._dir = _map(os.path.join(self.dir, DIRECTORY), DIRECTORY_BYTES)
+        self._publish()
+
+    def create(self, ep: Hashable) -> Table:
+        """A new, empty table file for ``ep`` (blocking); :meth:`install` makes it ``ep``'s."""
+        self._n += 1
+        return Table.create(os.path.join(self.dir, f"ep-{self._n}"), self.capacity)
+
+    def install(self, ep: Hashable, table: Table) -> Table | None:
+        """Make ``table`` ``ep``'s and tell the readers; the table it replaces is returned,
+        emptied, for :meth:`unlink`."""
+        old = self.uninstall(ep)
+        self._tables[ep] = table
+        self._publish()
+        return old
+
+    def uninstall(self, ep: Hashable) -> Table | None:
+        """Forget ``ep``'s table (emptied first: a reader that still maps it sees no blocks)."""
+        table = self._tables.pop(ep, None)
+        if table is not None:
+            table.clear()
+            self._publish()
+        return table
+
+    @staticmethod
+    def unlink(table: Table) -> None:
+        """Close and delete a table's file (blocking)."""
+        table.close()
+        try:
+            os.unlink(table.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Everything off (blocking): at stop."""
+        for ep in list(self._tables):
+            table = self.uninstall(ep)
+            if table is not None:
+                self.unlink(table)
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def _publish(self) -> None:
+        if self._dir is None:
+            return
+        names = {str(ep): os.path.basename(t.path) for ep, t in self._tables.items()}
+        data = json.dumps(names).encode()
+        if len(data) > DIRECTORY_BYTES - 16:
+            raise ValueError(f"{len(names)} endpoints do not fit the KV directory")
+        head = memoryview(self._dir).cast("q")
+        try:
+            gen = head[0]
+            head[0] = gen + 1  # odd: being rewritten
+            head[1] = len(data)
+            self._dir[16 : 16 + len(data)] = data
+            head[0] = gen + 2
+        finally:
+            head.release()
+
+    # -- the index's mirror --------------------------------------------------------------------
+
+    def add(self, ep: Hashable, h: int) -> None:
+        table = self._tables.get(ep)
+        if table is not None:
+            table.add(h)
+
+    def remove(self, ep: Hashable, h: int) -> None:
+        table = self._tables.get(ep)
+        if table is not None:
+            table.remove(h)
+
+    def clear(self, ep: Hashable) -> None:
+        table = self._tables.get(ep)
+        if table is not None:
+            table.clear()
+
+    def block_size(self, ep: Hashable, size: int) -> None:
+        table = self._tables.get(ep)
+        if table is not None:
+            table.set_block_size(size)
+
+
+class SharedReader:
+    """A worker's side: the index as the management process last wrote it, with the query
+    methods of :class:`~services.coordinator.kv.index.KvIndex` that ``kv_aware`` uses."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = os.path.join(directory, "kv")
+        self._dir: mmap.mmap | None = None
+        self._gen = 0
+        self._tables: dict[Hashable, Table] = {}
+
+    # -- following the directory ----------------------------------------------------------------
+
+    def read_directory(self) -> tuple[int, dict[str, str]] | None:
+        """The directory's generation and endpoints' file names, if it changed since the last
+        :meth:`install` (blocking the first time: it maps the file); None if unchanged or
+        mid-rewrite."""
+        if self._dir is None:
+            try:
+                self._dir = _map(os.path.join(self.dir, DIRECTORY))
+            except FileNotFoundError:
+                return None
+        head = memoryview(self._dir).cast("q")
+        try:
+            gen = head[0]
+            if gen == self._gen or gen % 2:
+                return None
+            data = bytes(self._dir[16 : 16 + head[1]])
+            if head[0] != gen:
+                return None
+        finally:
+            head.release()
+        names: dict[str, str] = json.loads(data)
+        return gen, names
+
+    def attach(self, names: dict[str, str]) -> dict[str, Table]:
+        """Map the tables of ``names`` not mapped yet (blocking)."""
+        current = {t.path for t in self._tables.values()}
+        out = {}
+        for ep, name in names.items():
+            path = os.path.join(self.dir, name)
+            if path not in current:
+                try:
+                    out[ep] = Table.attach(path)
+                except FileNotFoundError:
+                    pass  # dropped since: the next directory says so
+        return out
+
+    def install(self, gen: int, names: dict[str, str], opened: dict[str, Table]) -> None:
+        """Swap in the directory just read (on the event loop: no request is mid-lookup)."""
+        tables: dict[Hashable, Table] = {}
+        for ep, name in names.items():
+            path = os.path.join(self.dir, name)
+            table = opened.get(ep)
+            if table is None:
+                table = next((t for t in self._tables.values() if t.path == path), None)
+            if table is not None:
+                tables[ep] = table
+        for table in self._tables.values():
+            if table not in tables.values():
+                table.close()
+        for ep, table in opened.items():
+            if tables.get(ep) is not table:
+                table.close()
+        self._tables = tables
+        self._gen = gen
+
+    def close(self) -> None:
+        for table in self._tables.values():
+            table.close()
+        self._tables = {}
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int], eps: Collection[Hashable] | None = None) -> dict[Hashable, int]:
+        """As :meth:`KvIndex.match`: the run of ``hashes`` each endpoint holds, by bisection."""
+        if not hashes:
+            return {}
+        found: dict[Hashable, int] = {}
+        tables = self._tables
+        for ep in tables if eps is None else eps:
+            table = tables.get(ep)
+            if table is not None and table.has(hashes[0]):
+                found[ep] = held_run(table.has, hashes)
+        return found
+
+    def endpoints(self) -> list[Hashable]:
+        return list(self._tables)
+
+    def endpoint_blocks(self, ep: Hashable) -> int:
+        table = self._tables.get(ep)
+        return table.blocks if table is not None else 0
+
+    def block_size(self, ep: Hashable) -> int | None:
+        table = self._tables.get(ep)
+        size = table.block_size if table is not None else 0
+        return size or None

@@ -1,0 +1,181 @@
+"""The KV index the management process shares with its inference workers: what a worker reads
+from the mapped files is what the writer's index holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.coordinator.kv.hashing import chain
+from services.coordinator.kv.index import KvIndex
+from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table, capacity_for
+from services.coordinator.kv.wire import Cleared
+from tests.coordinator.test_kv_index import BS, Engine, ops, run
+
+
+def follow(reader: SharedReader) -> bool:
+    """What a worker's refresh does; whether the directory had changed."""
+    changed = reader.read_directory()
+    if changed is None:
+        return False
+    gen, names = changed
+    reader.install(gen, names, reader.attach(names))
+    return True
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Any:
+    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
+    writer.open()
+    reader = SharedReader(str(tmp_path))
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+# -- one table ---------------------------------------------------------------------------------
+
+MASK = MIN_CAPACITY - 1
+# Keys crowded on a few home slots, some at the end of the table: long runs that wrap around,
+# where deleting must shift later entries back.
+keys = st.builds(
+    lambda home, lap, sign: sign * (home + lap * MIN_CAPACITY),
+    st.sampled_from([0, 1, 2, MASK - 1, MASK]),
+    st.integers(0, 40),
+    st.sampled_from([1, -1]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), keys), max_size=120))
+def test_a_table_is_the_set_its_adds_and_removes_make(tmp_path_factory: Any, steps: list[Any]) -> None:
+    path = tmp_path_factory.mktemp("t") / "table"
+    table = Table.create(str(path), MIN_CAPACITY)
+    reader = Table.attach(str(path))
+    try:
+        model: set[int] = set()
+        for add, key in steps:
+            if add:
+                table.add(key)
+                model.add(key)
+            else:
+                table.remove(key)
+                model.discard(key)
+            assert reader.blocks == len(model)
+        every = {k for _, k in steps} | {7, -7, MIN_CAPACITY * 99}
+        assert {k for k in every if reader.has(k)} == model
+    finally:
+        reader.close()
+        table.close()
+
+
+def test_zero_is_a_key_like_any_other(tmp_path: Path) -> None:
+    table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
+    try:
+        assert not table.has(0)
+        table.add(0)  # 0 marks an empty slot: the key is stored as 1, so 1 and 0 are one key
+        assert table.has(0) and table.blocks == 1
+        table.remove(0)
+        assert not table.has(0) and table.blocks == 0
+    finally:
+        table.close()
+
+
+def test_capacity_keeps_a_table_at_most_half_full() -> None:
+    assert capacity_for(1) == MIN_CAPACITY
+    assert capacity_for(262144) == 1 << 19
+    assert capacity_for(262145) == 1 << 20
+
+
+# -- the index, mirrored ---------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_a_worker_reads_what_the_index_holds(tmp_path_factory: Any, operations: list[Any]) -> None:
+    writer = SharedWriter(str(tmp_path_factory.mktemp("kv")), max_blocks_per_endpoint=8)
+    writer.open()
+    reader = SharedReader(writer.dir.rsplit("/", 1)[0])
+    try:
+        index = KvIndex(8, writer)  # a small bound: its evictions must reach the mirror too
+        writer.install("e", writer.create("e"))
+        assert follow(reader)
+        engine = Engine()
+        for op in operations:
+            index.apply_all("e", run(engine, op))
+            for tokens in (
+                [0, 0, 0, 0, 1, 1, 1, 1],
+                [1] * 12,
+                [0, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1],
+                [0] * 16,
+            ):
+                hashes = chain(tokens, BS)
+                assert reader.match(hashes) == index.match(hashes)
+            assert reader.endpoint_blocks("e") == index.endpoint_blocks("e")
+            assert reader.block_size("e") == index.block_size("e")
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_workers_follow_endpoints_joining_restarting_and_leaving(shared: Any) -> None:
+    writer, reader = shared
+    index = KvIndex(100, writer)
+    hashes = chain(list(range(12)), BS)
+    assert follow(reader) and reader.endpoints() == []
+    assert not follow(reader)  # nothing changed since
+
+    writer.install("a", writer.create("a"))
+    writer.install("b", writer.create("b"))
+    index.apply_all("a", Engine().request(list(range(12)), 0))
+    index.apply_all("b", Engine().request(list(range(8)), 0))
+    assert follow(reader)
+    assert reader.match(hashes) == {"a": 3, "b": 2}
+    assert reader.match(hashes, ["b", "nobody"]) == {"b": 2}
+    assert (reader.block_size("a"), reader.endpoint_blocks("a")) == (BS, 3)
+    # Events keep flowing into the mapped tables: no directory change needed to see them.
+    index.apply("a", Cleared())
+    assert not follow(reader) and reader.match(hashes) == {"b": 2}
+
+    # "b" restarts (a new table replaces its old one) and "a" leaves: a worker still mapping
+    # an old table sees it empty, and the next refresh maps the new one.
+    index.drop("b")
+    old = writer.install("b", writer.create("b"))
+    assert old is not None
+    SharedWriter.unlink(old)
+    left = writer.uninstall("a")
+    assert left is not None
+    SharedWriter.unlink(left)
+    assert reader.match(hashes) == {}
+    index.apply_all("b", Engine().request(list(range(4)), 0))
+    assert follow(reader)
+    assert reader.endpoints() == ["b"] and reader.match(hashes) == {"b": 1}
+    assert reader.endpoint_blocks("a") == 0 and reader.block_size("a") is None
+
+
+def test_a_table_dropped_before_a_worker_maps_it_is_skipped(shared: Any) -> None:
+    writer, reader = shared
+    table = writer.create("a")
+    writer.install("a", table)
+    changed = reader.read_directory()
+    assert changed is not None
+    gone = writer.uninstall("a")
+    assert gone is not None
+    SharedWriter.unlink(gone)
+    gen, names = changed
+    reader.install(gen, names, reader.attach(names))  # the file is gone: no table, no error
+    assert reader.endpoints() == []
+    assert follow(reader) and reader.endpoints() == []
+
+
+def test_before_the_management_process_shares_anything_a_worker_sees_no_index(tmp_path: Path) -> None:
+    reader = SharedReader(str(tmp_path))
+    try:
+        assert reader.read_directory() is None
+        assert reader.match(chain(list(range(8)), BS)) == {} and reader.block_size("a") is None
+    finally:
+        reader.close()
