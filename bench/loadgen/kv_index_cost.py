@@ -1,15 +1,21 @@
 """Where the KV index lives: measured, for bench/bench_kv_routing.py.
 
-Motor keeps one index per inference process, each fed by its own subscription to every engine
-(services/coordinator/kv/routing.py). The alternative is one index in the management process
-that the workers ask over ZeroMQ on every request. This measures what decides between them:
+With inference workers, Motor keeps one index in the management process, fed by one
+subscription per engine, and mirrors which blocks each endpoint holds into mapped files the
+workers read (services/coordinator/kv/shared.py). This measures what decides between that and
+the alternatives (an index per worker, each fed by its own subscriptions; one index asked over
+ZeroMQ on every request):
 
-- the request path in process: tokenize a chat request (its long system prompt cached by line),
-  hash its blocks, match them against an index of several endpoints;
-- the same lookup as a round trip to another process holding the index (a DEALER → ROUTER over
-  ipc, the hashes sent as msgpack, the answer back): what each request would pay instead;
-- what a per-process index costs: decoding and applying one event batch (a request's
-  ``BlockStored`` of a long prompt), and memory per indexed block.
+- the request path: tokenize a chat request (its long system prompt remembered, its question
+  new), hash its blocks, match them, against an index in the process and against the shared
+  one; in a tight loop and with the CPU caches evicted before each request, as they are on a
+  busy machine between two requests;
+- the same lookup as a round trip to another process holding the index (a DEALER -> ROUTER
+  over ipc, the hashes as msgpack, the answer back);
+- what following the events costs: decoding and applying one batch (a request's
+  ``BlockStored`` of a long prompt and the ``BlockRemoved`` of as many blocks), with and without
+  the mirror the workers read: once per Coordinator with the shared index, once per worker
+  without; and memory per block.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import statistics
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -29,20 +36,27 @@ import zmq.asyncio
 
 from services.common.tokenizer import Builtin
 from services.coordinator.kv import wire
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.prompt import Prompt, Tokens
+from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
+from services.coordinator.kv.prompt import Tokens
+from services.coordinator.kv.shared import SharedReader, SharedWriter, capacity_for
 
 BLOCK = 16
 ENDPOINTS = 4
 SAMPLES = 2000
+COLD_SAMPLES = 300
+EVICT_BYTES = 32 << 20  # more than this machine's caches
 
 
 @dataclass
 class Costs:
-    path_us: list[float]  # tokenize + hash + match, per request
-    round_trip_us: list[float]  # the same match asked of another process
-    ingest_us: float  # decode + apply one BlockStored batch of a prompt
-    bytes_per_block: float
+    in_process_us: list[float]  # tokenize + hash + match against a KvIndex, per request
+    shared_us: list[float]  # the same against the shared index
+    shared_cold_us: list[float]  # the same, CPU caches evicted before each request
+    round_trip_us: list[float]  # the match asked of another process
+    ingest_us: float  # decode + apply one batch to an index
+    ingest_mirrored_us: float  # the same, mirrored for the workers
+    bytes_per_block: float  # the index's own memory
+    shared_bytes_per_block: float  # the mapped tables' at their bound
     prompt_tokens: int
 
 
@@ -51,46 +65,56 @@ def _request(system_words: int, question: int) -> dict[str, object]:
     return {
         "messages": [
             {"role": "system", "content": system},
-            {"role": "user", "content": f"q{question} about it"},
+            {
+                "role": "user",
+                "content": f"question {question}: " + " ".join(f"w{question}x{i}" for i in range(40)),
+            },
         ]
     }
 
 
-def _stored_batch(tokens: list[int], salt: int) -> bytes:
+def _stored(tokens: list[int], salt: int) -> wire.Stored:
     n = len(tokens) // BLOCK
-    hashes: list[wire.BlockHash] = [salt * 1_000_003 + i for i in range(n)]
-    event = wire.Stored(hashes, None, tokens[: n * BLOCK], BLOCK)
-    return wire.encode(wire.Batch(time.time(), [event], 0))
+    return wire.Stored([salt * 1_000_003 + i for i in range(n)], None, tokens[: n * BLOCK], BLOCK)
 
 
-def _filled_index(tokens: list[int], blocks_per_endpoint: int) -> KvIndex:
-    """An index of ENDPOINTS endpoints, each holding the prompt's blocks and filler chains."""
-    index = KvIndex(blocks_per_endpoint * 2)
-    for e in range(ENDPOINTS):
-        ep = f"http://127.0.0.1:{10000 + 2 * e}"
-        index.apply_all(ep, wire.decode(_stored_batch(tokens, e)).events)
+def _fill(index: KvIndex, tokens: list[int], blocks_per_endpoint: int) -> list[str]:
+    """ENDPOINTS endpoints, each holding the prompt's blocks and filler chains."""
+    eps = [f"http://127.0.0.1:{10000 + 2 * e}" for e in range(ENDPOINTS)]
+    for e, ep in enumerate(eps):
+        index.apply(ep, _stored(tokens, e))
         filler = 0
         while index.endpoint_blocks(ep) < blocks_per_endpoint:
             chunk = [e * 10_000_000 + filler * 4096 + i for i in range(BLOCK * 64)]
-            index.apply_all(ep, wire.decode(_stored_batch(chunk, 1000 + e * 100_000 + filler)).events)
+            index.apply(ep, _stored(chunk, 1000 + e * 100_000 + filler))
             filler += 1
-    return index
+    return eps
 
 
-def _path_costs(tokens: Tokens, index: KvIndex, eps: list[str]) -> list[float]:
+Match = Callable[[Sequence[int], Collection[Hashable]], dict[Hashable, int]]
+
+
+def _path(
+    tokens: Tokens, match: Match, eps: list[str], questions: range, evict: bytearray | None
+) -> list[float]:
+    """Per request (each with a question not seen before), seconds to its match."""
     out = []
-    for i in range(SAMPLES):
+    zeros = bytes(len(evict) // 64) if evict is not None else b""
+    for i in questions:
         req = _request(1000, i)
+        if evict is not None:
+            evict[::64] = zeros
         t = time.perf_counter()
-        ids = tokens.of(req, True)
-        assert ids
-        index.match(Prompt(ids).hashes(BLOCK), eps)
+        prompt = tokens.prompt(req, True)
+        assert prompt is not None
+        match(prompt.hashes(BLOCK), eps)
         out.append((time.perf_counter() - t) * 1e6)
     return out
 
 
-def _serve_index(address: str, tokens_list: list[int], blocks: int, ready: object) -> None:
-    index = _filled_index(tokens_list, blocks)
+def _serve_index(address: str, tokens: list[int], blocks: int, ready: object) -> None:
+    index = KvIndex()
+    _fill(index, tokens, blocks)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(address)
@@ -123,10 +147,31 @@ async def _round_trips(address: str, hashes: list[int]) -> list[float]:
     return out
 
 
+def _ingest(tokens: list[int], writer: SharedWriter | None) -> float:
+    """Per batch: a prompt's BlockStored (its tokens new each time, as when a cache churns) and
+    the BlockRemoved of the batch before's blocks."""
+    rounds = 500
+    stored = [_stored([t + r * 100_000 for t in tokens], 5000 + r) for r in range(rounds)]
+    payloads = [
+        wire.encode(
+            wire.Batch(time.time(), [s, *([wire.Removed(stored[r - 1].block_hashes)] if r else [])], 0)
+        )
+        for r, s in enumerate(stored)
+    ]
+    index = KvIndex(mirror=writer)
+    if writer is not None:
+        writer.install("e", writer.create("e"))
+    t = time.perf_counter()
+    for payload in payloads:
+        index.apply_all("e", wire.decode(payload).events)
+    return (time.perf_counter() - t) / rounds * 1e6
+
+
 def _bytes_per_block(tokens: list[int]) -> float:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = _filled_index(tokens, 50_000)
+    index = KvIndex()
+    _fill(index, tokens, 50_000)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return used / index.size
@@ -134,19 +179,39 @@ def _bytes_per_block(tokens: list[int]) -> float:
 
 def measure(blocks_per_endpoint: int = 100_000) -> Costs:
     tok = Tokens(Builtin(), sim=True)
-    ids = tok.of(_request(1000, 0), True)
-    assert ids
-    index = _filled_index(ids, blocks_per_endpoint)
-    eps = [f"http://127.0.0.1:{10000 + 2 * e}" for e in range(ENDPOINTS)]
-    path = _path_costs(tok, index, eps)
+    first = tok.prompt(_request(1000, 0), True)
+    assert first is not None
+    ids = first.tokens
+    with tempfile.TemporaryDirectory() as d:
+        writer = SharedWriter(d, blocks_per_endpoint)
+        writer.open()
+        index = KvIndex(blocks_per_endpoint, writer)
+        for e in range(ENDPOINTS):
+            ep = f"http://127.0.0.1:{10000 + 2 * e}"
+            writer.install(ep, writer.create(ep))
+        eps = _fill(index, ids, blocks_per_endpoint)
+        reader = SharedReader(d)
+        changed = reader.read_directory()
+        assert changed is not None
+        reader.install(*changed, reader.attach(changed[1]))
+        in_process = _path(tok, index.match, eps, range(1, SAMPLES + 1), None)
+        shared = _path(tok, reader.match, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
+        cold = _path(
+            tok,
+            reader.match,
+            eps,
+            range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES),
+            bytearray(EVICT_BYTES),
+        )
+        reader.close()
+        writer.close()
 
-    batch = _stored_batch(ids, 99)
-    t = time.perf_counter()
-    rounds = 500
-    scratch = KvIndex()
-    for r in range(rounds):
-        scratch.apply_all(f"ep{r}", wire.decode(batch).events)
-    ingest = (time.perf_counter() - t) / rounds * 1e6
+    ingest = _ingest(ids, None)
+    with tempfile.TemporaryDirectory() as d:
+        writer = SharedWriter(d, blocks_per_endpoint)
+        writer.open()
+        ingest_mirrored = _ingest(ids, writer)
+        writer.close()
 
     with tempfile.TemporaryDirectory() as d:
         address = f"ipc://{os.path.join(d, 'index')}"
@@ -157,9 +222,22 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         if not ready.wait(300):
             server.kill()
             raise RuntimeError("the index process did not start")
-        trips = asyncio.run(_round_trips(address, Prompt(ids).hashes(BLOCK)))
+        trips = asyncio.run(_round_trips(address, list(first.hashes(BLOCK))))
         server.join(10)
-    return Costs(path, trips, ingest, _bytes_per_block(ids), len(ids))
+    # A table is a power of two at least twice the bound per endpoint: 16 bytes per block at
+    # the default bound.
+    shared_bytes = capacity_for(DEFAULT_MAX_BLOCKS) * 8 / DEFAULT_MAX_BLOCKS
+    return Costs(
+        in_process,
+        shared,
+        cold,
+        trips,
+        ingest,
+        ingest_mirrored,
+        _bytes_per_block(ids),
+        shared_bytes,
+        len(ids),
+    )
 
 
 def p(values: list[float], q: float) -> float:
@@ -167,19 +245,28 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def _row(what: str, values: list[float]) -> str:
+    return f"| {what} | {statistics.median(values):.1f} µs | {p(values, 99):.1f} µs | {max(values):.1f} µs |"
+
+
 def summary(c: Costs) -> list[str]:
-    rt = statistics.median(c.round_trip_us)
-    path = statistics.median(c.path_us)
+    blocks = c.prompt_tokens // BLOCK
     return [
         "| what | p50 | p99 | max |",
         "|---|---|---|---|",
-        f"| in process: tokenize + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints) "
-        f"| {path:.1f} µs | {p(c.path_us, 99):.1f} µs | {max(c.path_us):.1f} µs |",
-        f"| round trip to an index in another process (ipc, msgpack) | {rt:.1f} µs "
-        f"| {p(c.round_trip_us, 99):.1f} µs | {max(c.round_trip_us):.1f} µs |",
+        _row(
+            f"in process: tokenize + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints)",
+            c.in_process_us,
+        ),
+        _row("the same against the shared index (what a worker does)", c.shared_us),
+        _row("the same, CPU caches evicted before each request", c.shared_cold_us),
+        _row("round trip to an index in another process (ipc, msgpack)", c.round_trip_us),
         "",
-        f"- Applying one event batch (a {c.prompt_tokens // BLOCK}-block `BlockStored`) to an index: "
-        f"{c.ingest_us:.0f} µs, decode included.",
-        f"- Memory: {c.bytes_per_block:.0f} bytes per indexed block "
-        "(engine hash, our hash, reference count).",
+        f"- Following the events, per batch (a {blocks}-block `BlockStored` and a {blocks}-block "
+        f"`BlockRemoved`, decode included): {c.ingest_us:.0f} µs into an index, "
+        f"{c.ingest_mirrored_us:.0f} µs mirrored for the workers. With the shared index the "
+        "management process pays it once; with an index per worker every worker would.",
+        f"- Memory: {c.bytes_per_block:.0f} bytes per indexed block in the management process "
+        f"(engine hash, our hash, reference count), plus {c.shared_bytes_per_block:.0f} bytes of "
+        "mapped table per block at the default bound (pages cost memory once touched).",
     ]

@@ -3,6 +3,9 @@ from the mapped files is what the writer's index holds."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +15,19 @@ from hypothesis import strategies as st
 
 from services.coordinator.kv.hashing import chain
 from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table, capacity_for
+from services.coordinator.kv.shared import (
+    MIN_CAPACITY,
+    PREFIX,
+    SHM,
+    SharedReader,
+    SharedWriter,
+    Table,
+    capacity_for,
+    sweep,
+)
 from services.coordinator.kv.wire import Cleared
 from tests.coordinator.test_kv_index import BS, Engine, ops, run
+from tests.procs import Proc
 
 
 def follow(reader: SharedReader) -> bool:
@@ -83,6 +96,52 @@ def test_zero_is_a_key_like_any_other(tmp_path: Path) -> None:
         assert not table.has(0) and table.blocks == 0
     finally:
         table.close()
+
+
+@pytest.mark.parametrize("holes", [True, False], ids=["pages freed", "zeros written"])
+def test_emptying_a_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holes: bool) -> None:
+    if not holes:  # as on a file system that cannot free a file's pages
+        monkeypatch.setattr(mmap, "MADV_REMOVE", -1)
+    table = Table.create(str(tmp_path / "t"), 1 << 20)  # 8 MiB: the zeros take several writes
+    try:
+        keys = [k * 7919 for k in range(1, 2000)]
+        for k in keys:
+            table.add(k)
+        table.set_block_size(16)
+        table.clear()
+        assert not any(table.has(k) for k in keys) and table.blocks == 0
+        assert table.block_size == 16  # the header stays
+        table.add(keys[0])
+        assert table.has(keys[0]) and table.blocks == 1
+    finally:
+        table.close()
+
+
+def test_the_files_live_in_memory_and_go_at_close(tmp_path: Path) -> None:
+    writer = SharedWriter(str(tmp_path), 100)
+    writer.open()
+    writer.install("a", writer.create("a"))
+    real = os.path.realpath(writer.dir)
+    if os.path.isdir(SHM):
+        assert real.startswith(SHM + "/") and os.path.islink(writer.dir)
+    assert sorted(os.listdir(real)) == ["endpoints", "ep-1"]
+    if os.path.islink(writer.dir):
+        os.unlink(writer.dir)  # the private directory may go first (the workers' pool removes it)
+    writer.close()
+    assert not os.path.exists(real) and not os.path.lexists(writer.dir)
+
+
+def test_what_a_killed_coordinator_left_is_removed_by_the_next(tmp_path: Path) -> None:
+    gone = Proc([sys.executable, "-c", "pass"])
+    gone.popen.wait(timeout=10)  # a pid no process has now
+    left = tmp_path / f"{PREFIX}{gone.pid}-abc"
+    alive = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    other = tmp_path / "motor-kv-notapid"
+    for d in (left, alive, other):
+        d.mkdir()
+        (d / "endpoints").write_bytes(b"x")
+    sweep(str(tmp_path))
+    assert not left.exists() and alive.exists() and other.exists()
 
 
 def test_capacity_keeps_a_table_at_most_half_full() -> None:

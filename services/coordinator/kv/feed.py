@@ -155,7 +155,12 @@ class KvFeed:
         assert self.writer is not None
         writer = self.writer
         table = await asyncio.to_thread(writer.create, key)
-        # Still wanted: ours from now on, and the one it replaces (if any) goes instead.
-        spare: Table | None = writer.install(key, table) if self._subs.get(key) is sub else table
+        spare: Table | None = table
+        if self._subs.get(key) is sub:  # still wanted
+            # The index and the new, empty table start equal (after a failed subscription
+            # restarts, the index may hold entries from before); the table this one replaces,
+            # if any, goes instead.
+            self.index.drop(key)
+            spare = writer.install(key, table)
         if spare is not None:
             await asyncio.to_thread(SharedWriter.unlink, spare)

@@ -12,10 +12,14 @@ The files (``<dir>/kv/``):
 - ``endpoints``: which file holds which endpoint, as JSON behind a generation count the writer
   makes odd while it rewrites the JSON (a reader seeing it odd, or changed under it, tries again
   on its next refresh);
-- one file per endpoint: a header (capacity, block size, blocks held) then ``capacity`` 64-bit
-  slots, an open-addressing set of the endpoint's block hashes (0 marks an empty slot), linear
-  probing, deletion by shifting later entries back (no tombstones). The capacity is at least
-  twice the index's bound per endpoint, so the set is never more than half full.
+- one file per endpoint: a header page (capacity, block size, blocks held) then ``capacity``
+  64-bit slots, an open-addressing set of the endpoint's block hashes (0 marks an empty slot),
+  linear probing, deletion by shifting later entries back (no tombstones). The capacity is at
+  least twice the index's bound per endpoint, so the set is never more than half full. The file
+  is sparse: its pages cost memory once written, and emptying it gives them back.
+
+The directory lives in ``/dev/shm`` where there is one (memory: nothing is written back to a
+disk), linked from the private directory the workers know.
 
 A reader can race the writer: it may miss a hash that is being shifted, or read a block count a
 moment old. Either costs one routing hint, never a wrong answer, as with any staleness of the
@@ -24,16 +28,22 @@ events themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import shutil
+import tempfile
 from collections.abc import Collection, Hashable, Sequence
 
+from services.common.signals import on_forced_exit
 from services.coordinator.kv.index import held_run
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
-HEADER = 4  # int64s: capacity, block size, blocks held, reserved
+SHM = "/dev/shm"
+PREFIX = "motor-kv-"  # then the management process's pid
+HEADER = mmap.PAGESIZE // 8  # int64s: capacity, block size, blocks held; the slots start a page in
 _CAPACITY, _BLOCK_SIZE, _BLOCKS = 0, 1, 2
 MIN_CAPACITY = 1024
 
@@ -59,6 +69,21 @@ def _map(path: str, size: int | None = None) -> mmap.mmap:
         os.close(fd)
 
 
+def sweep(parent: str) -> None:
+    """Remove what Coordinators killed outright (SIGKILL: no cleanup) left in ``parent``: the
+    directories named after a process that is gone."""
+    for name in os.listdir(parent):
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 class Table:
     """One endpoint's set of block hashes, over a mapped file."""
 
@@ -68,7 +93,7 @@ class Table:
         self.path = path
         self._mm = mm
         self._view = memoryview(mm).cast("q")
-        self.head = self._view[:HEADER]
+        self.head = self._view[:3]
         self.slots = self._view[HEADER:]
         self.mask = len(self.slots) - 1
 
@@ -152,7 +177,15 @@ class Table:
         self.head[_BLOCKS] -= 1
 
     def clear(self) -> None:
-        self.slots[:] = memoryview(bytes(len(self.slots) * 8)).cast("q")
+        start = HEADER * 8
+        try:
+            # Frees the pages, which read as zeros from now on: no writing a table that may be
+            # gigabytes large (and mostly never touched) to empty it.
+            self._mm.madvise(mmap.MADV_REMOVE, start, len(self._mm) - start)
+        except (AttributeError, OSError):  # not Linux, or a file system without holes
+            chunk = bytes(1 << 20)
+            for at in range(start, len(self._mm), len(chunk)):
+                self._mm[at : at + len(chunk)] = chunk[: len(self._mm) - at]
         self.head[_BLOCKS] = 0
 
     def set_block_size(self, size: int) -> None:
@@ -170,18 +203,26 @@ class SharedWriter:
         self.capacity = capacity_for(max_blocks_per_endpoint)
         self._tables: dict[Hashable, Table] = {}
         self._dir: mmap.mmap | None = None
+        self._real = ""  # where the files are (self.dir may link there)
         self._n = 0
 
     def open(self) -> None:
-        """Create the directory file (blocking: call it off the event loop)."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self._dir = _map(os.path.join(self.dir, DIRECTORY), DIRECTORY_BYTES)
+        """Create the directory and its file (blocking: call it off the event loop)."""
+        if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+            sweep(SHM)
+            self._real = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM)
+            os.symlink(self._real, self.dir)
+        else:
+            os.mkdir(self.dir, 0o700)
+            self._real = self.dir
+        on_forced_exit(lambda: shutil.rmtree(self._real, True))  # memory: never left behind
+        self._dir = _map(os.path.join(self._real, DIRECTORY), DIRECTORY_BYTES)
         self._publish()
 
     def create(self, ep: Hashable) -> Table:
         """A new, empty table file for ``ep`` (blocking); :meth:`install` makes it ``ep``'s."""
         self._n += 1
-        return Table.create(os.path.join(self.dir, f"ep-{self._n}"), self.capacity)
+        return Table.create(os.path.join(self._real, f"ep-{self._n}"), self.capacity)
 
     def install(self, ep: Hashable, table: Table) -> Table | None:
         """Make ``table`` ``ep``'s and tell the readers; the table it replaces is returned,
@@ -217,6 +258,10 @@ class SharedWriter:
         if self._dir is not None:
             self._dir.close()
             self._dir = None
+        if self._real:
+            shutil.rmtree(self._real, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir)  # the link, when the directory was in /dev/shm
 
     def _publish(self) -> None:
         if self._dir is None:
@@ -329,7 +374,10 @@ class SharedReader:
             table.close()
         self._tables = {}
         if self._dir is not None:
-            self._dir.close()
+            # A refresh still reading it in its thread keeps it open: the process is stopping,
+            # and the mapping goes with it.
+            with contextlib.suppress(BufferError):
+                self._dir.close()
             self._dir = None
 
     # -- queries ------------------------------------------------------------------------------
