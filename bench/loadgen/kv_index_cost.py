@@ -224,8 +224,8 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             raise RuntimeError("the index process did not start")
         trips = asyncio.run(_round_trips(address, list(first.hashes(BLOCK))))
         server.join(10)
-    # A table is a power of two at least twice the bound per endpoint: 16 bytes per block at
-    # the default bound.
+    # A table is a power of two at least twice the bound per endpoint, allocated whole: 16 bytes
+    # per block at the default bound.
     shared_bytes = capacity_for(DEFAULT_MAX_BLOCKS) * 8 / DEFAULT_MAX_BLOCKS
     return Costs(
         in_process,
@@ -268,5 +268,5 @@ def summary(c: Costs) -> list[str]:
         "management process pays it once; with an index per worker every worker would.",
         f"- Memory: {c.bytes_per_block:.0f} bytes per indexed block in the management process "
         f"(engine hash, our hash, reference count), plus {c.shared_bytes_per_block:.0f} bytes of "
-        "mapped table per block at the default bound (pages cost memory once touched).",
+        "mapped table per block of the bound (allocated when an endpoint is first followed).",
     ]

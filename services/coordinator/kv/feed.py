@@ -154,7 +154,11 @@ class KvFeed:
         """A table the workers read for ``key``, before its first event (files: off the loop)."""
         assert self.writer is not None
         writer = self.writer
-        table = await asyncio.to_thread(writer.create, key)
+        try:
+            table = await asyncio.to_thread(writer.create, key)
+        except OSError as exc:  # no room: the workers route this endpoint by load
+            log.warn("kv_shared_table_failed", endpoint=key, error=str(exc))
+            return
         spare: Table | None = table
         if self._subs.get(key) is sub:  # still wanted
             # The index and the new, empty table start equal (after a failed subscription

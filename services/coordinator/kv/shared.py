@@ -15,11 +15,12 @@ The files (``<dir>/kv/``):
 - one file per endpoint: a header page (capacity, block size, blocks held) then ``capacity``
   64-bit slots, an open-addressing set of the endpoint's block hashes (0 marks an empty slot),
   linear probing, deletion by shifting later entries back (no tombstones). The capacity is at
-  least twice the index's bound per endpoint, so the set is never more than half full. The file
-  is sparse: its pages cost memory once written, and emptying it gives them back.
+  least twice the index's bound per endpoint, so the set is never more than half full. Its
+  space is allocated when it is created: a full file system fails that, and the endpoint is
+  routed by load, instead of a later write into a file with no room killing the process
+  (SIGBUS).
 
-The directory lives in ``/dev/shm`` where there is one (memory: nothing is written back to a
-disk), linked from the private directory the workers know.
+They live in the Coordinator's private directory (:mod:`services.common.scratch`), and go with it.
 
 A reader can race the writer: it may miss a hash that is being shifted, or read a block count a
 moment old. Either costs one routing hint, never a wrong answer, as with any staleness of the
@@ -33,16 +34,12 @@ import json
 import mmap
 import os
 import shutil
-import tempfile
 from collections.abc import Collection, Hashable, Sequence
 
-from services.common.signals import on_forced_exit
 from services.coordinator.kv.index import held_run
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
-SHM = "/dev/shm"
-PREFIX = "motor-kv-"  # then the management process's pid
 HEADER = mmap.PAGESIZE // 8  # int64s: capacity, block size, blocks held; the slots start a page in
 _CAPACITY, _BLOCK_SIZE, _BLOCKS = 0, 1, 2
 MIN_CAPACITY = 1024
@@ -57,31 +54,20 @@ def capacity_for(max_blocks: int) -> int:
 
 
 def _map(path: str, size: int | None = None) -> mmap.mmap:
-    """Map ``path``; with ``size``, create it that large first (sparse: pages cost memory once
-    touched)."""
+    """Map ``path``; with ``size``, create it that large first, its space allocated (OSError if
+    there is no room)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if size is not None:
-            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(path)
+                raise
         return mmap.mmap(fd, 0)
     finally:
         os.close(fd)
-
-
-def sweep(parent: str) -> None:
-    """Remove what Coordinators killed outright (SIGKILL: no cleanup) left in ``parent``: the
-    directories named after a process that is gone."""
-    for name in os.listdir(parent):
-        pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(PREFIX) and pid.isdigit()):
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        except PermissionError:
-            pass  # alive, someone else's
 
 
 class Table:
@@ -177,15 +163,12 @@ class Table:
         self.head[_BLOCKS] -= 1
 
     def clear(self) -> None:
-        start = HEADER * 8
-        try:
-            # Frees the pages, which read as zeros from now on: no writing a table that may be
-            # gigabytes large (and mostly never touched) to empty it.
-            self._mm.madvise(mmap.MADV_REMOVE, start, len(self._mm) - start)
-        except (AttributeError, OSError):  # not Linux, or a file system without holes
-            chunk = bytes(1 << 20)
-            for at in range(start, len(self._mm), len(chunk)):
-                self._mm[at : at + len(chunk)] = chunk[: len(self._mm) - at]
+        # Zeros written (about a millisecond for the default bound's 4 MiB), not the pages
+        # freed: a freed page would need room again when next written.
+        zeros = bytes(1 << 20)
+        mm = self._mm
+        for at in range(HEADER * 8, len(mm), len(zeros)):
+            mm[at : at + len(zeros)] = zeros[: len(mm) - at]
         self.head[_BLOCKS] = 0
 
     def set_block_size(self, size: int) -> None:
@@ -203,26 +186,18 @@ class SharedWriter:
         self.capacity = capacity_for(max_blocks_per_endpoint)
         self._tables: dict[Hashable, Table] = {}
         self._dir: mmap.mmap | None = None
-        self._real = ""  # where the files are (self.dir may link there)
         self._n = 0
 
     def open(self) -> None:
         """Create the directory and its file (blocking: call it off the event loop)."""
-        if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
-            sweep(SHM)
-            self._real = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM)
-            os.symlink(self._real, self.dir)
-        else:
-            os.mkdir(self.dir, 0o700)
-            self._real = self.dir
-        on_forced_exit(lambda: shutil.rmtree(self._real, True))  # memory: never left behind
-        self._dir = _map(os.path.join(self._real, DIRECTORY), DIRECTORY_BYTES)
+        os.mkdir(self.dir, 0o700)
+        self._dir = _map(os.path.join(self.dir, DIRECTORY), DIRECTORY_BYTES)
         self._publish()
 
     def create(self, ep: Hashable) -> Table:
         """A new, empty table file for ``ep`` (blocking); :meth:`install` makes it ``ep``'s."""
         self._n += 1
-        return Table.create(os.path.join(self._real, f"ep-{self._n}"), self.capacity)
+        return Table.create(os.path.join(self.dir, f"ep-{self._n}"), self.capacity)
 
     def install(self, ep: Hashable, table: Table) -> Table | None:
         """Make ``table`` ``ep``'s and tell the readers; the table it replaces is returned,
@@ -258,10 +233,7 @@ class SharedWriter:
         if self._dir is not None:
             self._dir.close()
             self._dir = None
-        if self._real:
-            shutil.rmtree(self._real, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.unlink(self.dir)  # the link, when the directory was in /dev/shm
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def _publish(self) -> None:
         if self._dir is None:

@@ -18,10 +18,9 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 
-from services.common import log
+from services.common import log, scratch
 from services.common.config import CoordinatorConfig
 from services.common.signals import on_forced_exit
 from services.coordinator.metrics import forget_process, use_shared_dir
@@ -65,7 +64,7 @@ class WorkerPool:
     def __init__(self, cfg: CoordinatorConfig, count: int) -> None:
         self.cfg = cfg
         self.count = count
-        self.dir = tempfile.mkdtemp(prefix="motor-coordinator-")  # mode 0700
+        self.dir = scratch.make("motor-coordinator-")
         metrics_dir = os.path.join(self.dir, "metrics")
         os.mkdir(metrics_dir, 0o700)
         use_shared_dir(metrics_dir)  # this process's gauges (table, precision) go there too
