@@ -101,6 +101,7 @@ class Table:
     # -- reading ----------------------------------------------------------------------------
 
     def has(self, h: int) -> bool:
+        # The probe loop of _slot, inline: this is the workers' request path.
         slots, mask = self.slots, self.mask
         key = h or 1
         i = key & mask
@@ -122,31 +123,26 @@ class Table:
 
     # -- writing (the management process only) ------------------------------------------------
 
-    def add(self, h: int) -> None:
+    def _slot(self, key: int) -> int:
+        """Where ``key`` is, or the empty slot that ends its probe run."""
         slots, mask = self.slots, self.mask
-        key = h or 1
         i = key & mask
-        while True:
-            s = slots[i]
-            if s == key:
-                return
-            if not s:
-                slots[i] = key
-                self.head[_BLOCKS] += 1
-                return
+        while slots[i] and slots[i] != key:
             i = (i + 1) & mask
+        return i
+
+    def add(self, h: int) -> None:
+        key = h or 1
+        i = self._slot(key)
+        if not self.slots[i]:
+            self.slots[i] = key
+            self.head[_BLOCKS] += 1
 
     def remove(self, h: int) -> None:
         slots, mask = self.slots, self.mask
-        key = h or 1
-        i = key & mask
-        while True:
-            s = slots[i]
-            if s == key:
-                break
-            if not s:
-                return
-            i = (i + 1) & mask
+        i = self._slot(h or 1)
+        if not slots[i]:
+            return
         # Shift back each later entry of the run that may live at i (its home slot is not
         # cyclically within (i, j]), so that no lookup meets the hole before its entry.
         j = i
