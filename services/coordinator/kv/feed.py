@@ -154,11 +154,15 @@ class KvFeed:
         """A table the workers read for ``key``, before its first event (files: off the loop)."""
         assert self.writer is not None
         writer = self.writer
+        creating = asyncio.ensure_future(asyncio.to_thread(writer.create, key))
         try:
-            table = await asyncio.to_thread(writer.create, key)
+            table = await asyncio.shield(creating)
         except OSError as exc:  # no room: the workers route this endpoint by load
             log.warn("kv_shared_table_failed", endpoint=key, error=str(exc))
             return
+        except asyncio.CancelledError:
+            creating.add_done_callback(_discard)  # the file being made is nobody's
+            raise
         spare: Table | None = table
         if self._subs.get(key) is sub:  # still wanted
             # The index and the new, empty table start equal (after a failed subscription
@@ -168,3 +172,8 @@ class KvFeed:
             spare = writer.install(key, table)
         if spare is not None:
             await asyncio.to_thread(SharedWriter.unlink, spare)
+
+
+def _discard(created: asyncio.Future[Table]) -> None:
+    if not created.cancelled() and created.exception() is None:
+        tasks.start("kv_unlink", asyncio.to_thread(SharedWriter.unlink, created.result()))

@@ -54,17 +54,21 @@ def capacity_for(max_blocks: int) -> int:
 
 
 def _map(path: str, size: int | None = None) -> mmap.mmap:
-    """Map ``path``; with ``size``, create it that large first, its space allocated (OSError if
-    there is no room)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
-    fd = os.open(path, flags, 0o600)
+    """Map ``path`` read-only; with ``size``, create it that large first, its space allocated
+    (OSError if there is no room), and map it to write."""
+    if size is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if size is not None:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.unlink(path)
-                raise
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.unlink(path)
+            raise
         return mmap.mmap(fd, 0)
     finally:
         os.close(fd)

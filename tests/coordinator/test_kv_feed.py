@@ -1,0 +1,134 @@
+"""The management process's KV feed: it follows a real engine's events into its index and mirrors
+them into the tables its inference workers map; an endpoint that leaves takes its table along."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from motor.v1 import common_pb2 as c
+
+from services.common.config import load
+from services.common.enums import PREFILL
+from services.common.tokenizer import Builtin
+from services.coordinator.kv.feed import KvFeed
+from services.coordinator.kv.hashing import chain
+from services.coordinator.kv.shared import SharedReader, SharedWriter, Table
+from services.coordinator.metrics import Metrics, use_own_process
+from services.coordinator.routes import DownCount, RoutingView, Target
+from tests.chaos.test_kv_events_gap import event_ports
+from tests.coordinator.conftest import MODEL
+from tests.poll import until
+from tests.procs import SimEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 4
+WORDS = [f"w{i}" for i in range(12)]  # the built-in tokenizer: one token per word, 3 blocks
+
+
+@pytest.fixture
+def engine() -> Iterator[SimEngine]:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+              "replay_endpoint": "tcp://*:0"}  # fmt: skip
+    eng = SimEngine("--port", "0", "--block-size", str(BS), "--kv-events-config", json.dumps(config)).start()
+    yield eng
+    eng.kill()
+
+
+def view_of(eng: SimEngine) -> RoutingView:
+    pub, replay = event_ports(eng)
+    ep = c.Endpoint(
+        host=eng.host, port=eng.port, pid=eng.pid, kv_events_port=pub, kv_events_replay_port=replay
+    )
+    inst = c.Instance(
+        id=1, role=PREFILL, job_name="p", model_name=MODEL, engine_type=c.ENGINE_TYPE_SIM, endpoints=[ep]
+    )
+    return RoutingView(revision=1, targets=(Target(inst, DownCount()),))
+
+
+async def follow(reader: SharedReader) -> None:
+    """What a worker's refresh does."""
+    changed = reader.read_directory()
+    if changed is not None:
+        reader.install(*changed, reader.attach(changed[1]))
+
+
+def feed_for(tmp_path: Path, view: list[RoutingView]) -> KvFeed:
+    use_own_process()
+    cfg = load(None, env={}).coordinator
+    writer = SharedWriter(str(tmp_path), cfg.kv_index_max_blocks)
+    return KvFeed(cfg, lambda: view[0], Metrics().kv, {PREFILL}, writer)
+
+
+async def test_a_worker_reads_what_the_engine_cached_until_the_engine_leaves(
+    tmp_path: Path, engine: SimEngine
+) -> None:
+    view = [view_of(engine)]
+    feed = feed_for(tmp_path, view)
+    reader = SharedReader(str(tmp_path))
+    key = view[0].targets[0].endpoints[0].base
+    await feed.start()
+    try:
+        await until(lambda: feed.writer is not None and key in feed.writer._tables, 20, "the engine's table")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": " ".join(WORDS), "max_tokens": 1}
+            async with s.post(f"{engine.v1}/completions", json=body) as resp:
+                assert resp.status == 200
+        hashes = chain(Builtin().encode(" ".join(WORDS)), BS)
+
+        async def sees_it() -> bool:
+            await follow(reader)
+            return reader.match(hashes) == {key: 3}
+
+        await until(sees_it, 20, "the worker to see the engine's three blocks")
+        assert reader.block_size(key) == BS and reader.endpoint_blocks(key) == 3
+
+        view[0] = RoutingView(revision=2)  # the engine left the table
+
+        writer = feed.writer
+        assert writer is not None
+
+        async def gone() -> bool:
+            await follow(reader)
+            return reader.endpoints() == [] and sorted(os.listdir(writer.dir)) == ["endpoints"]
+
+        await until(gone, 20, "the engine's table to go")
+    finally:
+        reader.close()
+        await feed.stop()
+    assert not (tmp_path / "kv").exists()
+
+
+async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
+    tmp_path: Path, engine: SimEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    view = [view_of(engine)]
+    feed = feed_for(tmp_path, view)
+    made = threading.Event()
+    create = SharedWriter.create
+
+    def slow_create(self: SharedWriter, ep: object) -> Table:
+        time.sleep(0.5)  # in the feed's thread: the engine leaves meanwhile
+        table = create(self, ep)
+        made.set()
+        return table
+
+    monkeypatch.setattr(SharedWriter, "create", slow_create)
+    await feed.start()
+    try:
+        await until(lambda: feed._subs, 20, "the subscription")
+        view[0] = RoutingView(revision=2)
+        await until(made.is_set, 20, "the table file")
+        writer = feed.writer
+        assert writer is not None
+        await until(lambda: sorted(os.listdir(writer.dir)) == ["endpoints"], 20, "the orphan file to go")
+        assert writer._tables == {}
+    finally:
+        await feed.stop()
