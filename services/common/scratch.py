@@ -35,4 +35,4 @@ def sweep(parent: str, prefix: str) -> None:
         except ProcessLookupError:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         except (PermissionError, OverflowError):
-            pass  # alive and someone else's; or no pid at all
+            continue  # alive and someone else's; or a number no pid can be: not ours to remove

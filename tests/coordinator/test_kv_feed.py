@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from services.coordinator.metrics import Metrics, use_own_process
 from services.coordinator.routes import DownCount, RoutingView, Target
 from tests.chaos.test_kv_events_gap import event_ports
 from tests.coordinator.conftest import MODEL
+from tests.coordinator.test_kv_shared import follow
 from tests.poll import until
 from tests.procs import SimEngine
 
@@ -53,13 +53,6 @@ def view_of(eng: SimEngine) -> RoutingView:
     return RoutingView(revision=1, targets=(Target(inst, DownCount()),))
 
 
-async def follow(reader: SharedReader) -> None:
-    """What a worker's refresh does."""
-    changed = reader.read_directory()
-    if changed is not None:
-        reader.install(*changed, reader.attach(changed[1]))
-
-
 def feed_for(tmp_path: Path, view: list[RoutingView]) -> KvFeed:
     use_own_process()
     cfg = load(None, env={}).coordinator
@@ -83,8 +76,8 @@ async def test_a_worker_reads_what_the_engine_cached_until_the_engine_leaves(
                 assert resp.status == 200
         hashes = chain(Builtin().encode(" ".join(WORDS)), BS)
 
-        async def sees_it() -> bool:
-            await follow(reader)
+        def sees_it() -> bool:
+            follow(reader)
             return reader.match(hashes) == {key: 3}
 
         await until(sees_it, 20, "the worker to see the engine's three blocks")
@@ -95,8 +88,8 @@ async def test_a_worker_reads_what_the_engine_cached_until_the_engine_leaves(
         writer = feed.writer
         assert writer is not None
 
-        async def gone() -> bool:
-            await follow(reader)
+        def gone() -> bool:
+            follow(reader)
             return reader.endpoints() == [] and sorted(os.listdir(writer.dir)) == ["endpoints"]
 
         await until(gone, 20, "the engine's table to go")
@@ -111,11 +104,11 @@ async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
 ) -> None:
     view = [view_of(engine)]
     feed = feed_for(tmp_path, view)
-    made = threading.Event()
+    left, made = threading.Event(), threading.Event()
     create = SharedWriter.create
 
     def slow_create(self: SharedWriter, ep: object) -> Table:
-        time.sleep(0.5)  # in the feed's thread: the engine leaves meanwhile
+        left.wait(20)  # in the feed's thread, until the engine has left the table
         table = create(self, ep)
         made.set()
         return table
@@ -125,6 +118,8 @@ async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
     try:
         await until(lambda: feed._subs, 20, "the subscription")
         view[0] = RoutingView(revision=2)
+        await until(lambda: not feed._subs, 20, "the subscription to go")
+        left.set()
         await until(made.is_set, 20, "the table file")
         writer = feed.writer
         assert writer is not None

@@ -219,10 +219,8 @@ class SharedWriter:
     def unlink(table: Table) -> None:
         """Close and delete a table's file (blocking)."""
         table.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):  # deleted already: what was asked
             os.unlink(table.path)
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         """Everything off (blocking): at stop."""
@@ -315,11 +313,12 @@ class SharedReader:
         out = {}
         for ep, name in names.items():
             path = os.path.join(self.dir, name)
-            if path not in current:
-                try:
-                    out[ep] = Table.attach(path)
-                except FileNotFoundError:
-                    pass  # dropped since: the next directory says so
+            if path in current:
+                continue
+            try:
+                out[ep] = Table.attach(path)
+            except FileNotFoundError:
+                continue  # dropped since: the next directory says so, and no worker routes by it
         return out
 
     def install(self, gen: int, names: dict[str, str], opened: dict[str, Table]) -> None:
