@@ -45,7 +45,7 @@ class KvMetrics:
             self._cached[role] = self._tallies.counter(lambda role=role: cached.labels(role))  # type: ignore[misc]
         self.index_blocks = Gauge(
             "motor_coordinator_kv_index_blocks",
-            "Blocks in the KV index (one per engine endpoint holding it), the most any worker has.",
+            "Blocks in the KV index (one per engine endpoint holding it).",
             registry=r,
             multiprocess_mode="livemax",
         )
