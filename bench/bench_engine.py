@@ -114,7 +114,11 @@ def _report(results: list[Result], load_before: float) -> str:
             f"1-minute load average before the run: {load_before:.2f} "
             "(other work on the machine skews the results)  ",
             f"Load: one aiohttp client process, keep-alive, non-streaming chat completions "
-            f"(max_tokens 16), {WARMUP_S:g} s warm-up then {DURATION_S:g} s per row.",
+            f"(max_tokens 16), {WARMUP_S:g} s warm-up, then measured for "
+            + ", ".join(
+                f"{r.seconds:.0f} s at {r.clients} client{'s' if r.clients > 1 else ''}" for r in results
+            )
+            + ".",
             "",
             "| clients | requests | errors | req/s | p50 ms | p99 ms | engine CPU | engine CPU us/req |",
             "|---|---|---|---|---|---|---|---|",
