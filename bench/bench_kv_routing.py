@@ -257,11 +257,7 @@ def _overhead_section(cache: str, rounds: dict[str, list[list[float]]]) -> tuple
 
 
 def _round_medians(rounds: list[list[float]]) -> str:
-    return _micros([statistics.median(r) for r in rounds])
-
-
-def _micros(values: list[float]) -> str:
-    return ", ".join(f"{v * 1e6:.0f}" for v in values)
+    return ", ".join(f"{statistics.median(r) * 1e6:.0f}" for r in rounds)
 
 
 def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) -> str:

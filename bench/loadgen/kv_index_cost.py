@@ -34,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from bench.loadgen.harness import percentile
 from services.common.tokenizer import Builtin
 from services.coordinator.kv import wire
 from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
@@ -240,13 +241,9 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
     )
 
 
-def p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
 def _row(what: str, values: list[float]) -> str:
-    return f"| {what} | {statistics.median(values):.1f} µs | {p(values, 99):.1f} µs | {max(values):.1f} µs |"
+    p99 = percentile(sorted(values), 99)
+    return f"| {what} | {statistics.median(values):.1f} µs | {p99:.1f} µs | {max(values):.1f} µs |"
 
 
 def summary(c: Costs) -> list[str]:

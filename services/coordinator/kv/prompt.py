@@ -73,7 +73,8 @@ class Prompt:
 
 
 class Line:
-    """One remembered chat message's ids."""
+    """One remembered chat message's ids. An object of its own, so that a :class:`Turn` is found
+    by the message's identity, not by hashing all its ids again."""
 
     __slots__ = ("ids",)
 

@@ -104,8 +104,9 @@ class KvRouting:
 
     @staticmethod
     async def _follow_shared(shared: SharedReader) -> None:
-        # Mapping files blocks: in a thread. The swap is on the loop, between two requests.
-        changed = await asyncio.to_thread(shared.read_directory)
+        # Mapping files blocks: in a thread. Once the directory is mapped, seeing whether it
+        # changed is a memory read, cheaper than the thread. The swap is on the loop.
+        changed = shared.read_directory() if shared.mapped else await asyncio.to_thread(shared.read_directory)
         if changed is not None:
             gen, names = changed
             opened = await asyncio.to_thread(shared.attach, names)

@@ -285,6 +285,11 @@ class SharedReader:
 
     # -- following the directory ----------------------------------------------------------------
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the directory is mapped: reading it is then a few memory reads."""
+        return self._dir is not None
+
     def read_directory(self) -> tuple[int, dict[str, str]] | None:
         """The directory's generation and endpoints' file names, if it changed since the last
         :meth:`install` (blocking the first time: it maps the file); None if unchanged or
