@@ -7,7 +7,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: up test gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py services/coordinator/kv/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,dev,bench]'

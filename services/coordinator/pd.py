@@ -30,7 +30,7 @@ from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
 from services.coordinator.upstream import Answer, Engines, PhaseTimeout, Unreachable
 
 if TYPE_CHECKING:  # loaded only when tracing is on (kv: only with a kv_aware policy)
-    from services.coordinator.kv.prompt import Prompt
+    from services.coordinator.kv.prompt import PromptView
     from services.coordinator.kv.routing import KvRouting
     from services.coordinator.tracing import RequestTrace
 
@@ -52,7 +52,7 @@ class Call:
     t0: float  # loop time the request arrived
     trace: RequestTrace | None = None  # its spans, when tracing is on (each leg attempt gets one)
     reply: Headers = None  # headers every answer carries (the trace's)
-    prompt: Prompt | None = None  # its tokenized prompt, when a policy is kv_aware
+    prompt: PromptView | None = None  # its tokenized prompt, when a policy is kv_aware
 
 
 class NoUpstream(Exception):
@@ -76,7 +76,7 @@ def _prefill_work(call: Call) -> int:
     return call.prompt_tokens if prompt is None else max(1, prompt.n - prompt.cached)
 
 
-def _endpoint(t: Target, prompt: Prompt | None) -> Upstream:
+def _endpoint(t: Target, prompt: PromptView | None) -> Upstream:
     """The endpoint of ``t`` that serves a leg: the one kv_aware found holding the prompt's
     prefix when it chose ``t``, else the instance's own rotation."""
     if prompt is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from services.coordinator.routes import Target
 
 if TYPE_CHECKING:
-    from services.coordinator.kv.prompt import Prompt
+    from services.coordinator.kv.prompt import PromptView
 
 
 class Policy(Protocol):
@@ -26,7 +26,7 @@ class Policy(Protocol):
     when a KV-aware policy is configured (load policies ignore it)."""
 
     def __call__(
-        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
     ) -> Target | None: ...
 
 
@@ -50,7 +50,7 @@ class RoundRobin:
         self._cursor: dict[int, int] = {}
 
     def __call__(
-        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
     ) -> Target | None:
         cands = candidates(targets, exclude)
         if len(cands) <= 1:
@@ -66,7 +66,7 @@ class RoundRobin:
 
 
 def least_load(
-    targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+    targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
 ) -> Target | None:
     """The candidate with the fewest in-flight tokens; ties broken at random so an idle
     cluster still spreads requests."""
@@ -84,7 +84,7 @@ def least_load(
 
 
 def power_of_two(
-    targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+    targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
 ) -> Target | None:
     """Two random candidates, the less loaded wins: near least-load balance at O(1) cost."""
     cands = candidates(targets, exclude)

@@ -4,9 +4,13 @@ Instance messages, as the Coordinator builds them."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
+import pytest
 from motor.v1 import common_pb2 as c
 from prometheus_client import generate_latest
 
@@ -14,12 +18,15 @@ from services.common.enums import DECODE, PREFILL, UNION, Role
 from services.coordinator.kv.index import KvIndex
 from services.coordinator.kv.policy import KvAware
 from services.coordinator.kv.prompt import Prompt
+from services.coordinator.kv.shared import SharedReader, SharedWriter
 from services.coordinator.kv.wire import BlockHash, Stored
 from services.coordinator.metrics import Metrics, use_own_process
 from services.coordinator.pd import _endpoint
 from services.coordinator.policies import least_load
 from services.coordinator.routes import DownCount, Target
 from tests.coordinator.conftest import MODEL
+from tests.coordinator.test_kv_shared import follow
+from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 BS = 4
 PROMPT = list(range(500, 524))  # six blocks
@@ -59,7 +66,9 @@ def targets(*endpoint_counts: int, role: Role = DECODE, first: int = 1) -> list[
     return out
 
 
-def hold(index: KvIndex, t: Target, blocks: int, ep: int = 0, tokens: Sequence[int] = PROMPT) -> None:
+def hold(
+    index: KvIndex | Shared, t: Target, blocks: int, ep: int = 0, tokens: Sequence[int] = PROMPT
+) -> None:
     """The engine behind ``t``'s endpoint ``ep`` stored the first ``blocks`` blocks of ``tokens``
     (its own hashes: any, distinct per endpoint)."""
     key = t.endpoints[ep].base
@@ -67,11 +76,56 @@ def hold(index: KvIndex, t: Target, blocks: int, ep: int = 0, tokens: Sequence[i
     index.apply(key, Stored(hashes, None, list(tokens[: blocks * BS]), BS, "GPU"))
 
 
-def make(prefix_weight: float = 1.0, load_weight: float = 1.0) -> tuple[KvAware, KvIndex, Metrics]:
+class Shared:
+    """The index as an inference worker reads it: a KvIndex mirrored into shared tables."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir()
+        self.writer = SharedWriter(str(directory), max_blocks_per_endpoint=1000)
+        self.writer.open()
+        self.reader = SharedReader(str(directory))
+        self.index = KvIndex(1000, self.writer)
+        self._installed: set[str] = set()
+
+    def apply(self, key: str, event: Stored) -> None:
+        if key not in self._installed:
+            self._installed.add(key)
+            self.writer.install(key, self.writer.create(key))
+            assert follow(self.reader)
+        self.index.apply(key, event)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+# Every test runs against the index in process, and as a worker reads it in C and in Python.
+KINDS = ["in process", *(f"shared, {impl}" for impl in IMPLEMENTATIONS)]
+_made: list[tuple[str, Path, list[Shared]]] = []
+
+
+@pytest.fixture(autouse=True, params=KINDS)
+def index_kind(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
+    kind: str = request.param
+    shared: list[Shared] = []
+    _made.append((kind, tmp_path, shared))
+    with implementation(kind.removeprefix("shared, ")) if kind != "in process" else contextlib.nullcontext():
+        yield
+    for s in shared:
+        s.close()
+    _made.pop()
+
+
+def make(prefix_weight: float = 1.0, load_weight: float = 1.0) -> tuple[KvAware, Any, Metrics]:
     use_own_process()  # as a one-process Coordinator does: an earlier test may have left workers' mode on
     metrics = Metrics()
-    index = KvIndex()
-    return KvAware(index, metrics.kv, prefix_weight, load_weight), index, metrics
+    kind, tmp, shared = _made[-1]
+    if kind == "in process":
+        index = KvIndex()
+        return KvAware(index, metrics.kv, prefix_weight, load_weight), index, metrics
+    s = Shared(tmp / f"index-{len(shared)}")
+    shared.append(s)
+    return KvAware(s.reader, metrics.kv, prefix_weight, load_weight), s, metrics
 
 
 def picks(

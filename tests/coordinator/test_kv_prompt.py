@@ -28,6 +28,7 @@ from services.coordinator.kv.prompt import Prompt, Tokens
 from services.simengine.cli import parse
 from services.simengine.openai_api import RequestError, parse_request
 from services.simengine.tokens import load_tokenizer, prompt_ids
+from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 WORDS = ["hello", "world", "the", "cache", "prefix", "système", "東京", "a", "b", "c", "42", "7"]
 SPECIAL = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -151,6 +152,8 @@ SIM_BUILTIN = load_tokenizer(parse([])[0])  # what `motor engine-sim` loads with
 # One for the module: its chat-line cache carries over from example to example, as in a
 # Coordinator that serves one request after another.
 TOKENS = Tokens(Builtin(), sim=True)
+with implementation("python"):
+    TOKENS_PY = Tokens(Builtin(), sim=True)  # the Python reference, where C reads chats
 
 
 def test_the_sim_loads_the_builtin_tokenizer_by_default() -> None:
@@ -187,12 +190,15 @@ def test_builtin_examples_match_the_sim(body: dict[str, Any], chat: bool) -> Non
     ids = TOKENS.of(body, chat)
     assert ids == sim_ids(SIM_BUILTIN, body, chat)
     assert Tokens(Builtin(), sim=True).of(body, chat) == ids  # a cold line cache agrees too
+    assert TOKENS_PY.of(body, chat) == ids
 
 
 @settings(max_examples=400, deadline=None)
 @given(chat_bodies(any_text | vocab_text))
 def test_builtin_chat_matches_the_sim(body: dict[str, Any]) -> None:
-    assert TOKENS.of(body, True) == sim_ids(SIM_BUILTIN, body, True)
+    expected = sim_ids(SIM_BUILTIN, body, True)
+    assert TOKENS.of(body, True) == expected
+    assert TOKENS_PY.of(body, True) == expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -203,7 +209,8 @@ def test_builtin_completion_matches_the_sim(body: dict[str, Any]) -> None:
 
 def test_line_cache_stays_bounded_and_right(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prompt_mod, "LINE_CACHE_MAX", 4)
-    tokens = Tokens(Builtin(), sim=True)
+    with implementation("python"):
+        tokens = Tokens(Builtin(), sim=True)
     system = {"role": "system", "content": "you are a long shared system prompt"}
     for i in range(20):
         body = {"messages": [system, {"role": "user", "content": f"question {i}"}]}
@@ -378,10 +385,10 @@ def test_unreadable_bodies_give_none(model_dir: Path, sim: bool) -> None:
 def test_prompt_hashes_are_the_chain_and_memoized(tokens: list[int], block_size: int) -> None:
     p = Prompt(tokens)
     first = p.hashes(block_size)
-    assert first == chain(tokens, block_size)
+    assert list(first) == chain(tokens, block_size)
     assert len(first) == len(tokens) // block_size
     assert p.hashes(block_size) is first  # computed once per block size
-    assert p.hashes(block_size + 1) == chain(tokens, block_size + 1)
+    assert list(p.hashes(block_size + 1)) == chain(tokens, block_size + 1)
     assert p.hashes(block_size) is first
     assert (p.cached, p.endpoint) == (0, None)
 
@@ -422,22 +429,24 @@ def test_a_remembered_chat_hashes_as_the_whole_prompt_would(body: dict[str, Any]
         assert prompt.n == len(prompt.tokens)
 
 
-def test_a_conversation_hashes_right_turn_after_turn_within_its_bounds(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_conversation_reads_right_turn_after_turn_within_its_bounds(
+    monkeypatch: pytest.MonkeyPatch, impl: str
 ) -> None:
+    monkeypatch.setattr(prompt_mod, "LINE_CACHE_MAX", 6)
     monkeypatch.setattr(prompt_mod, "TURN_CACHE_MAX", 6)
-    monkeypatch.setattr(prompt_mod, "TURN_CACHE_BLOCKS", 40)
-    tokens = Tokens(Builtin(), sim=True)
+    with implementation(impl):
+        tokens = Tokens(Builtin(), sim=True)
     messages = [{"role": "system", "content": " ".join(f"rule{i}" for i in range(37))}]
     for turn in range(30):
         messages.append(
             {"role": "user" if turn % 2 else "assistant", "content": f"turn {turn} " * (turn % 5)}
         )
         body = {"messages": list(messages)}
-        prompt = tokens.prompt(body, True)
-        assert prompt is not None and prompt.tokens == sim_ids(SIM_BUILTIN, body, True)
-        for bs in (3, 16):
-            assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
-        assert len(tokens._turns) <= 6
-        # The bound is checked as turns are added, so one request's hashes may pass it.
-        assert tokens._turns.blocks <= 40 + 2 * len(prompt.tokens)
+        with implementation(impl):
+            prompt = tokens.prompt(body, True)
+            assert prompt is not None and prompt.tokens == sim_ids(SIM_BUILTIN, body, True)
+            for bs in (3, 16):
+                assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
+        remembered = tokens._chats.count if tokens._chats is not None else len(tokens._lines or ())
+        assert 0 < remembered <= 6

@@ -19,11 +19,13 @@ costs a cache hit, never a wrong answer about what is cached.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Protocol
 
-from services.coordinator.kv.hashing import ROOT, chain
+from services.coordinator.kv.hashing import ROOT
+from services.coordinator.kv.speedups import chain, held_run
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
+from services.coordinator.routes import Upstream
 
 DEFAULT_MAX_BLOCKS = 262144
 
@@ -38,6 +40,14 @@ class Mirror(Protocol):
     def clear(self, ep: Hashable) -> None: ...
 
     def block_size(self, ep: Hashable, size: int) -> None: ...
+
+
+class Hashed(Protocol):
+    """A prompt, as the index reads it (:class:`~.prompt.PromptView`)."""
+
+    n: int
+
+    def hashes(self, block_size: int) -> Sequence[int]: ...
 
 
 class _Held:
@@ -183,6 +193,21 @@ class KvIndex:
                 found[ep] = held_run(refs.__contains__, hashes)
         return found
 
+    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+        """The longest prefix of ``prompt`` (in tokens, at most all of it) that one of
+        ``endpoints`` that is up holds, each hashed at its own block size, and that endpoint."""
+        cached, where = 0, None
+        for ep in endpoints:
+            held = self._held.get(ep.base)
+            if held is None or not held.block_size or ep.down:
+                continue
+            hashes = prompt.hashes(held.block_size)
+            if hashes and hashes[0] in held.refs:
+                tokens = held_run(held.refs.__contains__, hashes) * held.block_size
+                if tokens > cached:
+                    cached, where = tokens, ep
+        return min(cached, prompt.n), where
+
     def endpoints(self) -> list[Hashable]:
         return list(self._held)
 
@@ -198,19 +223,3 @@ class KvIndex:
         """The block size ``ep``'s events last gave (what a prompt is hashed with for it)."""
         held = self._held.get(ep)
         return held.block_size if held is not None else None
-
-
-def held_run(has: Callable[[int], bool], hashes: Sequence[int]) -> int:
-    """The length of the leading run of ``hashes`` that ``has``, ``hashes[0]`` known held, by
-    bisection (see :meth:`KvIndex.match`)."""
-    lo, hi = 1, len(hashes)  # hashes[lo - 1] is held; the run ends at hi at most
-    if has(hashes[hi - 1]):
-        return hi
-    hi -= 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if has(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

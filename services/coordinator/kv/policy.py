@@ -18,8 +18,9 @@ import random
 from collections.abc import Collection, Hashable, Sequence
 from typing import Protocol
 
+from services.coordinator.kv.index import Hashed
 from services.coordinator.kv.metrics import KvMetrics
-from services.coordinator.kv.prompt import Prompt
+from services.coordinator.kv.prompt import PromptView
 from services.coordinator.policies import candidates, least_load
 from services.coordinator.routes import Target, Upstream
 
@@ -28,9 +29,7 @@ class IndexView(Protocol):
     """What kv_aware reads of an index: a :class:`~.index.KvIndex` or a worker's
     :class:`~.shared.SharedReader`."""
 
-    def match(
-        self, hashes: Sequence[int], eps: Collection[Hashable] | None = None
-    ) -> dict[Hashable, int]: ...
+    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]: ...
 
     def endpoint_blocks(self, ep: Hashable) -> int: ...
 
@@ -47,43 +46,28 @@ class KvAware:
         self.load_weight = load_weight
 
     def __call__(
-        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: Prompt | None = None
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
     ) -> Target | None:
         cands = candidates(targets, exclude)
         if not cands:
             return None
         if prompt is None:
             return least_load(cands)
-        # Endpoints by block size (engines of one model normally share one): the prompt is
-        # hashed once per size; ``held`` is each endpoint's cached prefix, in tokens.
-        index = self.index
-        by_size: dict[int, list[str]] = {}
-        for t in cands:
-            for ep in t.endpoints:
-                size = index.block_size(ep.base)
-                if size:
-                    by_size.setdefault(size, []).append(ep.base)
-        held: dict[object, int] = {}
-        for size, eps in by_size.items():
-            for ep_key, blocks in index.match(prompt.hashes(size), eps).items():
-                held[ep_key] = blocks * size
-        n = prompt.n
-        chosen = self._cheapest(cands, held, n, prompt)
-        self.metrics.routed(chosen.role, n, prompt.cached)
+        if len(cands) == 1:
+            chosen = cands[0]
+            prompt.cached, prompt.endpoint = self.index.holder(prompt, chosen.endpoints)
+        else:
+            chosen = self._cheapest(cands, prompt)
+        self.metrics.routed(chosen.role, prompt.n, prompt.cached)
         return chosen
 
-    def _cheapest(self, cands: Sequence[Target], held: dict[object, int], n: int, prompt: Prompt) -> Target:
-        pw, lw = self.prefix_weight, self.load_weight
+    def _cheapest(self, cands: Sequence[Target], prompt: PromptView) -> Target:
+        pw, lw, n = self.prefix_weight, self.load_weight, prompt.n
         index = self.index
         best: list[tuple[Target, int, Upstream | None]] = []
         best_cost: tuple[float, int] = (0.0, 0)
         for t in cands:
-            cached, where = 0, None  # type: tuple[int, Upstream | None]
-            for ep in t.endpoints:
-                tokens = held.get(ep.base, 0)
-                if tokens > cached and not ep.down:
-                    cached, where = tokens, ep
-            cached = min(cached, n)
+            cached, where = index.holder(prompt, t.endpoints)
             # Equal costs (a prompt no engine holds, on idle instances) go to the engine caching
             # the least: new prefixes spread over the caches instead of piling on one by chance.
             cost = (

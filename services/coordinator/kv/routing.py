@@ -16,9 +16,10 @@ from services.common import enums, log, tasks
 from services.common.config import CoordinatorConfig
 from services.common.tokenizer import Builtin, Tokenizer, load
 from services.common.tokenizer import tokenizer_file as find_tokenizer
+from services.coordinator.kv import speedups
 from services.coordinator.kv.feed import RECONCILE_S, KvFeed
 from services.coordinator.kv.policy import IndexView, KvAware
-from services.coordinator.kv.prompt import Prompt, Tokens
+from services.coordinator.kv.prompt import PromptView, Tokens
 from services.coordinator.kv.shared import SharedReader
 from services.coordinator.metrics import Metrics
 from services.coordinator.routes import RoutingView, Target
@@ -60,7 +61,13 @@ class KvRouting:
             index: IndexView = self.feed.index
         else:
             index = self.shared = SharedReader(shared_dir)
+        self._index = index
         self.policy = KvAware(index, self.metrics, cfg.kv_prefix_weight, cfg.kv_load_weight)
+        if speedups.native is None:
+            log.warn(
+                "kv_speedups_missing",
+                hint="reinstall with a C compiler present: kv_aware runs its Python request path",
+            )
         self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
         self._task: asyncio.Task[None] | None = None
 
@@ -78,7 +85,7 @@ class KvRouting:
 
     # -- the request path ------------------------------------------------------------------
 
-    def prompt(self, req: dict[str, Any], chat: bool, target: Target) -> Prompt | None:
+    def prompt(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
         """The request's prompt tokenized for ``target``'s model and engine; None while its
         tokenizer is not loaded, or when the body has no prompt it can read."""
         tokens = self._tokens.get((target.model, target.engine_type))
@@ -100,7 +107,20 @@ class KvRouting:
                 last = view
             if self.shared is not None:
                 await self._follow_shared(self.shared)
+            self._follow_block_sizes(view)
             await asyncio.sleep(RECONCILE_S)
+
+    def _follow_block_sizes(self, view: RoutingView) -> None:
+        # A chat is hashed, as it is read, at the block size its engines report: off the
+        # request path, here.
+        for t in view.targets:
+            tokens = self._tokens.get((t.model, t.engine_type))
+            if tokens is not None and t.role in self._roles:
+                for ep in t.endpoints:
+                    size = self._index.block_size(ep.base)
+                    if size:
+                        tokens.block_size = size
+                        break
 
     @staticmethod
     async def _follow_shared(shared: SharedReader) -> None:

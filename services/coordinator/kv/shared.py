@@ -36,7 +36,9 @@ import os
 import shutil
 from collections.abc import Collection, Hashable, Sequence
 
-from services.coordinator.kv.index import held_run
+from services.coordinator.kv import speedups
+from services.coordinator.kv.index import Hashed
+from services.coordinator.routes import Upstream
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
@@ -53,13 +55,19 @@ def capacity_for(max_blocks: int) -> int:
     return n
 
 
+# Every page mapped up front (both calls are made off the event loop): a lookup probes slots
+# at random, and a page a worker touched first on a request's path cost that request a page
+# fault (the benchmark's workers took about two per request before this).
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _map(path: str, size: int | None = None) -> mmap.mmap:
     """Map ``path`` read-only; with ``size``, create it that large first, its space allocated
     (OSError if there is no room), and map it to write."""
     if size is None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -69,7 +77,7 @@ def _map(path: str, size: int | None = None) -> mmap.mmap:
         except OSError:
             os.unlink(path)
             raise
-        return mmap.mmap(fd, 0)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE)
     finally:
         os.close(fd)
 
@@ -77,14 +85,14 @@ def _map(path: str, size: int | None = None) -> mmap.mmap:
 class Table:
     """One endpoint's set of block hashes, over a mapped file."""
 
-    __slots__ = ("_mm", "_view", "head", "mask", "path", "slots")
+    __slots__ = ("_mm", "file", "head", "mask", "path", "slots")
 
     def __init__(self, path: str, mm: mmap.mmap) -> None:
         self.path = path
         self._mm = mm
-        self._view = memoryview(mm).cast("q")
-        self.head = self._view[:3]
-        self.slots = self._view[HEADER:]
+        self.file = memoryview(mm).cast("q")  # the header's int64s, then the slots
+        self.head = self.file[:3]
+        self.slots = self.file[HEADER:]
         self.mask = len(self.slots) - 1
 
     @classmethod
@@ -98,7 +106,7 @@ class Table:
         return cls(path, _map(path))
 
     def close(self) -> None:
-        for view in (self.slots, self.head, self._view):
+        for view in (self.slots, self.head, self.file):
             view.release()
         self._mm.close()
 
@@ -136,6 +144,10 @@ class Table:
         return i
 
     def add(self, h: int) -> None:
+        if speedups.native is not None:
+            if speedups.native.table_add(self.slots, h):
+                self.head[_BLOCKS] += 1
+            return
         key = h or 1
         i = self._slot(key)
         if not self.slots[i]:
@@ -143,6 +155,10 @@ class Table:
             self.head[_BLOCKS] += 1
 
     def remove(self, h: int) -> None:
+        if speedups.native is not None:
+            if speedups.native.table_remove(self.slots, h):
+                self.head[_BLOCKS] -= 1
+            return
         slots, mask = self.slots, self.mask
         i = self._slot(h or 1)
         if not slots[i]:
@@ -282,6 +298,7 @@ class SharedReader:
         self._dir: mmap.mmap | None = None
         self._gen = 0
         self._tables: dict[Hashable, Table] = {}
+        self._files: dict[Hashable, memoryview] = {}  # each table's whole file, for the C path
 
     # -- following the directory ----------------------------------------------------------------
 
@@ -343,9 +360,11 @@ class SharedReader:
             if tables.get(ep) is not table:
                 table.close()
         self._tables = tables
+        self._files = {ep: table.file for ep, table in tables.items()}
         self._gen = gen
 
     def close(self) -> None:
+        self._files = {}
         for table in self._tables.values():
             table.close()
         self._tables = {}
@@ -366,9 +385,27 @@ class SharedReader:
         tables = self._tables
         for ep in tables if eps is None else eps:
             table = tables.get(ep)
-            if table is not None and table.has(hashes[0]):
-                found[ep] = held_run(table.has, hashes)
+            if table is not None:
+                run = speedups.held(table.slots, table.has, hashes)
+                if run:
+                    found[ep] = run
         return found
+
+    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+        """As :meth:`KvIndex.holder` (in C where it was built: this is the request path)."""
+        native = speedups.native
+        if native is not None:
+            return native.holder(prompt, endpoints, self._files, HEADER)
+        cached, where = 0, None
+        for ep in endpoints:
+            table = self._tables.get(ep.base)
+            size = table.block_size if table is not None else 0
+            if table is None or not size or ep.down:
+                continue
+            tokens = speedups.held(table.slots, table.has, prompt.hashes(size)) * size
+            if tokens > cached:
+                cached, where = tokens, ep
+        return min(cached, prompt.n), where
 
     def endpoints(self) -> list[Hashable]:
         return list(self._tables)

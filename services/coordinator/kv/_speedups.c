@@ -1,0 +1,988 @@
+/* The request path of kv_aware in C: a chat's token ids, their chained block hashes, and the
+ * run of them an endpoint's shared table holds.
+ *
+ * Why C: between two requests the machine's other processes evict the Coordinator's CPU
+ * caches, and a routing decision made of Python objects and bytecode then costs several times
+ * what it costs in a tight loop (bench/results/kv_routing.md). These three steps touch only
+ * flat memory here.
+ *
+ * Each function has a Python reference that defines it and that the tests compare it with:
+ *   chat_ids        services.common.tokenizer.Builtin and sim_chat_text (the simulated
+ *                   engine's tokenizer and chat lines)
+ *   Chats.prompt    chain(chat_ids(messages)), remembered by conversation prefix
+ *   chain           services.coordinator.kv.hashing.chain (CPython's int and tuple hashes)
+ *   held            services.coordinator.kv.shared.Table.has with speedups.held_run
+ *   table_add,      services.coordinator.kv.shared.Table.add and .remove (the management
+ *   table_remove    process's writes, one per block an event stores or removes)
+ * The module is optional: without a C compiler Motor runs those references instead.
+ */
+/* One file, one translation unit: the compiler inlines across its sections (the hashing into the
+ * memo's loop, the probing into the lookups), which separate files would stop without LTO. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <structmember.h>
+
+/* -- zlib's CRC-32 (Builtin's token id is crc32(word) % vocab) ----------------------------- */
+
+static uint32_t crc_table[256];
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+static uint32_t crc32_of(const unsigned char *p, size_t len) {
+    uint32_t c = 0xFFFFFFFFu;
+    while (len--)
+        c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* -- growable buffers ------------------------------------------------------------------------ */
+
+/* Room in *v (n items of `size` bytes, *cap allocated) for one more. */
+static int grow(void **v, Py_ssize_t n, Py_ssize_t *cap, size_t size) {
+    if (n < *cap)
+        return 0;
+    Py_ssize_t more = *cap ? *cap * 2 : 64;
+    void *bigger = PyMem_Realloc(*v, (size_t)more * size);
+    if (!bigger) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *v = bigger;
+    *cap = more;
+    return 0;
+}
+
+/* A growable array of T, and the function that appends to it. */
+#define VECTOR(Name, T, push)                                      \
+    typedef struct {                                               \
+        T *v;                                                      \
+        Py_ssize_t n, cap;                                         \
+    } Name;                                                        \
+    static int push(Name *a, T x) {                                \
+        if (grow((void **)&a->v, a->n, &a->cap, sizeof(T)) < 0)    \
+            return -1;                                             \
+        a->v[a->n++] = x;                                          \
+        return 0;                                                  \
+    }
+
+VECTOR(Ids, int32_t, ids_push)    /* token ids */
+VECTOR(Hashes, int64_t, hashes_push) /* block hashes */
+
+static int ids_extend(Ids *ids, const int32_t *v, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ids_push(ids, v[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* -- the built-in tokenizer: str.split() words, each crc32(utf-8, surrogatepass) % vocab ---- */
+
+typedef struct {
+    unsigned char *w; /* the current word's UTF-8 */
+    Py_ssize_t n, cap;
+    uint32_t vocab;
+    Ids *out;
+} Words;
+
+static int words_flush(Words *s) {
+    if (!s->n)
+        return 0;
+    int32_t id = (int32_t)(crc32_of(s->w, (size_t)s->n) % s->vocab);
+    s->n = 0;
+    return ids_push(s->out, id);
+}
+
+static int words_byte(Words *s, unsigned char b) {
+    if (grow((void **)&s->w, s->n, &s->cap, 1) < 0)
+        return -1;
+    s->w[s->n++] = b;
+    return 0;
+}
+
+static int words_char(Words *s, Py_UCS4 ch) {
+    if (Py_UNICODE_ISSPACE(ch))
+        return words_flush(s);
+    /* UTF-8; a lone surrogate as its three bytes, as "surrogatepass" writes it */
+    unsigned char b[4];
+    int n;
+    if (ch < 0x80) {
+        b[0] = (unsigned char)ch;
+        n = 1;
+    } else if (ch < 0x800) {
+        b[0] = (unsigned char)(0xC0 | (ch >> 6));
+        b[1] = (unsigned char)(0x80 | (ch & 0x3F));
+        n = 2;
+    } else if (ch < 0x10000) {
+        b[0] = (unsigned char)(0xE0 | (ch >> 12));
+        b[1] = (unsigned char)(0x80 | ((ch >> 6) & 0x3F));
+        b[2] = (unsigned char)(0x80 | (ch & 0x3F));
+        n = 3;
+    } else {
+        b[0] = (unsigned char)(0xF0 | (ch >> 18));
+        b[1] = (unsigned char)(0x80 | ((ch >> 12) & 0x3F));
+        b[2] = (unsigned char)(0x80 | ((ch >> 6) & 0x3F));
+        b[3] = (unsigned char)(0x80 | (ch & 0x3F));
+        n = 4;
+    }
+    for (int i = 0; i < n; i++)
+        if (words_byte(s, b[i]) < 0)
+            return -1;
+    return 0;
+}
+
+static int words_str(Words *s, PyObject *str) {
+    int kind = PyUnicode_KIND(str);
+    const void *data = PyUnicode_DATA(str);
+    Py_ssize_t len = PyUnicode_GET_LENGTH(str);
+    if (kind == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(str)) {
+        const unsigned char *p = data;
+        for (Py_ssize_t i = 0; i < len; i++)
+            if (words_char(s, p[i]) < 0)
+                return -1;
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (words_char(s, PyUnicode_READ(kind, data, i)) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *str_role, *str_content, *str_colon, *str_empty, *array_type;
+
+/* A chat message as the simulated engine reads it: a dict with a str role and a str or null
+ * content (borrowed references). 1: read; 0: not such a message (the caller leaves the chat to
+ * Python); -1: an error is set. */
+static int read_message(PyObject *m, PyObject **role, PyObject **text) {
+    if (!PyDict_Check(m))
+        return 0;
+    *role = PyDict_GetItemWithError(m, str_role);
+    if (!*role)
+        return PyErr_Occurred() ? -1 : 0;
+    *text = PyDict_GetItemWithError(m, str_content);
+    if (!*text && PyErr_Occurred())
+        return -1;
+    if (!*text || *text == Py_None)
+        *text = str_empty;
+    if (!PyUnicode_Check(*role) || !PyUnicode_Check(*text))
+        return 0;
+    if (PyUnicode_READY(*role) < 0 || PyUnicode_READY(*text) < 0)
+        return -1;
+    return 1;
+}
+
+/* Append the ids of the message's "<role>: <text>" line. */
+static int message_ids(Words *words, PyObject *role, PyObject *text) {
+    if (words_str(words, role) < 0 || words_str(words, str_colon) < 0 || words_str(words, text) < 0)
+        return -1;
+    return words_flush(words);
+}
+
+static PyObject *new_array(const char *typecode, const void *data, size_t bytes) {
+    /* (y# would pass None for a NULL pointer: an empty buffer never allocated) */
+    return PyObject_CallFunction(array_type, "sy#", typecode, data ? (const char *)data : "", (Py_ssize_t)bytes);
+}
+
+PyDoc_STRVAR(chat_ids_doc,
+             "chat_ids(messages, vocab) -> array('i') | None\n\n"
+             "The simulated engine's token ids of a chat: each message's \"<role>: <text>\" line\n"
+             "tokenized by the built-in tokenizer, one line after the other. None when a message\n"
+             "is not a dict with a str role and a str or null content (the caller reads those).");
+
+static PyObject *sp_chat_ids(PyObject *mod, PyObject *args) {
+    PyObject *messages;
+    unsigned long vocab;
+    if (!PyArg_ParseTuple(args, "Ok", &messages, &vocab))
+        return NULL;
+    if (vocab == 0 || vocab > 0x7FFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "vocab must be in 1..2**31-1");
+        return NULL;
+    }
+    if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
+        Py_RETURN_NONE;
+    Ids out = {0};
+    Words words = {NULL, 0, 0, (uint32_t)vocab, &out};
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages); i++) {
+        PyObject *role, *text;
+        int rc = read_message(PyList_GET_ITEM(messages, i), &role, &text);
+        if (rc <= 0) {
+            result = rc < 0 ? NULL : Py_NewRef(Py_None);
+            goto done;
+        }
+        if (message_ids(&words, role, text) < 0)
+            goto done;
+    }
+    result = new_array("i", out.v, (size_t)out.n * sizeof(int32_t));
+done:
+    PyMem_Free(out.v);
+    PyMem_Free(words.w);
+    return result;
+}
+
+/* -- chained block hashes: hash((parent, tuple(block))) as CPython computes it ---------------- */
+
+#define MODULUS ((uint64_t)0x1FFFFFFFFFFFFFFFull) /* 2**61 - 1, CPython's int hash modulus */
+#define XXPRIME_1 11400714785074694791ull
+#define XXPRIME_2 14029467366897019727ull
+#define XXPRIME_5 2870177450012600261ull
+
+/* hash(int(v)): |v| mod 2**61 - 1 with v's sign, -1 made -2 */
+static uint64_t int_hash(int64_t v) {
+    uint64_t a = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+    a = (a & MODULUS) + (a >> 61);
+    if (a >= MODULUS)
+        a -= MODULUS;
+    int64_t h = v < 0 ? -(int64_t)a : (int64_t)a;
+    return (uint64_t)(h == -1 ? -2 : h);
+}
+
+static inline uint64_t xx_lane(uint64_t acc, uint64_t lane) {
+    acc += lane * XXPRIME_2;
+    acc = (acc << 31) | (acc >> 33);
+    return acc * XXPRIME_1;
+}
+
+static inline uint64_t xx_end(uint64_t acc, uint64_t len) {
+    acc += len ^ (XXPRIME_5 ^ 3527539ull);
+    return acc == (uint64_t)-1 ? 1546275796ull : acc;
+}
+
+
+/* The hash of one block chained to its parent's: hash((parent, tuple(ids))). */
+static uint64_t block_hash(uint64_t parent, const void *ids, int wide, Py_ssize_t bs) {
+    uint64_t acc = XXPRIME_5;
+    for (Py_ssize_t i = 0; i < bs; i++)
+        acc = xx_lane(acc, int_hash(wide ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i]));
+    uint64_t block = xx_end(acc, (uint64_t)bs);
+    return xx_end(xx_lane(xx_lane(XXPRIME_5, int_hash((int64_t)parent)), block), 2);
+}
+
+/* -- Chats: a chat's block hashes, remembered by the conversation so far ----------------------
+ *
+ * Each turn of a conversation resends every earlier message, and an application's
+ * conversations start with the same system prompt. So the block hashes of every prefix of
+ * messages seen are remembered (per block size), keyed by a 128-bit hash of those messages,
+ * and a request tokenizes and hashes only the messages after the longest prefix remembered.
+ * Keying reads the request's own texts, which it has just parsed; a hit then reads a few
+ * hundred bytes of remembered hashes, where comparing the texts with remembered copies, or
+ * re-hashing a 1,000-token system prompt, read kilobytes that other processes had evicted
+ * from the CPU caches. The key is seeded per process: no text can be made to take another's
+ * place, and 128 bits do not collide by chance. A set-associative cache: a full set drops its
+ * least recently used turn, and past the byte budget a sweeping hand drops turns until the
+ * new one fits. */
+
+#define WAYS 4
+
+typedef struct {
+    uint64_t a, b;
+} Key;
+
+typedef struct {
+    Key key;
+    uint64_t used; /* 0: an empty entry */
+    Py_ssize_t bs, n, nblocks, ntail;
+    int64_t *hashes; /* nblocks hashes, then the ntail int32 ids of the last partial block */
+    size_t bytes;
+} Turn;
+
+typedef struct {
+    PyObject_HEAD
+    Turn *turns;
+    size_t sets, hand;
+    uint64_t tick;
+    size_t bytes, max_bytes;
+    Py_ssize_t count;
+    uint32_t vocab;
+    int64_t root;
+} ChatsObject;
+
+static uint64_t seed[4];
+
+#define M0 0x9E3779B97F4A7C15ull
+#define M1 0xC2B2AE3D27D4EB4Full
+#define M2 0x165667B19E3779F9ull
+#define M3 0xD6E8FEB86659FD93ull
+
+static inline uint64_t rd64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint64_t fold(uint64_t h, uint64_t v, uint64_t m) {
+    h = (h ^ v) * m;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t fmix(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 33);
+}
+
+/* Four independent lanes: the loop runs at the speed of loads, not of one multiply chain. */
+static void fold_str(uint64_t l[4], PyObject *s) {
+    const unsigned char *p = PyUnicode_DATA(s);
+    size_t n = (size_t)PyUnicode_GET_LENGTH(s) * (size_t)PyUnicode_KIND(s);
+    uint64_t a = fold(l[0], (uint64_t)PyUnicode_KIND(s), M0), b = l[1], c = l[2];
+    uint64_t d = fold(l[3], (uint64_t)n, M3);
+    for (; n >= 32; p += 32, n -= 32) {
+        a = fold(a, rd64(p), M0);
+        b = fold(b, rd64(p + 8), M1);
+        c = fold(c, rd64(p + 16), M2);
+        d = fold(d, rd64(p + 24), M3);
+    }
+    for (; n >= 8; p += 8, n -= 8)
+        a = fold(a, rd64(p), M0);
+    uint64_t tail = 0;
+    memcpy(&tail, p, n);
+    l[0] = a;
+    l[1] = fold(b, tail, M1);
+    l[2] = c;
+    l[3] = d;
+}
+
+/* The key of the messages so far: `prev`'s and one more message. */
+static Key next_key(Key prev, PyObject *role, PyObject *text) {
+    uint64_t l[4] = {seed[0], seed[1], seed[2], seed[3]};
+    fold_str(l, role);
+    fold_str(l, text);
+    uint64_t a = fmix(l[0] ^ ((l[2] << 23) | (l[2] >> 41))), b = fmix(l[1] ^ ((l[3] << 41) | (l[3] >> 23)));
+    return (Key){fmix(prev.a * M0 ^ a), fmix(prev.b * M1 ^ b)};
+}
+
+static Turn *turn_find(ChatsObject *self, Key k, Py_ssize_t bs) {
+    Turn *set = &self->turns[(k.a & (self->sets - 1)) * WAYS];
+    for (int w = 0; w < WAYS; w++)
+        if (set[w].used && set[w].key.a == k.a && set[w].key.b == k.b && set[w].bs == bs)
+            return &set[w];
+    return NULL;
+}
+
+static void turn_free(ChatsObject *self, Turn *t) {
+    if (!t->used)
+        return;
+    self->bytes -= t->bytes;
+    self->count--;
+    PyMem_Free(t->hashes);
+    memset(t, 0, sizeof(*t));
+}
+
+/* Remember the state after the messages keyed `k`. A cache: failing to keep it is no error. */
+static void turn_keep(ChatsObject *self, Key k, Py_ssize_t bs, Py_ssize_t n, const Hashes *h, const Ids *tail) {
+    size_t bytes = (size_t)h->n * sizeof(int64_t) + (size_t)tail->n * sizeof(int32_t);
+    if (bytes > self->max_bytes)
+        return;
+    Turn *set = &self->turns[(k.a & (self->sets - 1)) * WAYS], *victim = &set[0];
+    for (int w = 1; w < WAYS && victim->used; w++)
+        if (!set[w].used || set[w].used < victim->used)
+            victim = &set[w];
+    turn_free(self, victim);
+    size_t total = self->sets * WAYS;
+    for (size_t swept = 0; self->bytes + bytes > self->max_bytes && swept < total; swept++) {
+        turn_free(self, &self->turns[self->hand]);
+        self->hand = (self->hand + 1) % total;
+    }
+    int64_t *data = PyMem_Malloc(bytes + 1);
+    if (!data)
+        return;
+    memcpy(data, h->v, (size_t)h->n * sizeof(int64_t));
+    memcpy(data + h->n, tail->v, (size_t)tail->n * sizeof(int32_t));
+    *victim = (Turn){k, ++self->tick, bs, n, h->n, tail->n, data, bytes};
+    self->bytes += bytes;
+    self->count++;
+}
+
+/* -- ChatPrompt: what Chats.prompt gives, the prompt.Prompt of a chat the C read -------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, cached, bs, nblocks;
+    PyObject *endpoint; /* set by kv_aware: the endpoint holding the cached prefix */
+    int64_t *hashes;    /* nblocks, at bs */
+    PyObject *messages; /* to read the ids again when asked (rarely: tests, another block size) */
+    uint32_t vocab;
+    int64_t root;
+} ChatPromptObject;
+
+static PyTypeObject ChatPromptType;
+
+/* Takes h's buffer. */
+static PyObject *chat_prompt_new(ChatsObject *chats, PyObject *messages, Py_ssize_t n, Py_ssize_t bs, Hashes *h) {
+    ChatPromptObject *p = PyObject_New(ChatPromptObject, &ChatPromptType);
+    if (!p)
+        return NULL;
+    p->n = n;
+    p->cached = 0;
+    p->bs = bs;
+    p->nblocks = h->n;
+    p->hashes = h->v;
+    h->v = NULL;
+    p->endpoint = Py_NewRef(Py_None);
+    p->messages = Py_NewRef(messages);
+    p->vocab = chats->vocab;
+    p->root = chats->root;
+    return (PyObject *)p;
+}
+
+static void ChatPrompt_dealloc(ChatPromptObject *p) {
+    Py_XDECREF(p->endpoint);
+    Py_XDECREF(p->messages);
+    PyMem_Free(p->hashes);
+    PyObject_Free(p);
+}
+
+static PyObject *ChatPrompt_ids(ChatPromptObject *p, void *closure) {
+    PyObject *vocab = PyLong_FromUnsignedLong(p->vocab);
+    PyObject *args = vocab ? PyTuple_Pack(2, p->messages, vocab) : NULL;
+    PyObject *ids = args ? sp_chat_ids(NULL, args) : NULL;
+    Py_XDECREF(vocab);
+    Py_XDECREF(args);
+    return ids;
+}
+
+static PyObject *ChatPrompt_tokens(ChatPromptObject *p, void *closure) {
+    PyObject *ids = ChatPrompt_ids(p, NULL);
+    PyObject *list = ids ? PySequence_List(ids) : NULL;
+    Py_XDECREF(ids);
+    return list;
+}
+
+static PyObject *sp_chain(PyObject *mod, PyObject *args);
+
+static PyObject *ChatPrompt_hashes(ChatPromptObject *p, PyObject *arg) {
+    Py_ssize_t bs = PyLong_AsSsize_t(arg);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    if (bs == p->bs)
+        return new_array("q", p->hashes, (size_t)p->nblocks * sizeof(int64_t));
+    PyObject *ids = ChatPrompt_ids(p, NULL);
+    PyObject *args = ids ? Py_BuildValue("(OnL)", ids, bs, (long long)p->root) : NULL;
+    PyObject *out = args ? sp_chain(NULL, args) : NULL;
+    Py_XDECREF(ids);
+    Py_XDECREF(args);
+    return out;
+}
+
+static PyMemberDef ChatPrompt_members[] = {
+    {"n", T_PYSSIZET, offsetof(ChatPromptObject, n), READONLY, "tokens"},
+    {"cached", T_PYSSIZET, offsetof(ChatPromptObject, cached), 0, "tokens kv_aware expects cached"},
+    {"endpoint", T_OBJECT, offsetof(ChatPromptObject, endpoint), 0, "the endpoint holding them"},
+    {NULL},
+};
+
+static PyGetSetDef ChatPrompt_getset[] = {
+    {"ids", (getter)ChatPrompt_ids, NULL, "the token ids, as array('i')", NULL},
+    {"tokens", (getter)ChatPrompt_tokens, NULL, "the token ids, as a list", NULL},
+    {NULL},
+};
+
+static PyMethodDef ChatPrompt_methods[] = {
+    {"hashes", (PyCFunction)ChatPrompt_hashes, METH_O, "hashes(block_size) -> array('q'): of the full blocks"},
+    {NULL},
+};
+
+static PyTypeObject ChatPromptType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.ChatPrompt",
+    .tp_doc = PyDoc_STR("A chat's prompt, as Chats.prompt read it (see prompt.Prompt)."),
+    .tp_basicsize = sizeof(ChatPromptObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)ChatPrompt_dealloc,
+    .tp_members = ChatPrompt_members,
+    .tp_getset = ChatPrompt_getset,
+    .tp_methods = ChatPrompt_methods,
+};
+
+PyDoc_STRVAR(prompt_doc,
+             "prompt(messages, block_size) -> ChatPrompt | None\n\n"
+             "The chat as a prompt: its token count and the chained hashes of its full blocks\n"
+             "of block_size, what chain(chat_ids(messages, vocab), block_size, root) gives.\n"
+             "None when a message is not one chat_ids reads.");
+
+#define STACK_KEYS 32
+
+static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "prompt(messages, block_size)");
+        return NULL;
+    }
+    PyObject *messages = args[0];
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
+        return NULL;
+    }
+    if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t m = PyList_GET_SIZE(messages);
+    Key stack[STACK_KEYS], *keys = m <= STACK_KEYS ? stack : PyMem_Malloc((size_t)m * sizeof(Key));
+    Hashes h = {0};
+    Ids tail = {0};
+    Words words = {NULL, 0, 0, self->vocab, &tail};
+    PyObject *result = NULL, *role, *text;
+    if (!keys)
+        return PyErr_NoMemory();
+    Key k = {seed[0], seed[1]};
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int rc = read_message(PyList_GET_ITEM(messages, i), &role, &text);
+        if (rc <= 0) {
+            result = rc < 0 ? NULL : Py_NewRef(Py_None);
+            goto done;
+        }
+        keys[i] = k = next_key(k, role, text);
+    }
+    /* From the longest prefix remembered (usually all but the last answer and question). */
+    Py_ssize_t j = m - 1;
+    Turn *from = NULL;
+    for (; j >= 0 && !(from = turn_find(self, keys[j], bs)); j--)
+        ;
+    Py_ssize_t n = 0;
+    uint64_t parent = (uint64_t)self->root;
+    if (from) {
+        from->used = ++self->tick;
+        n = from->n;
+        for (Py_ssize_t b = 0; b < from->nblocks; b++)
+            if (hashes_push(&h, from->hashes[b]) < 0)
+                goto done;
+        if (ids_extend(&tail, (const int32_t *)(from->hashes + from->nblocks), from->ntail) < 0)
+            goto done;
+        if (h.n)
+            parent = (uint64_t)h.v[h.n - 1];
+    }
+    for (Py_ssize_t i = j + 1; i < m; i++) {
+        Py_ssize_t before = tail.n;
+        if (read_message(PyList_GET_ITEM(messages, i), &role, &text) < 0 || message_ids(&words, role, text) < 0)
+            goto done;
+        n += tail.n - before;
+        Py_ssize_t full = tail.n / bs;
+        for (Py_ssize_t b = 0; b < full; b++) {
+            parent = block_hash(parent, tail.v + b * bs, 0, bs);
+            if (hashes_push(&h, (int64_t)parent) < 0)
+                goto done;
+        }
+        memmove(tail.v, tail.v + full * bs, (size_t)(tail.n - full * bs) * sizeof(int32_t));
+        tail.n -= full * bs;
+        turn_keep(self, keys[i], bs, n, &h, &tail);
+    }
+    result = chat_prompt_new(self, messages, n, bs, &h);
+done:
+    if (keys != stack)
+        PyMem_Free(keys);
+    PyMem_Free(h.v);
+    PyMem_Free(tail.v);
+    PyMem_Free(words.w);
+    return result;
+}
+
+static PyObject *Chats_count_get(ChatsObject *self, void *closure) {
+    return PyLong_FromSsize_t(self->count);
+}
+
+static PyObject *Chats_bytes_get(ChatsObject *self, void *closure) {
+    return PyLong_FromSize_t(self->bytes);
+}
+
+static void chats_clear(ChatsObject *self) {
+    if (self->turns) {
+        for (size_t i = 0; i < self->sets * WAYS; i++)
+            turn_free(self, &self->turns[i]);
+        PyMem_Free(self->turns);
+        self->turns = NULL;
+    }
+}
+
+static int Chats_init(ChatsObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"vocab", "max_turns", "max_bytes", "root", NULL};
+    unsigned long vocab;
+    Py_ssize_t max_turns, max_bytes;
+    long long root;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "knnL", kwlist, &vocab, &max_turns, &max_bytes, &root))
+        return -1;
+    if (vocab == 0 || vocab > 0x7FFFFFFFul || max_turns < WAYS || max_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "vocab must be in 1..2**31-1, max_turns at least 4, max_bytes >= 0");
+        return -1;
+    }
+    chats_clear(self);
+    size_t sets = 1;
+    while (sets * 2 * WAYS <= (size_t)max_turns)
+        sets *= 2;
+    self->turns = PyMem_Calloc(sets * WAYS, sizeof(Turn));
+    if (!self->turns) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->sets = sets;
+    self->hand = 0;
+    self->vocab = (uint32_t)vocab;
+    self->max_bytes = (size_t)max_bytes;
+    self->root = (int64_t)root;
+    self->bytes = 0;
+    self->count = 0;
+    self->tick = 0;
+    return 0;
+}
+
+static void Chats_dealloc(ChatsObject *self) {
+    chats_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Chats_methods[] = {
+    {"prompt", (PyCFunction)(void (*)(void))Chats_prompt, METH_FASTCALL, prompt_doc},
+    {NULL},
+};
+
+static PyGetSetDef Chats_getset[] = {
+    {"count", (getter)Chats_count_get, NULL, "message sequences remembered", NULL},
+    {"bytes", (getter)Chats_bytes_get, NULL, "bytes of hashes and ids remembered", NULL},
+    {NULL},
+};
+
+static PyTypeObject ChatsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Chats",
+    .tp_doc = PyDoc_STR("Chats(vocab, max_turns, max_bytes, root): the block hashes of chats, remembered\n"
+                        "by the messages so far (at most max_turns sequences, max_bytes in all)."),
+    .tp_basicsize = sizeof(ChatsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Chats_init,
+    .tp_dealloc = (destructor)Chats_dealloc,
+    .tp_methods = Chats_methods,
+    .tp_getset = Chats_getset,
+};
+
+PyDoc_STRVAR(chain_doc,
+             "chain(ids, block_size, parent) -> array('q')\n\n"
+             "hashing.chain of a buffer of 32- or 64-bit ids: the chained hashes of its full\n"
+             "blocks, the first chained to parent.");
+
+static PyObject *sp_chain(PyObject *mod, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t bs;
+    long long parent;
+    if (!PyArg_ParseTuple(args, "y*nL", &buf, &bs, &parent))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *out = NULL;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
+        goto done;
+    }
+    if (buf.itemsize != 4 && buf.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "ids must be 32- or 64-bit integers");
+        goto done;
+    }
+    Py_ssize_t blocks = buf.len / buf.itemsize / bs;
+    out = PyMem_Malloc((size_t)blocks * sizeof(int64_t) + 1);
+    if (!out) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t h = (uint64_t)parent;
+    for (Py_ssize_t b = 0; b < blocks; b++)
+        out[b] = (int64_t)(h = block_hash(h, (const char *)buf.buf + b * bs * buf.itemsize, buf.itemsize == 8, bs));
+    result = new_array("q", out, (size_t)blocks * sizeof(int64_t));
+done:
+    PyMem_Free(out);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+/* -- held: the run of a prompt's hashes an endpoint's shared table holds ---------------------- */
+
+/* Table.has: open addressing, linear probing, 0 marks an empty slot (a hash of 0 is kept as 1).
+ * The writer is another process: read each slot once, whole (an aligned 64-bit load), and give
+ * up after a full lap of a table that a torn read shows with no empty slot. */
+static int table_has(const int64_t *slots, uint64_t mask, int64_t h) {
+    int64_t key = h ? h : 1;
+    uint64_t i = (uint64_t)key & mask;
+    for (uint64_t probes = 0; probes <= mask; probes++) {
+        int64_t s = __atomic_load_n(&slots[i], __ATOMIC_RELAXED);
+        if (s == key)
+            return 1;
+        if (!s)
+            return 0;
+        i = (i + 1) & mask;
+    }
+    return 0;
+}
+
+/* The run of h[0..n) the table holds, h[0] first: by bisection, as speedups.held_run. */
+static Py_ssize_t run_of(const int64_t *s, uint64_t mask, const int64_t *h, Py_ssize_t n) {
+    if (!n || !table_has(s, mask, h[0]))
+        return 0;
+    Py_ssize_t lo = 1, hi = n; /* h[lo - 1] is held; the run ends at hi at most */
+    if (table_has(s, mask, h[hi - 1]))
+        return hi;
+    hi -= 1;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi + 1) / 2;
+        if (table_has(s, mask, h[mid - 1]))
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* A table's slots (`flags`: PyBUF_SIMPLE to read, PyBUF_WRITABLE to write) and their mask. */
+static int slots_of(PyObject *obj, int flags, Py_buffer *slots, uint64_t *mask) {
+    if (PyObject_GetBuffer(obj, slots, flags) < 0)
+        return -1;
+    Py_ssize_t capacity = slots->len / 8;
+    if (slots->len % 8 || capacity == 0 || (capacity & (capacity - 1))) {
+        PyBuffer_Release(slots);
+        PyErr_SetString(PyExc_ValueError, "slots must be a power of two of 64-bit slots");
+        return -1;
+    }
+    *mask = (uint64_t)capacity - 1;
+    return 0;
+}
+
+PyDoc_STRVAR(held_doc,
+             "held(slots, hashes) -> int\n\n"
+             "How many of hashes, from the first, the table over slots (a power of two of 64-bit\n"
+             "slots) holds: 0 when it lacks the first, else the run found by bisection, as\n"
+             "speedups.held_run does.");
+
+static PyObject *sp_held(PyObject *mod, PyObject *args) {
+    PyObject *slots_obj;
+    Py_buffer slots, hashes;
+    uint64_t mask;
+    if (!PyArg_ParseTuple(args, "Oy*", &slots_obj, &hashes))
+        return NULL;
+    PyObject *result = NULL;
+    if (hashes.len % 8)
+        PyErr_SetString(PyExc_ValueError, "hashes must be 64-bit");
+    else if (slots_of(slots_obj, PyBUF_SIMPLE, &slots, &mask) == 0) {
+        result = PyLong_FromSsize_t(run_of(slots.buf, mask, hashes.buf, hashes.len / 8));
+        PyBuffer_Release(&slots);
+    }
+    PyBuffer_Release(&hashes);
+    return result;
+}
+
+PyDoc_STRVAR(holder_doc,
+             "holder(prompt, endpoints, views, header) -> (int, endpoint | None)\n\n"
+             "SharedReader.holder: the longest prefix of prompt (in tokens, at most all of it)\n"
+             "that one of endpoints that is up holds, and that endpoint. views maps an endpoint's\n"
+             "base to its whole table file as 64-bit integers: header of them (capacity, block\n"
+             "size, blocks held, ...), then the slots.");
+
+static PyObject *str_base, *str_down, *str_n;
+
+static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "holder(prompt, endpoints, views, header)");
+        return NULL;
+    }
+    PyObject *prompt = args[0], *views = args[2];
+    Py_ssize_t header = PyLong_AsSsize_t(args[3]);
+    if (header == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyDict_Check(views)) {
+        PyErr_SetString(PyExc_TypeError, "views must be a dict");
+        return NULL;
+    }
+    PyObject *eps = PySequence_Fast(args[1], "endpoints must be a sequence");
+    if (!eps)
+        return NULL;
+    Py_ssize_t cached = 0, n;
+    PyObject *where = Py_None, *result = NULL;
+    if (Py_IS_TYPE(prompt, &ChatPromptType))
+        n = ((ChatPromptObject *)prompt)->n;
+    else {
+        PyObject *n_obj = PyObject_GetAttr(prompt, str_n);
+        n = n_obj ? PyLong_AsSsize_t(n_obj) : -1;
+        Py_XDECREF(n_obj);
+        if (n == -1 && PyErr_Occurred())
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(eps); i++) {
+        PyObject *ep = PySequence_Fast_GET_ITEM(eps, i);
+        PyObject *base = PyObject_GetAttr(ep, str_base);
+        if (!base)
+            goto done;
+        PyObject *view = PyDict_GetItemWithError(views, base);
+        Py_DECREF(base);
+        if (!view) {
+            if (PyErr_Occurred())
+                goto done;
+            continue;
+        }
+        PyObject *down = PyObject_GetAttr(ep, str_down);
+        int is_down = down ? PyObject_IsTrue(down) : -1;
+        Py_XDECREF(down);
+        if (is_down < 0)
+            goto done;
+        if (is_down)
+            continue;
+        Py_buffer buf;
+        if (PyObject_GetBuffer(view, &buf, PyBUF_SIMPLE) < 0)
+            goto done;
+        const int64_t *file = buf.buf;
+        Py_ssize_t capacity = buf.len / 8 - header, tokens = 0;
+        int64_t bs = capacity > 0 && header >= 2 ? __atomic_load_n(&file[1], __ATOMIC_RELAXED) : 0;
+        if (bs > 0 && (capacity & (capacity - 1)) == 0) {
+            const int64_t *slots = file + header;
+            ChatPromptObject *p = (ChatPromptObject *)prompt;
+            if (Py_IS_TYPE(prompt, &ChatPromptType) && p->bs == bs)
+                tokens = run_of(slots, (uint64_t)capacity - 1, p->hashes, p->nblocks) * bs;
+            else {
+                PyObject *hashes = PyObject_CallMethod(prompt, "hashes", "L", (long long)bs);
+                Py_buffer h;
+                if (!hashes || PyObject_GetBuffer(hashes, &h, PyBUF_SIMPLE) < 0) {
+                    Py_XDECREF(hashes);
+                    PyBuffer_Release(&buf);
+                    goto done;
+                }
+                tokens = run_of(slots, (uint64_t)capacity - 1, h.buf, h.len / 8) * bs;
+                PyBuffer_Release(&h);
+                Py_DECREF(hashes);
+            }
+        }
+        PyBuffer_Release(&buf);
+        if (tokens > cached) {
+            cached = tokens;
+            where = ep;
+        }
+    }
+    result = Py_BuildValue("nO", cached < n ? cached : n, where);
+done:
+    Py_DECREF(eps);
+    return result;
+}
+
+/* -- writing a table (the management process): Table.add and Table.remove ------------------- */
+
+static int table_args(PyObject *args, Py_buffer *slots, int64_t *key, uint64_t *mask) {
+    PyObject *obj;
+    long long h;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &h) || slots_of(obj, PyBUF_WRITABLE, slots, mask) < 0)
+        return -1;
+    *key = h ? (int64_t)h : 1;
+    return 0;
+}
+
+/* Where key is, or the empty slot that ends its probe run (the table is never full). */
+static uint64_t table_slot(const int64_t *s, uint64_t mask, int64_t key) {
+    uint64_t i = (uint64_t)key & mask;
+    while (s[i] && s[i] != key)
+        i = (i + 1) & mask;
+    return i;
+}
+
+/* Remove the entry at i, shifting back each later entry of its run that may live at i (its home
+ * slot is not cyclically within (i, j]), so that no lookup meets the hole before its entry. */
+static void table_delete(int64_t *s, uint64_t mask, uint64_t i) {
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        int64_t v = s[j];
+        if (!v)
+            break;
+        uint64_t home = (uint64_t)v & mask;
+        if ((home <= i && i < j) || (i < j && j < home) || (j < home && home <= i)) {
+            __atomic_store_n(&s[i], v, __ATOMIC_RELAXED);
+            i = j;
+        }
+    }
+    __atomic_store_n(&s[i], 0, __ATOMIC_RELAXED);
+}
+
+/* table_add (add) or table_remove: whether the table changed. */
+static PyObject *table_write(PyObject *args, int add) {
+    Py_buffer buf;
+    int64_t key;
+    uint64_t mask;
+    if (table_args(args, &buf, &key, &mask) < 0)
+        return NULL;
+    int64_t *s = buf.buf;
+    uint64_t i = table_slot(s, mask, key);
+    int changed = add ? !s[i] : s[i] != 0;
+    if (changed && add)
+        __atomic_store_n(&s[i], key, __ATOMIC_RELAXED);
+    else if (changed)
+        table_delete(s, mask, i);
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(changed);
+}
+
+PyDoc_STRVAR(table_add_doc, "table_add(slots, h) -> bool\n\nAdd h to the table; whether it was not there.");
+
+static PyObject *sp_table_add(PyObject *mod, PyObject *args) {
+    return table_write(args, 1);
+}
+
+PyDoc_STRVAR(table_remove_doc,
+             "table_remove(slots, h) -> bool\n\nRemove h from the table, shifting later entries of its run "
+             "back; whether it was there.");
+
+static PyObject *sp_table_remove(PyObject *mod, PyObject *args) {
+    return table_write(args, 0);
+}
+
+/* -- the module ------------------------------------------------------------------------------- */
+
+static PyMethodDef module_methods[] = {
+    {"chat_ids", sp_chat_ids, METH_VARARGS, chat_ids_doc},
+    {"chain", sp_chain, METH_VARARGS, chain_doc},
+    {"held", sp_held, METH_VARARGS, held_doc},
+    {"holder", (PyCFunction)(void (*)(void))sp_holder, METH_FASTCALL, holder_doc},
+    {"table_add", sp_table_add, METH_VARARGS, table_add_doc},
+    {"table_remove", sp_table_remove, METH_VARARGS, table_remove_doc},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_speedups",
+    PyDoc_STR("kv_aware's request path in C (see services/coordinator/kv/speedups.py)."), -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    crc_init();
+    str_role = PyUnicode_InternFromString("role");
+    str_content = PyUnicode_InternFromString("content");
+    str_colon = PyUnicode_FromString(": ");
+    str_empty = PyUnicode_FromString("");
+    str_base = PyUnicode_InternFromString("base");
+    str_down = PyUnicode_InternFromString("down");
+    str_n = PyUnicode_InternFromString("n");
+    PyObject *array_mod = PyImport_ImportModule("array");
+    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !array_mod)
+        return NULL;
+    array_type = PyObject_GetAttrString(array_mod, "array");
+    Py_DECREF(array_mod);
+    if (!array_type || PyType_Ready(&ChatsType) < 0 || PyType_Ready(&ChatPromptType) < 0)
+        return NULL;
+    /* The chat keys' seed, new in each process (see Chats). */
+    PyObject *os_mod = PyImport_ImportModule("os");
+    PyObject *random = os_mod ? PyObject_CallMethod(os_mod, "urandom", "i", (int)sizeof(seed)) : NULL;
+    Py_XDECREF(os_mod);
+    if (!random)
+        return NULL;
+    memcpy(seed, PyBytes_AS_STRING(random), sizeof(seed));
+    Py_DECREF(random);
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Chats", (PyObject *)&ChatsType) < 0 ||
+        PyModule_AddObjectRef(m, "ChatPrompt", (PyObject *)&ChatPromptType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

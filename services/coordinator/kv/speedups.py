@@ -1,0 +1,59 @@
+"""kv_aware's request path in C, where it was built, else the Python it mirrors.
+
+Tokenizing a chat, hashing its blocks and looking them up in the shared index are a few
+microseconds each in a tight loop, and several times that in a Coordinator between two
+requests, when the machine's other processes have evicted its CPU caches: Python's objects and
+bytecode are then fetched from memory again, per request. ``_speedups.c`` does the same work
+over flat memory. It is built by ``pip install`` where a C compiler is present (an optional
+extension); without one, these functions run the Python references, which define what the C
+computes and which the tests compare it with.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+
+from services.coordinator.kv.hashing import ROOT
+from services.coordinator.kv.hashing import chain as py_chain
+
+try:
+    from services.coordinator.kv import _speedups as native
+except ImportError:  # no C compiler at install time
+    native = None  # type: ignore[assignment]
+
+
+def chain(ids: Sequence[int], block_size: int, parent: int = ROOT) -> Sequence[int]:
+    """:func:`~.hashing.chain`; in C for ids that fit 64 bits (all an engine has)."""
+    if native is not None:
+        if not isinstance(ids, array) or ids.typecode not in "ilq":
+            try:
+                ids = array("q", ids)
+            except (OverflowError, TypeError):  # not 64-bit ints: Python's hash takes any
+                return array("q", py_chain(ids, block_size, parent))
+        return native.chain(ids, block_size, parent)
+    return py_chain(ids, block_size, parent)
+
+
+def held(slots: memoryview, has: Callable[[int], bool], hashes: Sequence[int]) -> int:
+    """How many of ``hashes``, from the first, the table over ``slots`` (whose lookup is
+    ``has``) holds; in C for an ``array`` of hashes."""
+    if native is not None and isinstance(hashes, array):
+        return native.held(slots, hashes)
+    return held_run(has, hashes) if hashes and has(hashes[0]) else 0
+
+
+def held_run(has: Callable[[int], bool], hashes: Sequence[int]) -> int:
+    """The length of the leading run of ``hashes`` that ``has``, ``hashes[0]`` known held, by
+    bisection (see :meth:`KvIndex.match`)."""
+    lo, hi = 1, len(hashes)  # hashes[lo - 1] is held; the run ends at hi at most
+    if has(hashes[hi - 1]):
+        return hi
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if has(hashes[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,240 @@
+"""kv_aware's request path in C (services/coordinator/kv/_speedups.c) computes exactly what the
+Python it mirrors computes: the simulated engine's chat ids, the chained block hashes, and the
+shared tables' lookups and writes. The other KV tests run both (see ``implementations``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sysconfig
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.tokenizer import BUILTIN_VOCAB, Builtin, sim_chat_text
+from services.coordinator.kv import speedups
+from services.coordinator.kv.hashing import ROOT, chain
+from services.coordinator.kv.prompt import Prompt, Tokens
+from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
+
+IMPLEMENTATIONS = ["c", "python"]
+
+
+@contextlib.contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """Run the block with the C speedups ("c") or with the Python references ("python")."""
+    if name == "c":
+        if speedups.native is None:
+            pytest.skip("the C speedups were not built (no C compiler at install)")
+        yield
+        return
+    native, speedups.native = speedups.native, None
+    try:
+        yield
+    finally:
+        speedups.native = native
+
+
+def c() -> Any:
+    if speedups.native is None:
+        pytest.skip("the C speedups were not built (no C compiler at install)")
+    return speedups.native
+
+
+def test_the_extension_is_built_where_there_is_a_c_compiler() -> None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}): Motor runs the Python references")
+    assert speedups.native is not None, "pip install did not build services/coordinator/kv/_speedups.c"
+
+
+# -- chained hashes ------------------------------------------------------------------------------
+
+int64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(int64, max_size=80), st.integers(1, 9), int64)
+def test_chain_is_pythons_own(ids: list[int], block_size: int, parent: int) -> None:
+    assert list(c().chain(array("q", ids), block_size, parent)) == chain(ids, block_size, parent)
+    small = [i % 2**31 for i in ids]
+    assert list(c().chain(array("i", small), block_size, parent)) == chain(small, block_size, parent)
+
+
+def test_chain_refuses_what_python_refuses() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        c().chain(array("q", [1, 2]), 0, 1)
+    with pytest.raises(TypeError):
+        c().chain(b"\x00\x01", 1, 1)
+    # Ids beyond 64 bits go to Python's hash, which takes any int.
+    assert list(speedups.chain([2**70, 3], 1)) == chain([2**70, 3], 1)
+
+
+# -- the simulated engine's chat ids -------------------------------------------------------------
+
+text = st.text(st.characters(codec=None, exclude_categories=()), max_size=40) | st.lists(
+    st.sampled_from(["hello", "wörld", "東京", " ", "\n", "\t", "\u3000", "\x1c", "\u2028", "\x85", "😀"]),
+    max_size=20,
+).map("".join)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user"]) | text, "content": text | st.none()}
+)
+
+
+def reference(messages: list[dict[str, Any]]) -> list[int]:
+    pairs = [(m["role"], m["content"] or "") for m in messages]
+    return Builtin().encode(sim_chat_text(pairs), special=False)
+
+
+CHATS: Any = None  # one cache across examples, as a Coordinator keeps it
+
+
+def read(chats: Any, messages: list[dict[str, Any]], bs: int) -> tuple[int, list[int]]:
+    prompt = chats.prompt(messages, bs)
+    return prompt.n, list(prompt.hashes(bs))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(message, min_size=1, max_size=5), st.sampled_from([1, 2, 3, 16]))
+def test_chats_are_the_builtin_tokenizers_ids_and_their_chain(
+    messages: list[dict[str, Any]], bs: int
+) -> None:
+    global CHATS
+    CHATS = CHATS or c().Chats(BUILTIN_VOCAB, 64, 1 << 20, ROOT)
+    ids = reference(messages)
+    assert list(c().chat_ids(messages, BUILTIN_VOCAB)) == ids
+    for _ in range(2):  # the second time from the cache
+        assert read(CHATS, messages, bs) == (len(ids), chain(ids, bs))
+    prompt = CHATS.prompt(messages, bs)
+    assert prompt.tokens == ids and list(prompt.ids) == ids
+    assert list(prompt.hashes(bs + 1)) == chain(ids, bs + 1)  # another block size: from the ids
+
+
+def test_a_conversation_is_hashed_from_what_it_shares_with_earlier_ones() -> None:
+    chats = c().Chats(BUILTIN_VOCAB, 64, 1 << 20, ROOT)
+    system = {"role": "system", "content": "a long shared system prompt " * 10}
+    first = [system, {"role": "user", "content": "one two three"}]
+    chats.prompt(first, 4)
+    assert chats.count == 2  # [system] and [system, question]
+    later = [*first, {"role": "assistant", "content": "four five"}, {"role": "user", "content": "six"}]
+    ids = reference(later)
+    assert read(chats, later, 4) == (len(ids), chain(ids, 4))
+    assert chats.count == 4  # two more: the answer's and the question's
+    other = [system, {"role": "user", "content": "another conversation"}]
+    assert read(chats, other, 4)[1] == chain(reference(other), 4)
+    assert chats.count == 5
+    assert read(chats, other, 3)[1] == chain(reference(other), 3)  # another block size
+    assert chats.count == 7
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "not a list",
+        [["role", "user"]],
+        [{"role": 1, "content": "x"}],
+        [{"content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": "parts are read in Python"}]}],
+        [{"role": "user", "content": "fine"}, {"role": "user", "content": 7}],
+    ],
+)
+def test_chats_leave_what_they_do_not_read_to_python(messages: Any) -> None:
+    assert c().Chats(BUILTIN_VOCAB, 8, 1 << 20, ROOT).prompt(messages, 16) is None
+    assert c().chat_ids(messages, BUILTIN_VOCAB) is None
+
+
+def test_the_chat_cache_keeps_its_bounds_and_its_answers() -> None:
+    chats = c().Chats(BUILTIN_VOCAB, 8, 4096, ROOT)
+    system = {"role": "system", "content": "a long shared system prompt " * 40}
+    for i in range(200):
+        messages = [system, {"role": "user", "content": f"question {i} " * (i % 7)}]
+        ids = reference(messages)
+        assert read(chats, messages, 2) == (len(ids), chain(ids, 2))
+        assert chats.count <= 8 and chats.bytes <= 4096
+    huge = [{"role": "user", "content": "word " * 5000}]  # more than the budget: not kept
+    before = chats.count
+    assert read(chats, huge, 2)[1] == chain(reference(huge), 2)
+    assert chats.count <= before and chats.bytes <= 4096
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) -> None:
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+    ids = reference(messages)
+    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
+    writer.open()
+    reader = SharedReader(str(tmp_path))
+    try:
+        for name, blocks, size in (("a", 7, 4), ("b", 9, 4), ("c", 20, 2), ("off", 10, 4)):
+            writer.install(name, table := writer.create(name))
+            table.set_block_size(size)
+            for h in chain(ids, size)[:blocks]:
+                table.add(h)
+        changed = reader.read_directory()
+        assert changed is not None
+        reader.install(*changed, reader.attach(changed[1]))
+        a, b, c_, off, gone = (Endpoint(n) for n in ("a", "b", "c", "off", "gone"))
+        off.down = True
+        with implementation(impl):
+            chats = Tokens(Builtin(), sim=True)
+            chats.block_size = 4
+            for prompt in (chats.prompt({"messages": messages}, True), Prompt(ids)):
+                assert prompt is not None
+                assert reader.holder(prompt, [a, b, off, gone]) == (36, b)
+                assert reader.holder(prompt, [a, c_]) == (40, c_)  # at c's own block size
+                assert reader.holder(prompt, [off, gone]) == (0, None)
+                assert reader.holder(prompt, []) == (0, None)
+            short = Prompt(ids[:30])
+            assert reader.holder(short, [b]) == (28, b)  # its 7 full blocks
+    finally:
+        reader.close()
+        writer.close()
+
+
+class Endpoint:
+    """What the index reads of an Upstream."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.down = False
+
+
+# -- the shared tables ---------------------------------------------------------------------------
+
+MASK = MIN_CAPACITY - 1
+crowded = st.builds(  # keys on a few home slots, some wrapping around the end of the table
+    lambda home, lap, sign: sign * (home + lap * MIN_CAPACITY),
+    st.sampled_from([0, 1, 2, MASK - 1, MASK]),
+    st.integers(0, 40),
+    st.sampled_from([1, -1]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), crowded), max_size=120), st.lists(crowded, min_size=1, max_size=12))
+def test_table_writes_and_lookups_are_the_pythons(
+    tmp_path_factory: Any, steps: list[Any], probe: list[int]
+) -> None:
+    where = tmp_path_factory.mktemp("t")
+    tables = {name: Table.create(str(Path(where) / name), MIN_CAPACITY) for name in IMPLEMENTATIONS}
+    try:
+        for add, key in steps:
+            for name, table in tables.items():
+                with implementation(name):
+                    table.add(key) if add else table.remove(key)
+            assert bytes(tables["c"].slots) == bytes(tables["python"].slots)
+            assert tables["c"].blocks == tables["python"].blocks
+        t = tables["c"]
+        # held: the bisection over any prompt, its first hashes held or not.
+        for hashes in (probe, [k for _, k in steps if _][:12] + probe):
+            expected = speedups.held_run(t.has, hashes) if t.has(hashes[0]) else 0
+            assert c().held(t.slots, array("q", hashes)) == expected
+    finally:
+        for table in tables.values():
+            table.close()
