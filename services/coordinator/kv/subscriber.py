@@ -43,6 +43,12 @@ YIELD_EVERY = 64
 # The SUB socket's queue, in messages (zmq's default is 1000): room for what the engine publishes
 # while a long replay is being applied.
 SUB_HWM = 100_000
+# Batches are taken at most this often, all those queued at once. An engine publishes a few per
+# request; waking for each made the process that follows the events take CPU, in turns, from the
+# requests it follows (bench/results/kv_routing.md: its inference workers' CPU per request fell
+# to least_load's). Ten milliseconds is below what a real prefill takes before its blocks are
+# even published.
+COALESCE_S = 0.01
 
 K = TypeVar("K", bound=Hashable)
 
@@ -121,9 +127,19 @@ class Subscription(Generic[K]):
             # Subscribed first, then the catch-up: a batch published meanwhile is either in the
             # replay or reaches the SUB socket (or both: the copy is skipped).
             await self._replay(self.last_seq + 1, need=None)
+            # What is queued is taken without a future per message (the asyncio wrapper cost more
+            # than applying a small batch), then nothing until COALESCE_S has passed.
+            queued: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
-                await self._on_published(await sub.recv_multipart())
-                await self._breathe()
+                frames: list[bytes] | None = await sub.recv_multipart()
+                while frames is not None:
+                    await self._on_published(frames)
+                    await self._breathe()
+                    try:
+                        frames = queued.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        frames = None
+                await asyncio.sleep(COALESCE_S)
         finally:
             sub.close(linger=0)
             self._close_dealer()
