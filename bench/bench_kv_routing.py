@@ -12,9 +12,10 @@ Then the cost of routing itself, on engines that cost nothing (no prefill time, 
 one prefill and one decode (so both policies send each leg where the direct legs go): the same
 requests through the Coordinator with ``kv_aware`` and ``least_load``, against the same
 two legs sent straight to the engines by this client; the difference is the Coordinator's
-overhead per request. Once with caches holding the working set, once with the churning ones of
-the TTFT runs (the event rate's worst case). Last, where the index lives
-(bench/loadgen/kv_index_cost.py).
+overhead per request, beside the Coordinator's own CPU time per request. Once with caches
+holding the working set, once with the churning ones of the TTFT runs (the event rate's worst
+case); least_load twice, the second time as a control for what the measurement can tell apart.
+Last, where the index lives (bench/loadgen/kv_index_cost.py).
 
 Targets: mean TTFT with ``kv_aware`` at least 2x lower than with ``least_load``; routing overhead
 at one client within 10% of ``least_load``'s.
@@ -36,7 +37,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import kv_index_cost, kv_workload
-from bench.loadgen.harness import machine, percentile, publish
+from bench.loadgen.harness import cpu_ns, machine, percentile, publish, session_pids
 from bench.loadgen.up import Up
 
 RESULTS = Path(__file__).parent / "results" / "kv_routing.md"
@@ -47,12 +48,16 @@ BLOCK = 16
 CAPACITY_BLOCKS = 512  # each prefill engine: about half of the workload's ~1,000 distinct blocks
 SPEEDUP_TARGET = 2.0
 OVERHEAD_TARGET = 1.10
-OVERHEAD_ROUNDS = 5
+OVERHEAD_ROUNDS = 16
 # The overhead runs' caches: one holding the whole working set (after the warm-up an engine
 # publishes only the blocks of each new question), and the TTFT runs' half-size one, which
 # churns: with engines that compute in no time, every request evicts and stores again most of its
 # prompt, an event rate no real engine reaches (a real prefill of 1,000 tokens takes milliseconds).
 OVERHEAD_CACHES = {"holding the working set": 65536, "churning, half the working set": CAPACITY_BLOCKS}
+# Row -> policy. The control is least_load measured again, in rounds of its own: how far apart
+# two identical configurations come out is what this measurement cannot tell apart.
+CONTROL = "least_load, again"
+OVERHEAD_ROWS = {"kv_aware": "kv_aware", "least_load": "least_load", CONTROL: "least_load"}
 
 
 @dataclass
@@ -149,7 +154,18 @@ async def _direct(
     return time.perf_counter() - started
 
 
-async def overhead_run(policy: str, capacity: int) -> list[float]:
+@dataclass
+class Overhead:
+    """One round of one policy: per request, seconds through the Coordinator less the direct
+    legs; and the Coordinator's CPU per request, its inference workers' and its management
+    process's."""
+
+    diffs: list[float]
+    worker_cpu_s: float
+    management_cpu_s: float
+
+
+async def overhead_run(policy: str, capacity: int) -> Overhead:
     """Per request, seconds through the Coordinator less the same two legs sent straight to the
     engines (zero-cost engines, one client): each request goes both ways back to back, in
     alternating order, so drift of the machine cancels out. (The Coordinator's own duration
@@ -164,6 +180,9 @@ async def overhead_run(policy: str, capacity: int) -> list[float]:
         try:
             await _serving(up, policy, prefills=1)
             await kv_workload.run(up.url, convs, order)  # every answer known, every connection warm
+            workers = await asyncio.to_thread(session_pids, up.pid, "services.coordinator.worker")
+            management = await asyncio.to_thread(session_pids, up.pid, "services.cli coordinator")
+            cpu0 = await asyncio.to_thread(_cpu, workers, management)
             seen: dict[int, int] = {}
             diffs = []
             async with aiohttp.ClientSession() as s:
@@ -181,9 +200,15 @@ async def overhead_run(policy: str, capacity: int) -> list[float]:
                         direct = await _direct(s, _engine_url(up, 0), _engine_url(up, 1), messages)
                         via = (await kv_workload.ask(s, up.url, messages))[1]
                     diffs.append(via - direct)
+            cpu1 = await asyncio.to_thread(_cpu, workers, management)
         finally:
             up.stop()
-    return diffs
+    n = len(order)
+    return Overhead(diffs, (cpu1[0] - cpu0[0]) / 1e9 / n, (cpu1[1] - cpu0[1]) / 1e9 / n)
+
+
+def _cpu(workers: list[int], management: list[int]) -> tuple[int, int]:
+    return sum(map(cpu_ns, workers)), sum(map(cpu_ns, management))
 
 
 def _ttft_table(runs: list[Run]) -> list[str]:
@@ -203,16 +228,16 @@ def _ttft_table(runs: list[Run]) -> list[str]:
     return lines
 
 
-Overheads = dict[str, dict[str, list[list[float]]]]  # cache -> policy -> rounds of per-request seconds
+Overheads = dict[str, dict[str, list[Overhead]]]  # cache -> policy -> rounds
 
 
 async def amain() -> int:
     runs = [await one_run(policy, clients) for clients in (1, 4) for policy in POLICIES]
-    overheads: Overheads = {cache: {"kv_aware": [], "least_load": []} for cache in OVERHEAD_CACHES}
+    overheads: Overheads = {cache: {row: [] for row in OVERHEAD_ROWS} for cache in OVERHEAD_CACHES}
     for _ in range(OVERHEAD_ROUNDS):
         for cache, capacity in OVERHEAD_CACHES.items():
-            for policy, rounds in overheads[cache].items():
-                rounds.append(await overhead_run(policy, capacity))
+            for row, rounds in overheads[cache].items():
+                rounds.append(await overhead_run(OVERHEAD_ROWS[row], capacity))
     costs = await asyncio.to_thread(kv_index_cost.measure)
     return publish(RESULTS, report(runs, overheads, costs))
 
@@ -233,31 +258,44 @@ def _verdict_on_placement(c: kv_index_cost.Costs) -> str:
     )
 
 
-def _overhead_section(cache: str, rounds: dict[str, list[list[float]]]) -> tuple[list[str], float]:
-    pooled = {p: sorted(x for r in rs for x in r) for p, rs in rounds.items()}
-    kv_o, ll_o = statistics.median(pooled["kv_aware"]), statistics.median(pooled["least_load"])
+def _overhead_section(cache: str, rounds: dict[str, list[Overhead]]) -> tuple[list[str], float]:
+    pooled = {row: sorted(x for r in rs for x in r.diffs) for row, rs in rounds.items()}
+    median = {row: statistics.median(v) for row, v in pooled.items()}
+    kv_o, ll_o = median["kv_aware"], median["least_load"]
     ratio = kv_o / ll_o if ll_o > 0 else float("nan")
-    worst = max(statistics.median(r) for r in rounds["kv_aware"])
+    control = median[CONTROL] / ll_o if ll_o > 0 else float("nan")
+    worst = max(statistics.median(r.diffs) for r in rounds["kv_aware"])
+    cpu = {
+        row: (
+            statistics.median(r.worker_cpu_s for r in rs),
+            statistics.median(r.management_cpu_s for r in rs),
+        )
+        for row, rs in rounds.items()
+    }
     lines = [
         f"Cache {cache}: {OVERHEAD_CACHES[cache]} blocks per engine.",
         "",
-        "| policy | median | p90 | max | median of each round |",
-        "|---|---|---|---|---|",
+        "| policy | median | p90 | max | median of each round | CPU per request: workers, management |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {p} | {statistics.median(v) * 1e6:.0f} µs | {percentile(v, 90) * 1e6:.0f} µs "
-            f"| {v[-1] * 1e6:.0f} µs | {_round_medians(rounds[p])} µs |"
-            for p, v in pooled.items()
+            f"| {row} | {median[row] * 1e6:.0f} µs | {percentile(v, 90) * 1e6:.0f} µs "
+            f"| {v[-1] * 1e6:.0f} µs | {_round_medians(rounds[row])} µs "
+            f"| {cpu[row][0] * 1e6:.0f} µs, {cpu[row][1] * 1e6:.0f} µs |"
+            for row, v in pooled.items()
         ),
         "",
         f"kv_aware against least_load: **{ratio:.2f}x** ({kv_o * 1e6:.0f} µs against {ll_o * 1e6:.0f} µs, "
-        f"{(kv_o - ll_o) * 1e6:.0f} µs more; worst kv_aware round median {worst * 1e6:.0f} µs).",
+        f"{(kv_o - ll_o) * 1e6:+.0f} µs; worst kv_aware round median {worst * 1e6:.0f} µs); the control "
+        f"against least_load: {control:.2f}x ({(median[CONTROL] - ll_o) * 1e6:+.0f} µs). The workers' CPU "
+        f"per request: {cpu['kv_aware'][0] * 1e6:.0f} µs with kv_aware, {cpu['least_load'][0] * 1e6:.0f} "
+        f"and {cpu[CONTROL][0] * 1e6:.0f} µs with least_load.",
         "",
     ]
     return lines, ratio
 
 
-def _round_medians(rounds: list[list[float]]) -> str:
-    return ", ".join(f"{statistics.median(r) * 1e6:.0f}" for r in rounds)
+def _round_medians(rounds: list[Overhead]) -> str:
+    return ", ".join(f"{statistics.median(r.diffs) * 1e6:.0f}" for r in rounds)
 
 
 def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) -> str:
@@ -298,16 +336,22 @@ def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) ->
         "the overhead is the difference per request. Each request's last question is new (the "
         "Coordinator has seen the rest: a warm-up sent the conversations first). "
         f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, policies "
-        "alternating.",
+        f"alternating; the control row ({CONTROL}) is least_load once more, in rounds of its own, "
+        "for the spread between two identical configurations. The CPU columns are the median "
+        "over rounds of the Coordinator's processes' "
+        "own CPU time (the kernel's count) per request: its inference workers', and its "
+        "management process's, which follows the engine's events, those of the direct legs' "
+        "prefills included.",
         "",
         *(line for section, _ in sections for line in section),
         f"Target: kv_aware's overhead within {OVERHEAD_TARGET - 1:.0%} of least_load's (medians): "
         f"{' and '.join(f'{r:.2f}x' for r in ratios)}, {'met' if met else '**missed**'}. "
-        "kv_aware's own work per request (tokenize the new question, hash it, match the prompt) "
-        f"takes {statistics.median(costs.shared_us):.0f} µs in a tight loop and "
-        f"{statistics.median(costs.shared_cold_us):.0f} µs once the other processes of a busy "
-        "machine have evicted the CPU caches, as they do between two requests here (below); "
-        "least_load's choice is a few list items.",
+        "kv_aware's own work per request (read the chat, hash its new blocks, find the endpoint "
+        f"holding the longest prefix) takes {statistics.median(costs.shared_us):.0f} µs in a tight "
+        f"loop and {statistics.median(costs.shared_cold_us):.0f} µs once the other processes of a "
+        "busy machine have evicted the CPU caches, as they do between two requests here (below; "
+        f"{statistics.median(costs.shared_python_us):.0f} µs with warm caches in the Python the C "
+        "extension replaces); least_load's choice is a few list items.",
         "",
         "## Where the index lives",
         "",

@@ -6,6 +6,7 @@ inherits it), find its ``event=listening`` line, read its CPU time from /proc, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -38,6 +39,32 @@ def cpu_seconds(pid: int) -> float:
     raw = Path(f"/proc/{pid}/stat").read_text()
     fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds ``pid``'s threads have run so far (the scheduler's own count, exact where
+    ``cpu_seconds`` counts clock ticks); 0 once it is gone."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total
+
+
+def session_pids(session: int, cmdline_has: str) -> list[int]:
+    """The processes of ``session`` whose command line contains ``cmdline_has``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            raw = Path(f"/proc/{entry}/stat").read_text()
+            if int(raw[raw.rindex(")") + 2 :].split()[3]) != session:
+                continue
+            if cmdline_has in Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                out.append(int(entry))
+    return out
 
 
 def system_cpu() -> tuple[float, float]:

@@ -6,10 +6,11 @@ workers read (services/coordinator/kv/shared.py). This measures what decides bet
 the alternatives (an index per worker, each fed by its own subscriptions; one index asked over
 ZeroMQ on every request):
 
-- the request path: tokenize a chat request (its long system prompt remembered, its question
-  new), hash its blocks, match them, against an index in the process and against the shared
-  one; in a tight loop and with the CPU caches evicted before each request, as they are on a
-  busy machine between two requests;
+- the request path: read a chat request (the conversation so far remembered, its question
+  new), hash its blocks, find the endpoint holding the longest prefix, against an index in the
+  process and against the shared one; in a tight loop and with the CPU caches evicted before
+  each request, as they are on a busy machine between two requests; and without the C
+  speedups;
 - the same lookup as a round trip to another process holding the index (a DEALER -> ROUTER
   over ipc, the hashes as msgpack, the answer back);
 - what following the events costs: decoding and applying one batch (a request's
@@ -27,8 +28,9 @@ import statistics
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -36,7 +38,7 @@ import zmq.asyncio
 
 from bench.loadgen.harness import percentile
 from services.common.tokenizer import Builtin
-from services.coordinator.kv import wire
+from services.coordinator.kv import speedups, wire
 from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
 from services.coordinator.kv.prompt import Tokens
 from services.coordinator.kv.shared import SharedReader, SharedWriter, capacity_for
@@ -53,6 +55,7 @@ class Costs:
     in_process_us: list[float]  # tokenize + hash + match against a KvIndex, per request
     shared_us: list[float]  # the same against the shared index
     shared_cold_us: list[float]  # the same, CPU caches evicted before each request
+    shared_python_us: list[float]  # the same in Python, without the C speedups
     round_trip_us: list[float]  # the match asked of another process
     ingest_us: float  # decode + apply one batch to an index
     ingest_mirrored_us: float  # the same, mirrored for the workers
@@ -83,24 +86,33 @@ def _fill(index: KvIndex, tokens: list[int], blocks_per_endpoint: int) -> list[s
     """ENDPOINTS endpoints, each holding the prompt's blocks and filler chains."""
     eps = [f"http://127.0.0.1:{10000 + 2 * e}" for e in range(ENDPOINTS)]
     for e, ep in enumerate(eps):
-        index.apply(ep, _stored(tokens, e))
         filler = 0
-        while index.endpoint_blocks(ep) < blocks_per_endpoint:
+        while index.endpoint_blocks(ep) < blocks_per_endpoint - len(tokens) // BLOCK:
             chunk = [e * 10_000_000 + filler * 4096 + i for i in range(BLOCK * 64)]
             index.apply(ep, _stored(chunk, 1000 + e * 100_000 + filler))
             filler += 1
+        index.apply(ep, _stored(tokens, e))  # last: at the bound, the oldest blocks go first
     return eps
 
 
-Match = Callable[[Sequence[int], Collection[Hashable]], dict[Hashable, int]]
+@dataclass
+class _Endpoint:
+    """What the index reads of an endpoint."""
+
+    base: str
+    down: bool = False
+
+
+Holder = Callable[[Any, Sequence[Any]], tuple[int, Any]]
 
 
 def _path(
-    tokens: Tokens, match: Match, eps: list[str], questions: range, evict: bytearray | None
+    tokens: Tokens, holder: Holder, eps: list[str], questions: range, evict: bytearray | None
 ) -> list[float]:
     """Per request (each with a question not seen before), seconds to its match."""
     out = []
     zeros = bytes(len(evict) // 64) if evict is not None else b""
+    endpoints = [_Endpoint(ep) for ep in eps]
     for i in questions:
         req = _request(1000, i)
         if evict is not None:
@@ -108,9 +120,19 @@ def _path(
         t = time.perf_counter()
         prompt = tokens.prompt(req, True)
         assert prompt is not None
-        match(prompt.hashes(BLOCK), eps)
+        cached, _ = holder(prompt, endpoints)
         out.append((time.perf_counter() - t) * 1e6)
+        assert cached > 0
     return out
+
+
+def _python_path(tokens: Tokens, reader: SharedReader, eps: list[str], questions: range) -> list[float]:
+    """:func:`_path` against the shared index, with the Python the C speedups mirror."""
+    native, speedups.native = speedups.native, None  # type: ignore[assignment]
+    try:
+        return _path(Tokens(Builtin(), sim=True), reader.holder, eps, questions, None)
+    finally:
+        speedups.native = native
 
 
 def _serve_index(address: str, tokens: list[int], blocks: int, ready: object) -> None:
@@ -195,15 +217,16 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         changed = reader.read_directory()
         assert changed is not None
         reader.install(*changed, reader.attach(changed[1]))
-        in_process = _path(tok, index.match, eps, range(1, SAMPLES + 1), None)
-        shared = _path(tok, reader.match, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
+        in_process = _path(tok, index.holder, eps, range(1, SAMPLES + 1), None)
+        shared = _path(tok, reader.holder, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
         cold = _path(
             tok,
-            reader.match,
+            reader.holder,
             eps,
             range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES),
             bytearray(EVICT_BYTES),
         )
+        python = _python_path(tok, reader, eps, range(3 * SAMPLES, 4 * SAMPLES))
         reader.close()
         writer.close()
 
@@ -232,6 +255,7 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         in_process,
         shared,
         cold,
+        python,
         trips,
         ingest,
         ingest_mirrored,
@@ -252,11 +276,12 @@ def summary(c: Costs) -> list[str]:
         "| what | p50 | p99 | max |",
         "|---|---|---|---|",
         _row(
-            f"in process: tokenize + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints)",
+            f"in process: read + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints)",
             c.in_process_us,
         ),
         _row("the same against the shared index (what a worker does)", c.shared_us),
         _row("the same, CPU caches evicted before each request", c.shared_cold_us),
+        _row("the same in Python (no C speedups), caches warm", c.shared_python_us),
         _row("round trip to an index in another process (ipc, msgpack)", c.round_trip_us),
         "",
         f"- Following the events, per batch (a {blocks}-block `BlockStored` and a {blocks}-block "
