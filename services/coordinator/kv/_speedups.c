@@ -197,6 +197,33 @@ PyDoc_STRVAR(chat_ids_doc,
              "tokenized by the built-in tokenizer, one line after the other. None when a message\n"
              "is not a dict with a str role and a str or null content (the caller reads those).");
 
+/* The ids of a chat into `out`: 1, or 0 when a message is not one read_message reads, or -1. */
+static int read_chat(PyObject *messages, uint32_t vocab, Ids *out) {
+    if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
+        return 0;
+    Words words = {NULL, 0, 0, vocab, out};
+    int rc = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages) && rc == 1; i++) {
+        PyObject *role, *text;
+        rc = read_message(PyList_GET_ITEM(messages, i), &role, &text);
+        if (rc == 1 && message_ids(&words, role, text) < 0)
+            rc = -1;
+    }
+    PyMem_Free(words.w);
+    return rc;
+}
+
+/* read_chat's ids as array('i'), None when it reads no chat. */
+static PyObject *chat_ids_of(PyObject *messages, uint32_t vocab) {
+    Ids out = {0};
+    int rc = read_chat(messages, vocab, &out);
+    PyObject *result = rc < 0   ? NULL
+                       : rc == 0 ? Py_NewRef(Py_None)
+                                 : new_array("i", out.v, (size_t)out.n * sizeof(int32_t));
+    PyMem_Free(out.v);
+    return result;
+}
+
 static PyObject *sp_chat_ids(PyObject *mod, PyObject *args) {
     PyObject *messages;
     unsigned long vocab;
@@ -206,26 +233,7 @@ static PyObject *sp_chat_ids(PyObject *mod, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "vocab must be in 1..2**31-1");
         return NULL;
     }
-    if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
-        Py_RETURN_NONE;
-    Ids out = {0};
-    Words words = {NULL, 0, 0, (uint32_t)vocab, &out};
-    PyObject *result = NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages); i++) {
-        PyObject *role, *text;
-        int rc = read_message(PyList_GET_ITEM(messages, i), &role, &text);
-        if (rc <= 0) {
-            result = rc < 0 ? NULL : Py_NewRef(Py_None);
-            goto done;
-        }
-        if (message_ids(&words, role, text) < 0)
-            goto done;
-    }
-    result = new_array("i", out.v, (size_t)out.n * sizeof(int32_t));
-done:
-    PyMem_Free(out.v);
-    PyMem_Free(words.w);
-    return result;
+    return chat_ids_of(messages, (uint32_t)vocab);
 }
 
 /* -- chained block hashes: hash((parent, tuple(block))) as CPython computes it ---------------- */
@@ -264,6 +272,19 @@ static uint64_t block_hash(uint64_t parent, const void *ids, int wide, Py_ssize_
         acc = xx_lane(acc, int_hash(wide ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i]));
     uint64_t block = xx_end(acc, (uint64_t)bs);
     return xx_end(xx_lane(xx_lane(XXPRIME_5, int_hash((int64_t)parent)), block), 2);
+}
+
+/* The chained hashes of the full blocks of n ids (int64 if wide, else int32) as array('q'). */
+static PyObject *chain_of(const void *ids, Py_ssize_t n, int wide, Py_ssize_t bs, uint64_t parent) {
+    Py_ssize_t blocks = n / bs;
+    int64_t *out = PyMem_Malloc((size_t)blocks * sizeof(int64_t) + 1);
+    if (!out)
+        return PyErr_NoMemory();
+    for (Py_ssize_t b = 0; b < blocks; b++)
+        out[b] = (int64_t)(parent = block_hash(parent, (const char *)ids + b * bs * (wide ? 8 : 4), wide, bs));
+    PyObject *result = new_array("q", out, (size_t)blocks * sizeof(int64_t));
+    PyMem_Free(out);
+    return result;
 }
 
 /* -- Chats: a chat's block hashes, remembered by the conversation so far ----------------------
@@ -444,12 +465,7 @@ static void ChatPrompt_dealloc(ChatPromptObject *p) {
 }
 
 static PyObject *ChatPrompt_ids(ChatPromptObject *p, void *closure) {
-    PyObject *vocab = PyLong_FromUnsignedLong(p->vocab);
-    PyObject *args = vocab ? PyTuple_Pack(2, p->messages, vocab) : NULL;
-    PyObject *ids = args ? sp_chat_ids(NULL, args) : NULL;
-    Py_XDECREF(vocab);
-    Py_XDECREF(args);
-    return ids;
+    return chat_ids_of(p->messages, p->vocab);
 }
 
 static PyObject *ChatPrompt_tokens(ChatPromptObject *p, void *closure) {
@@ -459,19 +475,20 @@ static PyObject *ChatPrompt_tokens(ChatPromptObject *p, void *closure) {
     return list;
 }
 
-static PyObject *sp_chain(PyObject *mod, PyObject *args);
-
 static PyObject *ChatPrompt_hashes(ChatPromptObject *p, PyObject *arg) {
     Py_ssize_t bs = PyLong_AsSsize_t(arg);
     if (bs == -1 && PyErr_Occurred())
         return NULL;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
+        return NULL;
+    }
     if (bs == p->bs)
         return new_array("q", p->hashes, (size_t)p->nblocks * sizeof(int64_t));
-    PyObject *ids = ChatPrompt_ids(p, NULL);
-    PyObject *args = ids ? Py_BuildValue("(OnL)", ids, bs, (long long)p->root) : NULL;
-    PyObject *out = args ? sp_chain(NULL, args) : NULL;
-    Py_XDECREF(ids);
-    Py_XDECREF(args);
+    Ids ids = {0}; /* at another block size: from the ids, read again */
+    int rc = read_chat(p->messages, p->vocab, &ids);
+    PyObject *out = rc < 0 ? NULL : chain_of(ids.v, rc ? ids.n : 0, 0, bs, (uint64_t)p->root);
+    PyMem_Free(ids.v);
     return out;
 }
 
@@ -676,27 +693,12 @@ static PyObject *sp_chain(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nL", &buf, &bs, &parent))
         return NULL;
     PyObject *result = NULL;
-    int64_t *out = NULL;
-    if (bs <= 0) {
+    if (bs <= 0)
         PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
-        goto done;
-    }
-    if (buf.itemsize != 4 && buf.itemsize != 8) {
+    else if (buf.itemsize != 4 && buf.itemsize != 8)
         PyErr_SetString(PyExc_TypeError, "ids must be 32- or 64-bit integers");
-        goto done;
-    }
-    Py_ssize_t blocks = buf.len / buf.itemsize / bs;
-    out = PyMem_Malloc((size_t)blocks * sizeof(int64_t) + 1);
-    if (!out) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    uint64_t h = (uint64_t)parent;
-    for (Py_ssize_t b = 0; b < blocks; b++)
-        out[b] = (int64_t)(h = block_hash(h, (const char *)buf.buf + b * bs * buf.itemsize, buf.itemsize == 8, bs));
-    result = new_array("q", out, (size_t)blocks * sizeof(int64_t));
-done:
-    PyMem_Free(out);
+    else
+        result = chain_of(buf.buf, buf.len / buf.itemsize, buf.itemsize == 8, bs, (uint64_t)parent);
     PyBuffer_Release(&buf);
     return result;
 }

@@ -23,6 +23,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Protocol
 
 from services.coordinator.kv.hashing import ROOT
+from services.coordinator.kv.prompt import PromptView
 from services.coordinator.kv.speedups import chain, held_run
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from services.coordinator.routes import Upstream
@@ -40,14 +41,6 @@ class Mirror(Protocol):
     def clear(self, ep: Hashable) -> None: ...
 
     def block_size(self, ep: Hashable, size: int) -> None: ...
-
-
-class Hashed(Protocol):
-    """A prompt, as the index reads it (:class:`~.prompt.PromptView`)."""
-
-    n: int
-
-    def hashes(self, block_size: int) -> Sequence[int]: ...
 
 
 class _Held:
@@ -193,7 +186,7 @@ class KvIndex:
                 found[ep] = held_run(refs.__contains__, hashes)
         return found
 
-    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+    def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
         """The longest prefix of ``prompt`` (in tokens, at most all of it) that one of
         ``endpoints`` that is up holds, each hashed at its own block size, and that endpoint."""
         cached, where = 0, None

@@ -18,7 +18,6 @@ import random
 from collections.abc import Collection, Hashable, Sequence
 from typing import Protocol
 
-from services.coordinator.kv.index import Hashed
 from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.kv.prompt import PromptView
 from services.coordinator.policies import candidates, least_load
@@ -29,7 +28,7 @@ class IndexView(Protocol):
     """What kv_aware reads of an index: a :class:`~.index.KvIndex` or a worker's
     :class:`~.shared.SharedReader`."""
 
-    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]: ...
+    def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]: ...
 
     def endpoint_blocks(self, ep: Hashable) -> int: ...
 

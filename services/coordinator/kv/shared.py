@@ -37,7 +37,7 @@ import shutil
 from collections.abc import Collection, Hashable, Sequence
 
 from services.coordinator.kv import speedups
-from services.coordinator.kv.index import Hashed
+from services.coordinator.kv.prompt import PromptView
 from services.coordinator.routes import Upstream
 
 DIRECTORY = "endpoints"
@@ -391,7 +391,7 @@ class SharedReader:
                     found[ep] = run
         return found
 
-    def holder(self, prompt: Hashed, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+    def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
         """As :meth:`KvIndex.holder` (in C where it was built: this is the request path)."""
         native = speedups.native
         if native is not None:
