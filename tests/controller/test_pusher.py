@@ -378,7 +378,10 @@ async def test_a_coordinator_restarted_during_a_set(tmp_path: Path, coordinator:
         await coordinator.start(port)
         await until(w.in_step)
         assert coordinator.table.keys() == {a.id, b.id} and coordinator.paused == {b.id}
-        assert w.pusher.incarnation == coordinator.incarnation != old
+        # The server holds the table as soon as it applies the Set; the pusher reads the new
+        # incarnation from the response, a moment later.
+        await until(lambda: w.pusher.incarnation == coordinator.incarnation)
+        assert coordinator.incarnation != old
     finally:
         await w.sync.close()
         await w.store.close()
