@@ -64,6 +64,8 @@ def test_chain_is_pythons_own(ids: list[int], block_size: int, parent: int) -> N
     assert list(c().chain(array("q", ids), block_size, parent)) == chain(ids, block_size, parent)
     small = [i % 2**31 for i in ids]
     assert list(c().chain(array("i", small), block_size, parent)) == chain(small, block_size, parent)
+    # An event's token ids arrive as a list: read in place.
+    assert list(c().chain(ids, block_size, parent)) == chain(ids, block_size, parent)
 
 
 def test_chain_refuses_what_python_refuses() -> None:
@@ -71,6 +73,10 @@ def test_chain_refuses_what_python_refuses() -> None:
         c().chain(array("q", [1, 2]), 0, 1)
     with pytest.raises(TypeError):
         c().chain(b"\x00\x01", 1, 1)
+    with pytest.raises(OverflowError):
+        c().chain([1, 2**64], 1, 1)
+    with pytest.raises(TypeError):
+        c().chain([1, 2.0], 1, 1)
     # Ids beyond 64 bits go to Python's hash, which takes any int.
     assert list(speedups.chain([2**70, 3], 1)) == chain([2**70, 3], 1)
 
@@ -230,6 +236,14 @@ def test_table_writes_and_lookups_are_the_pythons(
                     table.add(key) if add else table.remove(key)
             assert bytes(tables["c"].slots) == bytes(tables["python"].slots)
             assert tables["c"].blocks == tables["python"].blocks
+        # An event's changes, in one call.
+        changes = {key: not add for add, key in steps[:40]}
+        for name, table in tables.items():
+            with implementation(name):
+                table.update(changes)
+        assert bytes(tables["c"].slots) == bytes(tables["python"].slots)
+        held = sum(map(tables["python"].has, {k or 1 for _, k in steps}))
+        assert tables["c"].blocks == tables["python"].blocks == held
         t = tables["c"]
         # held: the bisection over any prompt, its first hashes held or not.
         for hashes in (probe, [k for _, k in steps if _][:12] + probe):

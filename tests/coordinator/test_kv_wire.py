@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.coordinator.kv import hashing
+from services.coordinator.kv import hashing, wire
 from services.coordinator.kv.wire import Batch, Cleared, Event, Removed, Stored, WireError, decode, encode
 from tests.vllm_kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch, vllm_stored
 
@@ -215,6 +215,43 @@ def test_fuzz_values_decode_or_wire_error(value: Any) -> None:
         return
     assert isinstance(batch, Batch)
     assert decode(encode(batch)) == batch
+
+
+hashes = st.lists(st.integers(-(2**63), 2**64 - 1) | st.binary(min_size=1, max_size=32), max_size=6)
+vllm_event = st.one_of(
+    st.tuples(
+        st.just("BlockStored"),
+        hashes,
+        st.none() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=32),
+        st.lists(st.integers(-(2**63), 2**64 - 1), max_size=20),
+        st.integers(1, 64),
+        st.none() | st.integers(0, 9),
+        st.none() | st.sampled_from(["GPU", "CPU"]),
+        st.none() | st.text(max_size=4),
+    ),
+    st.tuples(st.just("BlockRemoved"), hashes, st.none() | st.just("GPU")),
+    st.just(("AllBlocksCleared",)),
+).map(list)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(allow_nan=False, allow_infinity=False) | st.integers(0, 2**40), st.lists(vllm_event, max_size=5)
+)
+def test_vllms_form_takes_the_typed_path_to_the_same_batch(ts: float, events: list[Any]) -> None:
+    payload = msgspec.msgpack.encode([ts, events, 0])
+    typed = wire._decode_typed(payload)
+    assert typed is not None
+    assert typed == wire._decode_any(payload)
+
+
+@settings(max_examples=500, deadline=None)
+@given(msgpack_values | batch_like)
+def test_whatever_the_typed_path_takes_it_reads_as_the_generic_path_does(value: Any) -> None:
+    payload = msgspec.msgpack.encode(value)
+    typed = wire._decode_typed(payload)
+    if typed is not None:
+        assert typed == wire._decode_any(payload)
 
 
 # ---- Motor's block hashes ----------------------------------------------------------------------

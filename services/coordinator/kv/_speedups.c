@@ -683,19 +683,49 @@ static PyTypeObject ChatsType = {
 
 PyDoc_STRVAR(chain_doc,
              "chain(ids, block_size, parent) -> array('q')\n\n"
-             "hashing.chain of a buffer of 32- or 64-bit ids: the chained hashes of its full\n"
-             "blocks, the first chained to parent.");
+             "hashing.chain of a buffer of 32- or 64-bit ids, or of a list of ints (OverflowError\n"
+             "for one past 64 bits): the chained hashes of its full blocks, the first chained to\n"
+             "parent.");
+
+/* A list's ids as 64-bit ints, read in place: an event's token ids arrive as a list, and
+ * building an array of them first cost more than hashing them. */
+static PyObject *chain_of_list(PyObject *list, Py_ssize_t bs, uint64_t parent) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    int64_t *ids = PyMem_Malloc((size_t)n * sizeof(int64_t) + 1);
+    if (!ids)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        int overflow = 0;
+        long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
+        if (!PyLong_Check(item) || overflow) {
+            PyMem_Free(ids);
+            PyErr_SetString(PyLong_Check(item) ? PyExc_OverflowError : PyExc_TypeError,
+                            "ids must be integers of at most 64 bits");
+            return NULL;
+        }
+        ids[i] = v;
+    }
+    PyObject *result = chain_of(ids, n, 1, bs, parent);
+    PyMem_Free(ids);
+    return result;
+}
 
 static PyObject *sp_chain(PyObject *mod, PyObject *args) {
-    Py_buffer buf;
+    PyObject *ids;
     Py_ssize_t bs;
     long long parent;
-    if (!PyArg_ParseTuple(args, "y*nL", &buf, &bs, &parent))
+    if (!PyArg_ParseTuple(args, "OnL", &ids, &bs, &parent))
+        return NULL;
+    if (bs <= 0)
+        return PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
+    if (PyList_Check(ids))
+        return chain_of_list(ids, bs, (uint64_t)parent);
+    Py_buffer buf;
+    if (PyObject_GetBuffer(ids, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (bs <= 0)
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
-    else if (buf.itemsize != 4 && buf.itemsize != 8)
+    if (buf.itemsize != 4 && buf.itemsize != 8)
         PyErr_SetString(PyExc_TypeError, "ids must be 32- or 64-bit integers");
     else
         result = chain_of(buf.buf, buf.len / buf.itemsize, buf.itemsize == 8, bs, (uint64_t)parent);
@@ -740,9 +770,9 @@ static Py_ssize_t run_of(const int64_t *s, uint64_t mask, const int64_t *h, Py_s
     return lo;
 }
 
-/* A table's slots (`flags`: PyBUF_SIMPLE to read, PyBUF_WRITABLE to write) and their mask. */
-static int slots_of(PyObject *obj, int flags, Py_buffer *slots, uint64_t *mask) {
-    if (PyObject_GetBuffer(obj, slots, flags) < 0)
+/* A table's slots, to read, and their mask. */
+static int slots_of(PyObject *obj, Py_buffer *slots, uint64_t *mask) {
+    if (PyObject_GetBuffer(obj, slots, PyBUF_SIMPLE) < 0)
         return -1;
     Py_ssize_t capacity = slots->len / 8;
     if (slots->len % 8 || capacity == 0 || (capacity & (capacity - 1))) {
@@ -769,7 +799,7 @@ static PyObject *sp_held(PyObject *mod, PyObject *args) {
     PyObject *result = NULL;
     if (hashes.len % 8)
         PyErr_SetString(PyExc_ValueError, "hashes must be 64-bit");
-    else if (slots_of(slots_obj, PyBUF_SIMPLE, &slots, &mask) == 0) {
+    else if (slots_of(slots_obj, &slots, &mask) == 0) {
         result = PyLong_FromSsize_t(run_of(slots.buf, mask, hashes.buf, hashes.len / 8));
         PyBuffer_Release(&slots);
     }
@@ -868,16 +898,7 @@ done:
     return result;
 }
 
-/* -- writing a table (the management process): Table.add and Table.remove ------------------- */
-
-static int table_args(PyObject *args, Py_buffer *slots, int64_t *key, uint64_t *mask) {
-    PyObject *obj;
-    long long h;
-    if (!PyArg_ParseTuple(args, "OL", &obj, &h) || slots_of(obj, PyBUF_WRITABLE, slots, mask) < 0)
-        return -1;
-    *key = h ? (int64_t)h : 1;
-    return 0;
-}
+/* -- writing a table (the management process): Table.update --------------------------------- */
 
 /* Where key is, or the empty slot that ends its probe run (the table is never full). */
 static uint64_t table_slot(const int64_t *s, uint64_t mask, int64_t key) {
@@ -905,36 +926,50 @@ static void table_delete(int64_t *s, uint64_t mask, uint64_t i) {
     __atomic_store_n(&s[i], 0, __ATOMIC_RELAXED);
 }
 
-/* table_add (add) or table_remove: whether the table changed. */
-static PyObject *table_write(PyObject *args, int add) {
-    Py_buffer buf;
-    int64_t key;
-    uint64_t mask;
-    if (table_args(args, &buf, &key, &mask) < 0)
+PyDoc_STRVAR(table_update_doc,
+             "table_update(file, header, changes) -> None\n\n"
+             "Table.update: file is a table's whole file as 64-bit integers (header of them, the\n"
+             "third the count of blocks held, then the slots); changes maps each hash to whether\n"
+             "the table must hold it.");
+
+static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
+    PyObject *file_obj, *changes;
+    Py_ssize_t header;
+    if (!PyArg_ParseTuple(args, "OnO!", &file_obj, &header, &PyDict_Type, &changes))
         return NULL;
-    int64_t *s = buf.buf;
-    uint64_t i = table_slot(s, mask, key);
-    int changed = add ? !s[i] : s[i] != 0;
-    if (changed && add)
-        __atomic_store_n(&s[i], key, __ATOMIC_RELAXED);
-    else if (changed)
-        table_delete(s, mask, i);
+    Py_buffer buf;
+    if (PyObject_GetBuffer(file_obj, &buf, PyBUF_WRITABLE) < 0)
+        return NULL;
+    int64_t *file = buf.buf;
+    Py_ssize_t capacity = buf.len / 8 - header;
+    if (buf.len % 8 || header < 3 || capacity <= 0 || (capacity & (capacity - 1))) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "a table file is a header then a power of two of 64-bit slots");
+        return NULL;
+    }
+    int64_t *s = file + header, held = file[2];
+    uint64_t mask = (uint64_t)capacity - 1;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(changes, &pos, &key, &value)) {
+        long long h = PyLong_AsLongLong(key);
+        if (h == -1 && PyErr_Occurred())
+            break;
+        int64_t k = h ? (int64_t)h : 1;
+        uint64_t i = table_slot(s, mask, k);
+        if (value == Py_True && !s[i]) {
+            __atomic_store_n(&s[i], k, __ATOMIC_RELAXED);
+            held++;
+        } else if (value != Py_True && s[i]) {
+            table_delete(s, mask, i);
+            held--;
+        }
+    }
+    __atomic_store_n(&file[2], held, __ATOMIC_RELAXED);
     PyBuffer_Release(&buf);
-    return PyBool_FromLong(changed);
-}
-
-PyDoc_STRVAR(table_add_doc, "table_add(slots, h) -> bool\n\nAdd h to the table; whether it was not there.");
-
-static PyObject *sp_table_add(PyObject *mod, PyObject *args) {
-    return table_write(args, 1);
-}
-
-PyDoc_STRVAR(table_remove_doc,
-             "table_remove(slots, h) -> bool\n\nRemove h from the table, shifting later entries of its run "
-             "back; whether it was there.");
-
-static PyObject *sp_table_remove(PyObject *mod, PyObject *args) {
-    return table_write(args, 0);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* -- the module ------------------------------------------------------------------------------- */
@@ -944,8 +979,7 @@ static PyMethodDef module_methods[] = {
     {"chain", sp_chain, METH_VARARGS, chain_doc},
     {"held", sp_held, METH_VARARGS, held_doc},
     {"holder", (PyCFunction)(void (*)(void))sp_holder, METH_FASTCALL, holder_doc},
-    {"table_add", sp_table_add, METH_VARARGS, table_add_doc},
-    {"table_remove", sp_table_remove, METH_VARARGS, table_remove_doc},
+    {"table_update", sp_table_update, METH_VARARGS, table_update_doc},
     {NULL},
 };
 

@@ -34,9 +34,8 @@ DEFAULT_MAX_BLOCKS = 262144
 class Mirror(Protocol):
     """What else must know which of our hashes each endpoint holds (:mod:`.shared`)."""
 
-    def add(self, ep: Hashable, h: int) -> None: ...
-
-    def remove(self, ep: Hashable, h: int) -> None: ...
+    def update(self, ep: Hashable, changes: dict[int, bool]) -> None:
+        """``ep`` now holds each hash ``changes`` maps to True, and none it maps to False."""
 
     def clear(self, ep: Hashable) -> None: ...
 
@@ -68,27 +67,36 @@ class KvIndex:
         self.orphans = 0  # stored chains skipped: their parent was not known
         self.mismatched = 0  # stored events skipped: their tokens did not fill their blocks
         self.evicted_by_bound = 0  # engine hashes forgotten for the memory bound
+        # What the mirror must change, gathered over one event and handed over at once: each
+        # hash's last change wins (a block released and held again within an event stays).
+        self._changes: dict[int, bool] = {}
 
     # ---- events --------------------------------------------------------------------------------
 
     def apply(self, ep: Hashable, event: Event) -> None:
-        if isinstance(event, Stored):
-            self._store(ep, event)
-        elif isinstance(event, Removed):
-            held = self._held.get(ep)
-            if held is not None:
-                for engine_hash in event.block_hashes:
-                    ours = held.ours.pop(engine_hash, None)
-                    if ours is not None:
-                        self._release(ep, held, ours)
-        elif isinstance(event, Cleared):
-            held = self._held.get(ep)
-            if held is not None:
-                self.size -= len(held.refs)
-                held.ours.clear()
-                held.refs.clear()
+        try:
+            if isinstance(event, Stored):
+                self._store(ep, event)
+            elif isinstance(event, Removed):
+                held = self._held.get(ep)
+                if held is not None:
+                    for engine_hash in event.block_hashes:
+                        ours = held.ours.pop(engine_hash, None)
+                        if ours is not None:
+                            self._release(held, ours)
+            elif isinstance(event, Cleared):
+                held = self._held.get(ep)
+                if held is not None:
+                    self.size -= len(held.refs)
+                    held.ours.clear()
+                    held.refs.clear()
+                    if self.mirror is not None:
+                        self.mirror.clear(ep)
+        finally:
+            if self._changes:
+                changes, self._changes = self._changes, {}
                 if self.mirror is not None:
-                    self.mirror.clear(ep)
+                    self.mirror.update(ep, changes)
 
     def apply_all(self, ep: Hashable, events: Iterable[Event]) -> None:
         for event in events:
@@ -126,38 +134,36 @@ class KvIndex:
         for engine_hash, ours in zip(
             event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True
         ):
-            self._hold(ep, held, engine_hash, ours)
+            self._hold(held, engine_hash, ours)
 
-    def _hold(self, ep: Hashable, held: _Held, engine_hash: BlockHash, ours: int) -> None:
+    def _hold(self, held: _Held, engine_hash: BlockHash, ours: int) -> None:
         before = held.ours.get(engine_hash)
         if before is not None:
             held.ours.move_to_end(engine_hash)
             if before == ours:
                 return
             held.ours[engine_hash] = ours
-            self._release(ep, held, before)
+            self._release(held, before)
         else:
             held.ours[engine_hash] = ours
             if len(held.ours) > self.max_blocks_per_endpoint:
                 _, oldest = held.ours.popitem(last=False)
-                self._release(ep, held, oldest)
+                self._release(held, oldest)
                 self.evicted_by_bound += 1
         count = held.refs.get(ours, 0)
         held.refs[ours] = count + 1
         if count == 0:
             self.size += 1
-            if self.mirror is not None:
-                self.mirror.add(ep, ours)
+            self._changes[ours] = True
 
-    def _release(self, ep: Hashable, held: _Held, ours: int) -> None:
+    def _release(self, held: _Held, ours: int) -> None:
         count = held.refs[ours]
         if count > 1:
             held.refs[ours] = count - 1
         else:
             del held.refs[ours]
             self.size -= 1
-            if self.mirror is not None:
-                self.mirror.remove(ep, ours)
+            self._changes[ours] = False
 
     # ---- queries -------------------------------------------------------------------------------
 

@@ -143,22 +143,32 @@ class Table:
             i = (i + 1) & mask
         return i
 
-    def add(self, h: int) -> None:
+    def update(self, changes: dict[int, bool]) -> None:
+        """Hold each hash ``changes`` maps to True and none it maps to False (in C where it
+        was built: a churning engine's batch changes a hundred blocks)."""
         if speedups.native is not None:
-            if speedups.native.table_add(self.slots, h):
-                self.head[_BLOCKS] += 1
+            speedups.native.table_update(self.file, HEADER, changes)
             return
+        for h, hold in changes.items():
+            if hold:
+                self._add(h)
+            else:
+                self._remove(h)
+
+    def add(self, h: int) -> None:
+        self.update({h: True})
+
+    def remove(self, h: int) -> None:
+        self.update({h: False})
+
+    def _add(self, h: int) -> None:
         key = h or 1
         i = self._slot(key)
         if not self.slots[i]:
             self.slots[i] = key
             self.head[_BLOCKS] += 1
 
-    def remove(self, h: int) -> None:
-        if speedups.native is not None:
-            if speedups.native.table_remove(self.slots, h):
-                self.head[_BLOCKS] -= 1
-            return
+    def _remove(self, h: int) -> None:
         slots, mask = self.slots, self.mask
         i = self._slot(h or 1)
         if not slots[i]:
@@ -195,7 +205,7 @@ class Table:
 class SharedWriter:
     """The management process's side: a :class:`Table` per endpoint and the directory. Tables
     are created and unlinked off the event loop (:meth:`create`, :meth:`unlink`); the index's
-    changes (:meth:`add`, :meth:`remove`, :meth:`clear`) only write memory."""
+    changes (:meth:`update`, :meth:`clear`) only write memory."""
 
     def __init__(self, directory: str, max_blocks_per_endpoint: int) -> None:
         self.dir = os.path.join(directory, "kv")
@@ -268,15 +278,10 @@ class SharedWriter:
 
     # -- the index's mirror --------------------------------------------------------------------
 
-    def add(self, ep: Hashable, h: int) -> None:
+    def update(self, ep: Hashable, changes: dict[int, bool]) -> None:
         table = self._tables.get(ep)
         if table is not None:
-            table.add(h)
-
-    def remove(self, ep: Hashable, h: int) -> None:
-        table = self._tables.get(ep)
-        if table is not None:
-            table.remove(h)
+            table.update(changes)
 
     def clear(self, ep: Hashable) -> None:
         table = self._tables.get(ep)

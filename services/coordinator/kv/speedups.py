@@ -26,12 +26,12 @@ except ImportError:  # no C compiler at install time
 def chain(ids: Sequence[int], block_size: int, parent: int = ROOT) -> Sequence[int]:
     """:func:`~.hashing.chain`; in C for ids that fit 64 bits (all an engine has)."""
     if native is not None:
-        if not isinstance(ids, array) or ids.typecode not in "ilq":
-            try:
-                ids = array("q", ids)
-            except (OverflowError, TypeError):  # not 64-bit ints: Python's hash takes any
-                return array("q", py_chain(ids, block_size, parent))
-        return native.chain(ids, block_size, parent)
+        try:
+            if isinstance(ids, list) or (isinstance(ids, array) and ids.typecode in "ilq"):
+                return native.chain(ids, block_size, parent)
+            return native.chain(array("q", ids), block_size, parent)
+        except (OverflowError, TypeError):  # not 64-bit ints: Python's hash takes any
+            return array("q", py_chain(ids, block_size, parent))
     return py_chain(ids, block_size, parent)
 
 

@@ -78,8 +78,67 @@ _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
 
+# vLLM's own form, typed: what every batch of a current engine is. msgspec decodes and checks it
+# in one pass (half the time of decoding it generically, then checking it), and ignores trailing
+# fields it does not name. Anything else (maps, kinds Motor does not know, values it refuses)
+# goes the generic way, which accepts all of it that is valid and says what is not.
+class _StoredForm(msgspec.Struct, array_like=True, tag=_STORED):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: Any = None
+    medium: str | None = None
+
+
+class _RemovedForm(msgspec.Struct, array_like=True, tag=_REMOVED):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _ClearedForm(msgspec.Struct, array_like=True, tag=_CLEARED):
+    pass
+
+
+class _BatchForm(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredForm | _RemovedForm | _ClearedForm]
+    data_parallel_rank: int | None = None
+
+
+_typed = msgspec.msgpack.Decoder(_BatchForm)
+_MAPS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack's map headers
+
+
+def _decode_typed(payload: bytes) -> Batch | None:
+    """The batch, if ``payload`` is one in vLLM's array-like form with nothing to refuse."""
+    if not payload or payload[0] in _MAPS:
+        return None
+    try:
+        raw = _typed.decode(payload)
+    except (msgspec.MsgspecError, RecursionError, TypeError):
+        return None
+    if not math.isfinite(raw.ts):
+        return None
+    events: list[Event] = []
+    for e in raw.events:
+        if type(e) is _StoredForm:
+            if e.block_size <= 0:
+                return None
+            events.append(Stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium))
+        elif type(e) is _RemovedForm:
+            events.append(Removed(e.block_hashes, e.medium))
+        else:
+            events.append(Cleared())
+    return Batch(raw.ts, events, raw.data_parallel_rank)
+
+
 def decode(payload: bytes) -> Batch:
     """The batch in ``payload``; :class:`WireError` if it is not one."""
+    return _decode_typed(payload) or _decode_any(payload)
+
+
+def _decode_any(payload: bytes) -> Batch:
     try:
         raw = _decoder.decode(payload)
     except (msgspec.MsgspecError, RecursionError) as exc:  # deep nesting is a RecursionError
