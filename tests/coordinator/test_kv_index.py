@@ -12,10 +12,18 @@ from hypothesis import strategies as st
 from services.coordinator.kv.hashing import chain
 from services.coordinator.kv.index import KvIndex
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
+from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 BS = 4
 PROMPT = list(range(100, 124))  # six blocks
 OURS = chain(PROMPT, BS)
+
+
+@pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
+def impl(request: pytest.FixtureRequest) -> Any:
+    """Every test twice: the per-block work in C, and in the Python it mirrors."""
+    with implementation(request.param):
+        yield request.param
 
 
 def stored(hashes: list[BlockHash], parent: BlockHash | None, tokens: list[int], size: int = BS) -> Stored:

@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import sysconfig
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,36 @@ def test_table_writes_and_lookups_are_the_pythons(
     finally:
         for table in tables.values():
             table.close()
+
+
+# -- the index's per-block work ------------------------------------------------------------------
+
+
+engine_hash = st.integers(0, 12) | st.binary(min_size=1, max_size=2)
+chains = st.lists(st.tuples(engine_hash, st.integers(0, 6)), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), chains), max_size=12), st.integers(1, 6))
+def test_holding_and_releasing_blocks_is_the_pythons(steps: list[Any], bound: int) -> None:
+    """The same stores (engine hashes standing for ours, re-stored, re-pointed, past the bound)
+    and removals leave the same containers, in the same order, and say the same."""
+    states: dict[str, Any] = {}
+    for name in IMPLEMENTATIONS:
+        with implementation(name):
+            ours: OrderedDict[Any, int] = OrderedDict()
+            refs: dict[int, int] = {}
+            said = []
+            for store, pairs in steps:
+                changes: dict[int, bool] = {}
+                engine = [e for e, _ in pairs]
+                if store:
+                    said.append(
+                        speedups.hold(ours, refs, changes, engine, array("q", [h for _, h in pairs]), bound)
+                    )
+                else:
+                    said.append(speedups.release(ours, refs, changes, engine))
+                said.append(changes)
+                assert len(ours) <= bound and sum(refs.values()) == len(ours)
+            states[name] = (list(ours.items()), refs, said)
+    assert states["c"] == states["python"]

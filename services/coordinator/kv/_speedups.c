@@ -972,6 +972,143 @@ static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- following the events (the management process): KvIndex's per-block work ---------------
+ *
+ * An endpoint's blocks are kept in Python containers, which the index's queries and tests read:
+ * `ours`, an OrderedDict of engine hash -> our hash, oldest stored first; `refs`, a dict of our
+ * hash -> how many engine hashes stand for it; `changes`, a dict of our hash -> whether the
+ * endpoint now holds it, for the shared table. These loops are speedups.hold and
+ * speedups.release without the interpreter's dispatch per block (a churning engine's batch
+ * stores and evicts a hundred). */
+
+static PyObject *str_move_to_end, *str_popitem, *kw_last;
+
+/* One engine hash fewer for `h`: forgotten with the last one. Returns the change of size. */
+static int release_one(PyObject *refs, PyObject *changes, PyObject *h, Py_ssize_t *size) {
+    PyObject *count = PyDict_GetItemWithError(refs, h);
+    if (!count) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, h);
+        return -1;
+    }
+    long c = PyLong_AsLong(count);
+    if (c == -1 && PyErr_Occurred())
+        return -1;
+    if (c > 1) {
+        PyObject *less = PyLong_FromLong(c - 1);
+        int rc = less ? PyDict_SetItem(refs, h, less) : -1;
+        Py_XDECREF(less);
+        return rc;
+    }
+    if (PyDict_DelItem(refs, h) < 0 || PyDict_SetItem(changes, h, Py_False) < 0)
+        return -1;
+    (*size)--;
+    return 0;
+}
+
+PyDoc_STRVAR(hold_doc,
+             "hold(ours, refs, changes, engine_hashes, hashes, bound) -> (size change, evicted)\n\n"
+             "speedups.hold: a stored chain's blocks, engine_hashes[i] standing for hashes[i].");
+
+static PyObject *sp_hold(PyObject *mod, PyObject *args) {
+    PyObject *ours, *refs, *changes, *engine_list, *hashes_obj;
+    Py_ssize_t bound;
+    if (!PyArg_ParseTuple(args, "OO!O!O!On", &ours, &PyDict_Type, &refs, &PyDict_Type, &changes,
+                          &PyList_Type, &engine_list, &hashes_obj, &bound))
+        return NULL;
+    if (!PyDict_Check(ours)) {
+        PyErr_SetString(PyExc_TypeError, "ours must be an OrderedDict");
+        return NULL;
+    }
+    Py_buffer hb;
+    if (PyObject_GetBuffer(hashes_obj, &hb, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t n = hb.len / 8, size = 0, evicted = 0;
+    const int64_t *hs = hb.buf;
+    PyObject *result = NULL;
+    if (hb.len % 8 || n != PyList_GET_SIZE(engine_list)) {
+        PyErr_SetString(PyExc_ValueError, "one hash per engine hash");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *eh = PyList_GET_ITEM(engine_list, i);
+        PyObject *h = PyLong_FromLongLong(hs[i]);
+        if (!h)
+            goto done;
+        PyObject *before = PyDict_GetItemWithError(ours, eh);
+        int ok = 0;
+        if (before) {
+            Py_INCREF(before);
+            PyObject *moved = PyObject_CallMethodOneArg(ours, str_move_to_end, eh);
+            int same = moved ? PyObject_RichCompareBool(before, h, Py_EQ) : -1;
+            Py_XDECREF(moved);
+            if (same == 1) {
+                Py_DECREF(before);
+                Py_DECREF(h);
+                continue;
+            }
+            ok = same == 0 && PyObject_SetItem(ours, eh, h) == 0 && release_one(refs, changes, before, &size) == 0;
+            Py_DECREF(before);
+        } else if (!PyErr_Occurred() && PyObject_SetItem(ours, eh, h) == 0) {
+            ok = 1;
+            if (PyObject_Length(ours) > bound) {
+                PyObject *no[] = {ours, Py_False}; /* ours.popitem(last=False) */
+                PyObject *item = PyObject_VectorcallMethod(str_popitem, no, 1, kw_last);
+                ok = item && PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2 &&
+                     release_one(refs, changes, PyTuple_GET_ITEM(item, 1), &size) == 0;
+                Py_XDECREF(item);
+                evicted++;
+            }
+        }
+        if (ok) {
+            PyObject *count = PyDict_GetItemWithError(refs, h);
+            long c = count ? PyLong_AsLong(count) : 0;
+            PyObject *more = PyErr_Occurred() ? NULL : PyLong_FromLong(c + 1);
+            ok = more && PyDict_SetItem(refs, h, more) == 0 && (c || PyDict_SetItem(changes, h, Py_True) == 0);
+            Py_XDECREF(more);
+            size += ok && !c;
+        }
+        Py_DECREF(h);
+        if (!ok)
+            goto done;
+    }
+    result = Py_BuildValue("nn", size, evicted);
+done:
+    PyBuffer_Release(&hb);
+    return result;
+}
+
+PyDoc_STRVAR(release_doc,
+             "release(ours, refs, changes, engine_hashes) -> size change\n\n"
+             "speedups.release: an engine's removed blocks, those it knows of.");
+
+static PyObject *sp_release(PyObject *mod, PyObject *args) {
+    PyObject *ours, *refs, *changes, *engine_list;
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &ours, &PyDict_Type, &refs, &PyDict_Type, &changes, &PyList_Type,
+                          &engine_list))
+        return NULL;
+    if (!PyDict_Check(ours)) {
+        PyErr_SetString(PyExc_TypeError, "ours must be an OrderedDict");
+        return NULL;
+    }
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(engine_list); i++) {
+        PyObject *eh = PyList_GET_ITEM(engine_list, i);
+        PyObject *h = PyDict_GetItemWithError(ours, eh);
+        if (!h) {
+            if (PyErr_Occurred())
+                return NULL;
+            continue;
+        }
+        Py_INCREF(h);
+        int ok = PyObject_DelItem(ours, eh) == 0 && release_one(refs, changes, h, &size) == 0;
+        Py_DECREF(h);
+        if (!ok)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(size);
+}
+
 /* -- the module ------------------------------------------------------------------------------- */
 
 static PyMethodDef module_methods[] = {
@@ -980,6 +1117,8 @@ static PyMethodDef module_methods[] = {
     {"held", sp_held, METH_VARARGS, held_doc},
     {"holder", (PyCFunction)(void (*)(void))sp_holder, METH_FASTCALL, holder_doc},
     {"table_update", sp_table_update, METH_VARARGS, table_update_doc},
+    {"hold", sp_hold, METH_VARARGS, hold_doc},
+    {"release", sp_release, METH_VARARGS, release_doc},
     {NULL},
 };
 
@@ -997,8 +1136,12 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     str_base = PyUnicode_InternFromString("base");
     str_down = PyUnicode_InternFromString("down");
     str_n = PyUnicode_InternFromString("n");
+    str_move_to_end = PyUnicode_InternFromString("move_to_end");
+    str_popitem = PyUnicode_InternFromString("popitem");
+    kw_last = Py_BuildValue("(s)", "last");
     PyObject *array_mod = PyImport_ImportModule("array");
-    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !array_mod)
+    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_move_to_end ||
+        !str_popitem || !kw_last || !array_mod)
         return NULL;
     array_type = PyObject_GetAttrString(array_mod, "array");
     Py_DECREF(array_mod);

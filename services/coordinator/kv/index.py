@@ -24,7 +24,7 @@ from typing import Protocol
 
 from services.coordinator.kv.hashing import ROOT
 from services.coordinator.kv.prompt import PromptView
-from services.coordinator.kv.speedups import chain, held_run
+from services.coordinator.kv.speedups import chain, held_run, hold, release
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from services.coordinator.routes import Upstream
 
@@ -80,10 +80,7 @@ class KvIndex:
             elif isinstance(event, Removed):
                 held = self._held.get(ep)
                 if held is not None:
-                    for engine_hash in event.block_hashes:
-                        ours = held.ours.pop(engine_hash, None)
-                        if ours is not None:
-                            self._release(held, ours)
+                    self.size += release(held.ours, held.refs, self._changes, event.block_hashes)
             elif isinstance(event, Cleared):
                 held = self._held.get(ep)
                 if held is not None:
@@ -131,39 +128,12 @@ class KvIndex:
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
             self.mismatched += 1
             return
-        for engine_hash, ours in zip(
-            event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True
-        ):
-            self._hold(held, engine_hash, ours)
-
-    def _hold(self, held: _Held, engine_hash: BlockHash, ours: int) -> None:
-        before = held.ours.get(engine_hash)
-        if before is not None:
-            held.ours.move_to_end(engine_hash)
-            if before == ours:
-                return
-            held.ours[engine_hash] = ours
-            self._release(held, before)
-        else:
-            held.ours[engine_hash] = ours
-            if len(held.ours) > self.max_blocks_per_endpoint:
-                _, oldest = held.ours.popitem(last=False)
-                self._release(held, oldest)
-                self.evicted_by_bound += 1
-        count = held.refs.get(ours, 0)
-        held.refs[ours] = count + 1
-        if count == 0:
-            self.size += 1
-            self._changes[ours] = True
-
-    def _release(self, held: _Held, ours: int) -> None:
-        count = held.refs[ours]
-        if count > 1:
-            held.refs[ours] = count - 1
-        else:
-            del held.refs[ours]
-            self.size -= 1
-            self._changes[ours] = False
+        hashes = chain(event.token_ids, event.block_size, parent)
+        size, evicted = hold(
+            held.ours, held.refs, self._changes, event.block_hashes, hashes, self.max_blocks_per_endpoint
+        )
+        self.size += size
+        self.evicted_by_bound += evicted
 
     # ---- queries -------------------------------------------------------------------------------
 

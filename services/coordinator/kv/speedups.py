@@ -1,4 +1,5 @@
-"""kv_aware's request path in C, where it was built, else the Python it mirrors.
+"""kv_aware's request path and the index's per-block work in C, where it was built, else the
+Python it mirrors.
 
 Tokenizing a chat, hashing its blocks and looking them up in the shared index are a few
 microseconds each in a tight loop, and several times that in a Coordinator between two
@@ -12,10 +13,14 @@ computes and which the tests compare it with.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from services.coordinator.kv.hashing import ROOT
 from services.coordinator.kv.hashing import chain as py_chain
+
+K = TypeVar("K", bound=Hashable)  # an engine's block hash
 
 try:
     from services.coordinator.kv import _speedups as native
@@ -57,3 +62,65 @@ def held_run(has: Callable[[int], bool], hashes: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def hold(
+    ours: OrderedDict[K, int],
+    refs: dict[int, int],
+    changes: dict[int, bool],
+    engine_hashes: list[K],
+    hashes: Sequence[int],
+    bound: int,
+) -> tuple[int, int]:
+    """A stored chain into one endpoint's blocks (:class:`~.index.KvIndex`): ``ours`` maps each
+    engine hash to ours, oldest stored first, at most ``bound`` of them; ``refs`` counts the
+    engine hashes standing for each of ours; ``changes`` gets each of ours the endpoint now holds
+    (True) or no longer holds (False). Returns (the change in hashes held, engine hashes
+    forgotten for the bound)."""
+    if native is not None and isinstance(hashes, array) and type(engine_hashes) is list:
+        return native.hold(ours, refs, changes, engine_hashes, hashes, bound)
+    size = evicted = 0
+    for engine_hash, h in zip(engine_hashes, hashes, strict=True):
+        before = ours.get(engine_hash)
+        if before is not None:
+            ours.move_to_end(engine_hash)
+            if before == h:
+                continue
+            ours[engine_hash] = h
+            size += _release(refs, changes, before)
+        else:
+            ours[engine_hash] = h
+            if len(ours) > bound:
+                size += _release(refs, changes, ours.popitem(last=False)[1])
+                evicted += 1
+        count = refs.get(h, 0)
+        refs[h] = count + 1
+        if count == 0:
+            size += 1
+            changes[h] = True
+    return size, evicted
+
+
+def release(
+    ours: OrderedDict[K, int], refs: dict[int, int], changes: dict[int, bool], engine_hashes: list[K]
+) -> int:
+    """An engine's removed blocks out of one endpoint's (see :func:`hold`); those it does not
+    know are skipped. Returns the change in hashes held."""
+    if native is not None and type(engine_hashes) is list:
+        return native.release(ours, refs, changes, engine_hashes)
+    size = 0
+    for engine_hash in engine_hashes:
+        h = ours.pop(engine_hash, None)
+        if h is not None:
+            size += _release(refs, changes, h)
+    return size
+
+
+def _release(refs: dict[int, int], changes: dict[int, bool], h: int) -> int:
+    count = refs[h]
+    if count > 1:
+        refs[h] = count - 1
+        return 0
+    del refs[h]
+    changes[h] = False
+    return -1
