@@ -1,10 +1,11 @@
 /* The request path of kv_aware in C: a chat's token ids, their chained block hashes, and the
- * run of them an endpoint's shared table holds.
+ * run of them an endpoint's shared table holds; and the per-block work of following the
+ * engines' events into the index and the shared tables.
  *
- * Why C: between two requests the machine's other processes evict the Coordinator's CPU
- * caches, and a routing decision made of Python objects and bytecode then costs several times
- * what it costs in a tight loop (bench/results/kv_routing.md). These three steps touch only
- * flat memory here.
+ * Why C: between two requests (or two batches of events) the machine's other processes evict
+ * the Coordinator's CPU caches, and work made of Python objects and bytecode then costs several
+ * times what it costs in a tight loop (bench/results/kv_routing.md). These steps touch only
+ * flat memory here, or Python's containers without the interpreter's dispatch per item.
  *
  * Each function has a Python reference that defines it and that the tests compare it with:
  *   chat_ids        services.common.tokenizer.Builtin and sim_chat_text (the simulated
@@ -12,8 +13,11 @@
  *   Chats.prompt    chain(chat_ids(messages)), remembered by conversation prefix
  *   chain           services.coordinator.kv.hashing.chain (CPython's int and tuple hashes)
  *   held            services.coordinator.kv.shared.Table.has with speedups.held_run
- *   table_add,      services.coordinator.kv.shared.Table.add and .remove (the management
- *   table_remove    process's writes, one per block an event stores or removes)
+ *   holder          services.coordinator.kv.shared.SharedReader.holder's Python loop
+ *   table_update    services.coordinator.kv.shared.Table.update (the management process's
+ *                   writes, an event's changes at once)
+ *   hold, release   services.coordinator.kv.speedups.hold and .release (KvIndex's loops over an
+ *                   event's blocks)
  * The module is optional: without a C compiler Motor runs those references instead.
  */
 /* One file, one translation unit: the compiler inlines across its sections (the hashing into the
@@ -1124,7 +1128,9 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_speedups",
-    PyDoc_STR("kv_aware's request path in C (see services/coordinator/kv/speedups.py)."), -1, module_methods,
+    PyDoc_STR("kv_aware's request path and the KV index's per-block work in C\n"
+              "(see services/coordinator/kv/speedups.py)."),
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {

@@ -5,9 +5,11 @@ Tokenizing a chat, hashing its blocks and looking them up in the shared index ar
 microseconds each in a tight loop, and several times that in a Coordinator between two
 requests, when the machine's other processes have evicted its CPU caches: Python's objects and
 bytecode are then fetched from memory again, per request. ``_speedups.c`` does the same work
-over flat memory. It is built by ``pip install`` where a C compiler is present (an optional
-extension); without one, these functions run the Python references, which define what the C
-computes and which the tests compare it with.
+over flat memory. Following the events, an engine's batch holds and releases a hundred blocks
+when its cache churns: the per-block loops (:func:`hold`, :func:`release`, the shared tables'
+writes) run there too, without the interpreter's dispatch per block. It is built by ``pip
+install`` where a C compiler is present (an optional extension); without one, these functions
+run the Python references, which define what the C computes and which the tests compare it with.
 """
 
 from __future__ import annotations
