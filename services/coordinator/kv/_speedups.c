@@ -959,12 +959,15 @@ static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
         long long h = PyLong_AsLongLong(key);
         if (h == -1 && PyErr_Occurred())
             break;
+        int hold = PyObject_IsTrue(value);
+        if (hold < 0)
+            break;
         int64_t k = h ? (int64_t)h : 1;
         uint64_t i = table_slot(s, mask, k);
-        if (value == Py_True && !s[i]) {
+        if (hold && !s[i]) {
             __atomic_store_n(&s[i], k, __ATOMIC_RELAXED);
             held++;
-        } else if (value != Py_True && s[i]) {
+        } else if (!hold && s[i]) {
             table_delete(s, mask, i);
             held--;
         }
@@ -1058,8 +1061,9 @@ static PyObject *sp_hold(PyObject *mod, PyObject *args) {
             if (PyObject_Length(ours) > bound) {
                 PyObject *no[] = {ours, Py_False}; /* ours.popitem(last=False) */
                 PyObject *item = PyObject_VectorcallMethod(str_popitem, no, 1, kw_last);
-                ok = item && PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2 &&
-                     release_one(refs, changes, PyTuple_GET_ITEM(item, 1), &size) == 0;
+                if (item && !(PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2))
+                    PyErr_SetString(PyExc_TypeError, "ours.popitem() must give a pair");
+                ok = !PyErr_Occurred() && release_one(refs, changes, PyTuple_GET_ITEM(item, 1), &size) == 0;
                 Py_XDECREF(item);
                 evicted++;
             }
