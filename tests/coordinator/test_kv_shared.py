@@ -67,10 +67,10 @@ def test_a_table_is_the_set_its_adds_and_removes_make(tmp_path_factory: Any, ste
         model: set[int] = set()  # 0 is stored as 1 (0 marks an empty slot): one key
         for add, key in steps:
             if add:
-                table.add(key)
+                table.update({key: True})
                 model.add(key or 1)
             else:
-                table.remove(key)
+                table.update({key: False})
                 model.discard(key or 1)
             assert reader.blocks == len(model)
         every = {k for _, k in steps} | {7, -7, MIN_CAPACITY * 99}
@@ -84,9 +84,9 @@ def test_zero_is_a_key_like_any_other(tmp_path: Path) -> None:
     table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
     try:
         assert not table.has(0)
-        table.add(0)  # 0 marks an empty slot: the key is stored as 1, so 1 and 0 are one key
+        table.update({0: True})  # 0 marks an empty slot: the key is stored as 1, so 1 and 0 are one key
         assert table.has(0) and table.blocks == 1
-        table.remove(0)
+        table.update({0: False})
         assert not table.has(0) and table.blocks == 0
     finally:
         table.close()
@@ -97,12 +97,12 @@ def test_emptying_a_table(tmp_path: Path) -> None:
     try:
         keys = [k * 7919 for k in range(1, 2000)] + [(1 << 20) - 1]  # the last slot too
         for k in keys:
-            table.add(k)
+            table.update({k: True})
         table.set_block_size(16)
         table.clear()
         assert not any(table.has(k) for k in keys) and table.blocks == 0
         assert table.block_size == 16  # the header stays
-        table.add(keys[0])
+        table.update({keys[0]: True})
         assert table.has(keys[0]) and table.blocks == 1
     finally:
         table.close()

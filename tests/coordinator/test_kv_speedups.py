@@ -182,7 +182,7 @@ def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) 
             writer.install(name, table := writer.create(name))
             table.set_block_size(size)
             for h in chain(ids, size)[:blocks]:
-                table.add(h)
+                table.update({h: True})
         changed = reader.read_directory()
         assert changed is not None
         reader.install(*changed, reader.attach(changed[1]))
@@ -234,7 +234,7 @@ def test_table_writes_and_lookups_are_the_pythons(
         for add, key in steps:
             for name, table in tables.items():
                 with implementation(name):
-                    table.add(key) if add else table.remove(key)
+                    table.update({key: add})
             assert bytes(tables["c"].slots) == bytes(tables["python"].slots)
             assert tables["c"].blocks == tables["python"].blocks
         # An event's changes, in one call.

@@ -155,12 +155,6 @@ class Table:
             else:
                 self._remove(h)
 
-    def add(self, h: int) -> None:
-        self.update({h: True})
-
-    def remove(self, h: int) -> None:
-        self.update({h: False})
-
     def _add(self, h: int) -> None:
         key = h or 1
         i = self._slot(key)
