@@ -43,8 +43,8 @@ class BadBody(ValueError):
 def parse_request(raw: bytes, max_depth: int) -> tuple[dict[str, Any], bytes]:
     """The client's JSON object and the bytes to send on, without the hand-off fields.
 
-    Nesting deeper than ``max_depth`` is refused. Counting brackets is a C-speed upper bound on
-    the depth, so the exact walk only runs for bodies with many arrays or objects."""
+    Nesting deeper than ``max_depth`` is refused. The count of opening brackets is an upper
+    bound on the depth, so the exact walk only runs for bodies with many arrays or objects."""
     try:
         req = loads(raw)
     except RecursionError:
@@ -53,7 +53,7 @@ def parse_request(raw: bytes, max_depth: int) -> tuple[dict[str, Any], bytes]:
         raise BadBody(f"invalid JSON body: {exc}") from None
     if not isinstance(req, dict):
         raise BadBody("request body must be a JSON object")
-    if raw.count(b"{") + raw.count(b"[") > max_depth and _depth(req, max_depth) > max_depth:
+    if _brackets_exceed(raw, max_depth) and _depth(req, max_depth) > max_depth:
         raise BadBody(f"JSON nested deeper than max_json_depth ({max_depth})")
     present = [f for f in HANDOFF_FIELDS if f in req]  # four dict lookups
     if present:
@@ -61,6 +61,21 @@ def parse_request(raw: bytes, max_depth: int) -> tuple[dict[str, Any], bytes]:
             del req[f]
         raw = _dumps(req)  # every copy of the key goes, duplicates included
     return req, raw
+
+
+def _brackets_exceed(raw: bytes, limit: int) -> bool:
+    """Whether ``raw`` has more than ``limit`` opening brackets. Found by ``find`` (memchr, which
+    skips the bytes between brackets many at a time) and no further than the limit: bytes.count
+    compares every byte, and for a 20 KB chat body cost twice what parsing it did."""
+    n = 0
+    for bracket in (b"{", b"["):
+        at = raw.find(bracket)
+        while at >= 0:
+            n += 1
+            if n > limit:
+                return True
+            at = raw.find(bracket, at + 1)
+    return False
 
 
 def _depth(obj: Any, limit: int) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from motor.v1 import common_pb2 as c
 
 from services.common.enums import DECODE, PREFILL, UNION
@@ -374,6 +376,12 @@ async def test_a_100k_deep_body_is_400_with_the_default_limits(
         assert "max_json_depth" in err["error"]["message"] or "invalid JSON" in err["error"]["message"]
     assert not e.bodies
     await _still_serving(http, coord)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(alphabet="{[]}x", max_size=200).map(str.encode), st.integers(0, 40))
+def test_the_bracket_bound_is_the_count_of_opening_brackets(raw: bytes, limit: int) -> None:
+    assert bodies._brackets_exceed(raw, limit) == (raw.count(b"{") + raw.count(b"[") > limit)
 
 
 @pytest.mark.parametrize("mode", ["vllm_pd", "union"])
