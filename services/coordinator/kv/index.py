@@ -91,8 +91,10 @@ class KvIndex:
                         self.mirror.clear(ep)
         finally:
             if self._changes:
-                changes, self._changes = self._changes, {}
-                if self.mirror is not None:
+                if self.mirror is None:  # nobody to tell (one process): the dict is reused
+                    self._changes.clear()
+                else:
+                    changes, self._changes = self._changes, {}
                     self.mirror.update(ep, changes)
 
     def apply_all(self, ep: Hashable, events: Iterable[Event]) -> None:
