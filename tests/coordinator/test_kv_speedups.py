@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,6 +81,35 @@ def test_chain_refuses_what_python_refuses() -> None:
         c().chain([1, 2.0], 1, 1)
     # Ids beyond 64 bits go to Python's hash, which takes any int.
     assert list(speedups.chain([2**70, 3], 1)) == chain([2**70, 3], 1)
+
+
+packed_ids = st.lists(st.integers(-(2**63), 2**64 - 1), max_size=40).map(msgspec.msgpack.encode)
+packed_other = st.lists(
+    st.integers(-9, 9) | st.floats() | st.text(max_size=3) | st.booleans() | st.none(), max_size=5
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(packed_ids | packed_other.map(msgspec.msgpack.encode) | st.binary(max_size=24))
+def test_unpacking_ids_reads_what_msgspec_reads(packed: bytes) -> None:
+    try:
+        expected: list[int] | None = msgspec.msgpack.decode(packed, type=list[int])
+    except msgspec.MsgspecError:
+        expected = None
+    try:
+        got: list[int] | None = list(c().unpack_ids(packed))
+    except ValueError:
+        got = None
+    except OverflowError:  # what an array('q') cannot hold
+        assert expected is not None and max(expected) > 2**63 - 1
+        return
+    assert got == expected
+
+
+def test_unpacking_ids_takes_every_array_header() -> None:
+    for n in (0, 15, 16, 65535, 65536):
+        ids = [(i * 7919) % 300_000 - 1000 for i in range(n)]
+        assert list(c().unpack_ids(msgspec.msgpack.encode(ids))) == ids
 
 
 # -- the simulated engine's chat ids -------------------------------------------------------------

@@ -17,10 +17,14 @@ for anything malformed and never another exception, so a bad batch cannot crash 
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from services.coordinator.kv import speedups
 
 BlockHash = int | bytes  # vLLM hashes blocks to 64-bit ints (older) or SHA-256 digests (newer)
 
@@ -35,13 +39,21 @@ class WireError(ValueError):
 @dataclass(slots=True)
 class Stored:
     """Blocks an engine cached: ``token_ids`` are those blocks' tokens, ``block_size`` per block;
-    ``parent`` is the engine hash of the block before the first one (None: a sequence's first)."""
+    ``parent`` is the engine hash of the block before the first one (None: a sequence's first).
+    The ids are an ``array('q')``, or a list when one does not fit 64 bits."""
 
     block_hashes: list[BlockHash]
     parent: BlockHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     medium: str | None = None  # "GPU", "CPU" ...; None when the engine does not say
+
+    def __post_init__(self) -> None:
+        if type(self.token_ids) is not array:
+            try:
+                self.token_ids = array("q", self.token_ids)
+            except OverflowError:  # not an engine's, but hashable all the same
+                self.token_ids = list(self.token_ids)
 
 
 @dataclass(slots=True)
@@ -85,7 +97,7 @@ _encoder = msgspec.msgpack.Encoder()
 class _StoredForm(msgspec.Struct, array_like=True, tag=_STORED):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
-    token_ids: list[int]
+    token_ids: msgspec.Raw  # read by _ids_of: Python ints of them would cost more than hashing them
     block_size: int
     lora_id: Any = None
     medium: str | None = None
@@ -123,14 +135,25 @@ def _decode_typed(payload: bytes) -> Batch | None:
     events: list[Event] = []
     for e in raw.events:
         if type(e) is _StoredForm:
-            if e.block_size <= 0:
+            ids = _ids_of(e.token_ids)
+            if ids is None or e.block_size <= 0:
                 return None
-            events.append(Stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium))
+            events.append(Stored(e.block_hashes, e.parent_block_hash, ids, e.block_size, e.medium))
         elif type(e) is _RemovedForm:
             events.append(Removed(e.block_hashes, e.medium))
         else:
             events.append(Cleared())
     return Batch(raw.ts, events, raw.data_parallel_rank)
+
+
+def _ids_of(packed: msgspec.Raw) -> Sequence[int] | None:
+    """A typed batch's token ids, if they are an array of 64-bit ints."""
+    try:
+        if speedups.native is not None:
+            return speedups.native.unpack_ids(packed)
+        return array("q", msgspec.msgpack.decode(packed, type=_TOKENS))
+    except (msgspec.MsgspecError, ValueError, OverflowError):
+        return None
 
 
 def decode(payload: bytes) -> Batch:
@@ -236,7 +259,7 @@ def encode(batch: Batch) -> bytes:
 def _raw(event: Event) -> list[Any]:
     if isinstance(event, Stored):
         e = event
-        return [_STORED, e.block_hashes, e.parent, e.token_ids, e.block_size, None, e.medium, None]
+        return [_STORED, e.block_hashes, e.parent, list(e.token_ids), e.block_size, None, e.medium, None]
     if isinstance(event, Removed):
         return [_REMOVED, event.block_hashes, event.medium]
     return [_CLEARED]
