@@ -41,7 +41,7 @@ from services.common.tokenizer import Builtin
 from services.coordinator.kv import speedups, wire
 from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
 from services.coordinator.kv.prompt import Tokens
-from services.coordinator.kv.shared import SharedReader, SharedWriter, capacity_for
+from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, capacity_for
 
 BLOCK = 16
 ENDPOINTS = 4
@@ -60,7 +60,7 @@ class Costs:
     ingest_us: float  # decode + apply one batch to an index
     ingest_mirrored_us: float  # the same, mirrored for the workers
     bytes_per_block: float  # the index's own memory
-    shared_bytes_per_block: float  # the mapped tables' at their bound
+    shared_bytes_per_block: float  # the mapped tables', at their fullest
     prompt_tokens: int
 
 
@@ -211,7 +211,8 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         index = KvIndex(blocks_per_endpoint, writer)
         for e in range(ENDPOINTS):
             ep = f"http://127.0.0.1:{10000 + 2 * e}"
-            writer.install(ep, writer.create(ep))
+            # Made as big as the fill needs: here no feed replaces a crowded table.
+            writer.install(ep, writer.create(ep, writer.max_capacity))
         eps = _fill(index, ids, blocks_per_endpoint)
         reader = SharedReader(d)
         changed = reader.read_directory()
@@ -248,8 +249,8 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             raise RuntimeError("the index process did not start")
         trips = asyncio.run(_round_trips(address, list(first.hashes(BLOCK))))
         server.join(10)
-    # A table is a power of two at least twice the bound per endpoint, allocated whole: 16 bytes
-    # per block at the default bound.
+    # A table is replaced once more than half full by one at least four times what it holds: 16
+    # to 32 bytes per block held; the largest, at the default bound, per block of the bound.
     shared_bytes = capacity_for(DEFAULT_MAX_BLOCKS) * 8 / DEFAULT_MAX_BLOCKS
     return Costs(
         in_process,
@@ -289,6 +290,7 @@ def summary(c: Costs) -> list[str]:
         f"{c.ingest_mirrored_us:.0f} µs mirrored for the workers. With the shared index the "
         "management process pays it once; with an index per worker every worker would.",
         f"- Memory: {c.bytes_per_block:.0f} bytes per indexed block in the management process "
-        f"(engine hash, our hash, reference count), plus {c.shared_bytes_per_block:.0f} bytes of "
-        "mapped table per block of the bound (allocated when an endpoint is first followed).",
+        f"(engine hash, our hash, reference count), plus {c.shared_bytes_per_block:.0f} to "
+        f"{2 * c.shared_bytes_per_block:.0f} bytes of mapped table per block held (a table "
+        f"starts at {MIN_CAPACITY} slots and is replaced by a bigger one once more than half full).",
     ]

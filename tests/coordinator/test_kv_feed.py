@@ -18,7 +18,7 @@ from services.common.enums import PREFILL
 from services.common.tokenizer import Builtin
 from services.coordinator.kv.feed import KvFeed
 from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.shared import SharedReader, SharedWriter, Table
+from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
 from services.coordinator.metrics import Metrics, use_own_process
 from services.coordinator.routes import DownCount, RoutingView, Target
 from tests.chaos.test_kv_events_gap import event_ports
@@ -99,6 +99,86 @@ async def test_a_worker_reads_what_the_engine_cached_until_the_engine_leaves(
     assert not (tmp_path / "kv").exists()
 
 
+async def test_an_engine_caching_more_gets_a_bigger_table_that_workers_follow(
+    tmp_path: Path, engine: SimEngine
+) -> None:
+    view = [view_of(engine)]
+    feed = feed_for(tmp_path, view)
+    reader = SharedReader(str(tmp_path))
+    key = view[0].targets[0].endpoints[0].base
+    words = [f"x{i}" for i in range(600 * BS)]  # 600 blocks: more than half of a first table
+    await feed.start()
+    try:
+        writer = feed.writer
+        assert writer is not None
+        await until(lambda: writer.table(key) is not None, 20, "the engine's table")
+        first = writer.table(key)
+        assert first is not None and first.capacity == MIN_CAPACITY
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
+            async with s.post(f"{engine.v1}/completions", json=body) as resp:
+                assert resp.status == 200
+        hashes = chain(Builtin().encode(" ".join(words)), BS)
+
+        def sees_all_in_a_bigger_table() -> bool:
+            follow(reader)
+            table = writer.table(key)
+            return (
+                table is not None
+                and table.capacity > MIN_CAPACITY
+                and reader.match(hashes) == {key: 600}
+                and sorted(os.listdir(writer.dir)) == ["endpoints", os.path.basename(table.path)]
+            )
+
+        await until(sees_all_in_a_bigger_table, 20, "a bigger table, the old one deleted")
+    finally:
+        reader.close()
+        await feed.stop()
+
+
+async def test_without_room_for_a_bigger_table_the_first_one_serves_on(
+    tmp_path: Path, engine: SimEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    view = [view_of(engine)]
+    feed = feed_for(tmp_path, view)
+    reader = SharedReader(str(tmp_path))
+    key = view[0].targets[0].endpoints[0].base
+    create = SharedWriter.create
+    refused = threading.Event()
+
+    def no_room(self: SharedWriter, ep: object, capacity: int = MIN_CAPACITY) -> Table:
+        if capacity > MIN_CAPACITY:
+            refused.set()
+            raise OSError(28, "No space left on device")
+        return create(self, ep, capacity)
+
+    monkeypatch.setattr(SharedWriter, "create", no_room)
+    await feed.start()
+    try:
+        writer = feed.writer
+        assert writer is not None
+        await until(lambda: writer.table(key) is not None, 20, "the engine's table")
+        async with aiohttp.ClientSession() as s:
+            for n in (600, 601):  # the second after the refusal: events still flow
+                words = [f"x{i}" for i in range(n * BS)]
+                body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
+                async with s.post(f"{engine.v1}/completions", json=body) as resp:
+                    assert resp.status == 200
+                await until(refused.is_set, 20, "a bigger table refused")
+        hashes = chain(Builtin().encode(" ".join(words)), BS)
+
+        def sees_all() -> bool:
+            follow(reader)
+            return reader.match(hashes) == {key: 601}
+
+        await until(sees_all, 20, "the worker to see every block in the first table")
+        table = writer.table(key)
+        assert table is not None and table.capacity == MIN_CAPACITY
+    finally:
+        reader.close()
+        await feed.stop()
+
+
 async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
     tmp_path: Path, engine: SimEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,9 +187,9 @@ async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
     left, made = threading.Event(), threading.Event()
     create = SharedWriter.create
 
-    def slow_create(self: SharedWriter, ep: object) -> Table:
+    def slow_create(self: SharedWriter, ep: object, capacity: int = MIN_CAPACITY) -> Table:
         left.wait(20)  # in the feed's thread, until the engine has left the table
-        table = create(self, ep)
+        table = create(self, ep, capacity)
         made.set()
         return table
 

@@ -19,9 +19,11 @@ from services.coordinator.kv.shared import (
     SharedWriter,
     Table,
     capacity_for,
+    room,
 )
 from services.coordinator.kv.wire import Cleared
 from tests.coordinator.test_kv_index import BS, Engine, ops, run
+from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 
 def follow(reader: SharedReader) -> bool:
@@ -126,6 +128,23 @@ def test_the_files_go_at_close(tmp_path: Path) -> None:
     assert not os.path.exists(writer.dir)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_table_is_never_full(tmp_path: Path, impl: str) -> None:
+    with implementation(impl):
+        table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
+        try:
+            table.update(dict.fromkeys(range(1, MIN_CAPACITY + 1), True))
+            assert table.blocks == room(MIN_CAPACITY) < MIN_CAPACITY
+            assert not table.has(-5)  # a probe still meets an empty slot
+            held = [k for k in range(1, MIN_CAPACITY + 1) if table.has(k)]
+            assert len(held) == table.blocks
+            table.update({held[0]: False})
+            table.update({MIN_CAPACITY + 7: True})  # room again
+            assert table.has(MIN_CAPACITY + 7) and table.blocks == room(MIN_CAPACITY)
+        finally:
+            table.close()
+
+
 def test_capacity_keeps_a_table_at_most_half_full() -> None:
     assert capacity_for(1) == MIN_CAPACITY
     assert capacity_for(262144) == 1 << 19
@@ -196,6 +215,44 @@ def test_workers_follow_endpoints_joining_restarting_and_leaving(shared: Any) ->
     assert follow(reader)
     assert reader.endpoints() == ["b"] and reader.match(hashes) == {"b": 1}
     assert reader.endpoint_blocks("a") == 0 and reader.block_size("a") is None
+
+
+def test_a_crowded_table_is_replaced_by_a_bigger_one_holding_the_same(tmp_path: Path) -> None:
+    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=5000)
+    writer.open()
+    reader = SharedReader(str(tmp_path))
+    try:
+        index = KvIndex(5000, writer)
+        writer.install("e", writer.create("e"))
+        first = writer.table("e")
+        assert first is not None and first.capacity == MIN_CAPACITY
+        engine = Engine()
+        tokens = list(range(600 * BS))
+        index.apply_all("e", engine.request(tokens, 0))
+        assert writer.crowded == {"e"}  # 600 blocks in 1,024 slots
+        assert follow(reader)
+        hashes = chain(tokens, BS)
+        assert reader.match(hashes) == {"e": 600}
+
+        bigger = writer.create("e", writer.grown(index.endpoint_blocks("e")))
+        old = writer.replace("e", bigger, index.blocks("e"))
+        assert old is first and writer.table("e") is bigger and not writer.crowded
+        assert bigger.capacity == capacity_for(1200) and bigger.block_size == BS
+        # A worker still mapping the old table reads it as it was, then follows the directory.
+        assert reader.match(hashes) == {"e": 600}
+        SharedWriter.unlink(old)
+        assert follow(reader)
+        assert reader.match(hashes) == {"e": 600} and reader.endpoint_blocks("e") == 600
+        assert sorted(os.listdir(writer.dir)) == ["endpoints", "ep-2"]
+        # The events now reach the new table.
+        more = tokens + list(range(10**6, 10**6 + 8))
+        index.apply_all("e", engine.request(more, 0))
+        assert reader.match(chain(more, BS)) == {"e": 602}
+        # The largest table the bound needs is not replaced again.
+        assert writer.grown(5000) == writer.max_capacity == capacity_for(5000)
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_a_table_dropped_before_a_worker_maps_it_is_skipped(shared: Any) -> None:

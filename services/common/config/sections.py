@@ -219,8 +219,9 @@ class CoordinatorConfig(ServerConfig):
     kv_index_max_blocks: int = setting(262144, c.integer(1, 1 << 30))
     """`kv_aware`: most KV blocks remembered per engine endpoint; past it the oldest are
     forgotten first (a bound on memory should an engine's removals be lost). With inference
-    workers it also sizes the table each endpoint gets in the memory they share: 16 to 32 bytes
-    per block (4 MiB at the default), allocated when the endpoint is first followed."""
+    workers it also bounds the table each endpoint gets in the memory they share, which grows
+    with the blocks the endpoint holds: 16 to 32 bytes per block held, 4 MiB at most at the
+    default."""
     tokenizers: Mapping[str, str] = setting({}, c.PATHS_BY_NAME)
     """`kv_aware`: served model name → local tokenizer (a directory with `tokenizer.json` and
     `tokenizer_config.json`, or the file), so prompts are tokenized as the engine does. Without

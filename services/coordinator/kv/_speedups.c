@@ -991,7 +991,7 @@ done:
 
 /* -- writing a table (the management process): Table.update --------------------------------- */
 
-/* Where key is, or the empty slot that ends its probe run (the table is never full). */
+/* Where key is, or the empty slot that ends its probe run (the table is never full: see room). */
 static uint64_t table_slot(const int64_t *s, uint64_t mask, int64_t key) {
     uint64_t i = (uint64_t)key & mask;
     while (s[i] && s[i] != key)
@@ -1021,7 +1021,7 @@ PyDoc_STRVAR(table_update_doc,
              "table_update(file, header, changes) -> None\n\n"
              "Table.update: file is a table's whole file as 64-bit integers (header of them, the\n"
              "third the count of blocks held, then the slots); changes maps each hash to whether\n"
-             "the table must hold it.");
+             "the table must hold it. Adds past 7/8 of the slots are skipped (shared.room).");
 
 static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
     PyObject *file_obj, *changes;
@@ -1039,6 +1039,7 @@ static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
         return NULL;
     }
     int64_t *s = file + header, held = file[2];
+    int64_t room = capacity - capacity / 8; /* shared.room: never full, so every probe ends */
     uint64_t mask = (uint64_t)capacity - 1;
     PyObject *key, *value;
     Py_ssize_t pos = 0;
@@ -1051,7 +1052,7 @@ static PyObject *sp_table_update(PyObject *mod, PyObject *args) {
             break;
         int64_t k = h ? (int64_t)h : 1;
         uint64_t i = table_slot(s, mask, k);
-        if (hold && !s[i]) {
+        if (hold && !s[i] && held < room) {
             __atomic_store_n(&s[i], k, __ATOMIC_RELAXED);
             held++;
         } else if (!hold && s[i]) {

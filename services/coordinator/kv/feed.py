@@ -8,7 +8,9 @@ chooses among: the others' events would be work for nothing.
 Level-triggered: every ``RECONCILE_S`` the routing view is compared with the subscriptions. An
 endpoint that left the table, or whose engine process changed (a new pid after a relaunch), or
 whose event ports changed, loses its index entries and its subscription; a new one gets a
-subscription that first replays what the engine still buffers.
+subscription that first replays what the engine still buffers. With workers, an endpoint whose
+shared table is more than half full gets a bigger one (:mod:`.shared`), made off the event loop
+and filled from the index.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.coordinator.kv.wire import Batch
 from services.coordinator.routes import RoutingView
 
 RECONCILE_S = 0.25
+GROW_RETRY_S = 10.0  # after a bigger table could not be made (no room on the file system)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class KvFeed:
         self.writer = writer
         self.index = KvIndex(cfg.kv_index_max_blocks, writer)
         self._subs: dict[str, _Sub] = {}  # by endpoint (its base URL: the index's key)
+        self._grows: dict[str, asyncio.Task[None]] = {}  # shared tables being replaced by bigger ones
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -76,6 +80,8 @@ class KvFeed:
         for sub in self._subs.values():
             await tasks.cancel_quietly(sub.task)
         self._subs.clear()
+        for grow in list(self._grows.values()):
+            await tasks.cancel_quietly(grow)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -90,6 +96,7 @@ class KvFeed:
                 self.reconcile(view)
                 last = view
             self.metrics.index_blocks.set(self.index.size)
+            self._grow_crowded()
             await asyncio.sleep(RECONCILE_S)
 
     def reconcile(self, view: RoutingView) -> None:
@@ -130,6 +137,8 @@ class KvFeed:
             if self._subs.get(key) is sub:
                 for event in batch.events:
                     self.index.apply(key, event)
+                if self.writer is not None and self.writer.crowded:
+                    self._grow_crowded()
 
         def reset(k: object, reason: str) -> None:
             if self._subs.get(key) is sub:
@@ -172,6 +181,41 @@ class KvFeed:
             spare = writer.install(key, table)
         if spare is not None:
             await asyncio.to_thread(SharedWriter.unlink, spare)
+
+    def _grow_crowded(self) -> None:
+        if self.writer is None:
+            return
+        for key in self.writer.crowded:
+            if key not in self._grows and isinstance(key, str):
+                self._grows[key] = tasks.start(f"kv_grow {key}", self._grow(key))
+
+    async def _grow(self, key: str) -> None:
+        """Replace ``key``'s crowded table by a bigger one holding what the index says."""
+        assert self.writer is not None
+        writer = self.writer
+        try:
+            old, sub = writer.table(key), self._subs.get(key)
+            if old is None or sub is None:
+                return
+            capacity = writer.grown(self.index.endpoint_blocks(key))
+            creating = asyncio.ensure_future(asyncio.to_thread(writer.create, key, capacity))
+            try:
+                table = await asyncio.shield(creating)
+            except OSError as exc:  # no room: the old table skips adds past its room
+                log.warn("kv_shared_table_failed", endpoint=key, capacity=capacity, error=str(exc))
+                await asyncio.sleep(GROW_RETRY_S)
+                return
+            except asyncio.CancelledError:
+                creating.add_done_callback(_discard)
+                raise
+            spare: Table | None = table
+            if self._subs.get(key) is sub and writer.table(key) is old:  # nothing replaced it since
+                spare = writer.replace(key, table, self.index.blocks(key))
+                log.event("kv_shared_table_grown", endpoint=key, capacity=table.capacity)
+            if spare is not None:
+                await asyncio.to_thread(SharedWriter.unlink, spare)
+        finally:
+            self._grows.pop(key, None)
 
 
 def _discard(created: asyncio.Future[Table]) -> None:
