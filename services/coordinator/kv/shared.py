@@ -18,8 +18,8 @@ The files (``<dir>/kv/``):
   allocated when it is created: a full file system fails that, and the endpoint is routed by
   load, instead of a later write into a file with no room killing the process (SIGBUS).
 
-A table starts small (``MIN_CAPACITY`` slots) and is replaced by one of twice the room or more
-once it is more than half full (:mod:`.feed` makes the new file off the event loop, fills it from
+A table starts small (``MIN_CAPACITY`` slots) and is replaced by one at least four times what
+it holds once it is more than half full (:mod:`.feed` makes the new file off the event loop, fills it from
 the index and swaps it in), up to twice the index's bound per endpoint, which the index never
 exceeds. A table sized to what its engine holds is what the management process writes on every
 event and a worker probes on every request: a churning engine's batch of 130 changes took 17 µs
