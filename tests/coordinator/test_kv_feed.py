@@ -3,10 +3,12 @@ them into the tables its inference workers map; an endpoint that leaves takes it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -60,89 +62,87 @@ def feed_for(tmp_path: Path, view: list[RoutingView]) -> KvFeed:
     return KvFeed(cfg, lambda: view[0], Metrics().kv, {PREFILL}, writer)
 
 
+@dataclass
+class Following:
+    """A feed following ``engine`` and a worker's reader of its tables."""
+
+    view: list[RoutingView]
+    feed: KvFeed
+    writer: SharedWriter
+    reader: SharedReader
+    key: str
+
+    def sees(self, hashes: list[int], blocks: int) -> bool:
+        follow(self.reader)  # what a worker's refresh does
+        return self.reader.match(hashes) == {self.key: blocks}
+
+
+@contextlib.asynccontextmanager
+async def following(tmp_path: Path, engine: SimEngine) -> AsyncIterator[Following]:
+    view = [view_of(engine)]
+    feed = feed_for(tmp_path, view)
+    assert feed.writer is not None
+    f = Following(view, feed, feed.writer, SharedReader(str(tmp_path)), view[0].targets[0].endpoints[0].base)
+    await feed.start()
+    try:
+        await until(lambda: f.writer.table(f.key) is not None, 20, "the engine's table")
+        yield f
+    finally:
+        f.reader.close()
+        await feed.stop()
+
+
+async def cache(engine: SimEngine, words: list[str]) -> list[int]:
+    """Have ``engine`` cache a prompt of ``words``; its block hashes."""
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
+        async with s.post(f"{engine.v1}/completions", json=body) as resp:
+            assert resp.status == 200
+    return chain(Builtin().encode(" ".join(words)), BS)
+
+
 async def test_a_worker_reads_what_the_engine_cached_until_the_engine_leaves(
     tmp_path: Path, engine: SimEngine
 ) -> None:
-    view = [view_of(engine)]
-    feed = feed_for(tmp_path, view)
-    reader = SharedReader(str(tmp_path))
-    key = view[0].targets[0].endpoints[0].base
-    await feed.start()
-    try:
-        await until(lambda: feed.writer is not None and key in feed.writer._tables, 20, "the engine's table")
-        async with aiohttp.ClientSession() as s:
-            body = {"model": MODEL, "prompt": " ".join(WORDS), "max_tokens": 1}
-            async with s.post(f"{engine.v1}/completions", json=body) as resp:
-                assert resp.status == 200
-        hashes = chain(Builtin().encode(" ".join(WORDS)), BS)
+    async with following(tmp_path, engine) as f:
+        hashes = await cache(engine, WORDS)
+        await until(lambda: f.sees(hashes, 3), 20, "the worker to see the engine's three blocks")
+        assert f.reader.block_size(f.key) == BS and f.reader.endpoint_blocks(f.key) == 3
 
-        def sees_it() -> bool:
-            follow(reader)
-            return reader.match(hashes) == {key: 3}
-
-        await until(sees_it, 20, "the worker to see the engine's three blocks")
-        assert reader.block_size(key) == BS and reader.endpoint_blocks(key) == 3
-
-        view[0] = RoutingView(revision=2)  # the engine left the table
-
-        writer = feed.writer
-        assert writer is not None
+        f.view[0] = RoutingView(revision=2)  # the engine left the table
 
         def gone() -> bool:
-            follow(reader)
-            return reader.endpoints() == [] and sorted(os.listdir(writer.dir)) == ["endpoints"]
+            follow(f.reader)
+            return f.reader.endpoints() == [] and sorted(os.listdir(f.writer.dir)) == ["endpoints"]
 
         await until(gone, 20, "the engine's table to go")
-    finally:
-        reader.close()
-        await feed.stop()
     assert not (tmp_path / "kv").exists()
 
 
 async def test_an_engine_caching_more_gets_a_bigger_table_that_workers_follow(
     tmp_path: Path, engine: SimEngine
 ) -> None:
-    view = [view_of(engine)]
-    feed = feed_for(tmp_path, view)
-    reader = SharedReader(str(tmp_path))
-    key = view[0].targets[0].endpoints[0].base
-    words = [f"x{i}" for i in range(600 * BS)]  # 600 blocks: more than half of a first table
-    await feed.start()
-    try:
-        writer = feed.writer
-        assert writer is not None
-        await until(lambda: writer.table(key) is not None, 20, "the engine's table")
-        first = writer.table(key)
+    async with following(tmp_path, engine) as f:
+        first = f.writer.table(f.key)
         assert first is not None and first.capacity == MIN_CAPACITY
-        async with aiohttp.ClientSession() as s:
-            body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
-            async with s.post(f"{engine.v1}/completions", json=body) as resp:
-                assert resp.status == 200
-        hashes = chain(Builtin().encode(" ".join(words)), BS)
+        # 600 blocks: more than half of a first table.
+        hashes = await cache(engine, [f"x{i}" for i in range(600 * BS)])
 
         def sees_all_in_a_bigger_table() -> bool:
-            follow(reader)
-            table = writer.table(key)
+            table = f.writer.table(f.key)
             return (
-                table is not None
+                f.sees(hashes, 600)
+                and table is not None
                 and table.capacity > MIN_CAPACITY
-                and reader.match(hashes) == {key: 600}
-                and sorted(os.listdir(writer.dir)) == ["endpoints", os.path.basename(table.path)]
+                and sorted(os.listdir(f.writer.dir)) == ["endpoints", os.path.basename(table.path)]
             )
 
         await until(sees_all_in_a_bigger_table, 20, "a bigger table, the old one deleted")
-    finally:
-        reader.close()
-        await feed.stop()
 
 
 async def test_without_room_for_a_bigger_table_the_first_one_serves_on(
     tmp_path: Path, engine: SimEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    view = [view_of(engine)]
-    feed = feed_for(tmp_path, view)
-    reader = SharedReader(str(tmp_path))
-    key = view[0].targets[0].endpoints[0].base
     create = SharedWriter.create
     refused = threading.Event()
 
@@ -153,30 +153,14 @@ async def test_without_room_for_a_bigger_table_the_first_one_serves_on(
         return create(self, ep, capacity)
 
     monkeypatch.setattr(SharedWriter, "create", no_room)
-    await feed.start()
-    try:
-        writer = feed.writer
-        assert writer is not None
-        await until(lambda: writer.table(key) is not None, 20, "the engine's table")
-        async with aiohttp.ClientSession() as s:
-            for n in (600, 601):  # the second after the refusal: events still flow
-                words = [f"x{i}" for i in range(n * BS)]
-                body = {"model": MODEL, "prompt": " ".join(words), "max_tokens": 1}
-                async with s.post(f"{engine.v1}/completions", json=body) as resp:
-                    assert resp.status == 200
-                await until(refused.is_set, 20, "a bigger table refused")
-        hashes = chain(Builtin().encode(" ".join(words)), BS)
-
-        def sees_all() -> bool:
-            follow(reader)
-            return reader.match(hashes) == {key: 601}
-
-        await until(sees_all, 20, "the worker to see every block in the first table")
-        table = writer.table(key)
+    async with following(tmp_path, engine) as f:
+        await cache(engine, [f"x{i}" for i in range(600 * BS)])
+        await until(refused.is_set, 20, "a bigger table refused")
+        # After the refusal, events still reach the first table.
+        hashes = await cache(engine, [f"x{i}" for i in range(601 * BS)])
+        await until(lambda: f.sees(hashes, 601), 20, "the worker to see every block in the first table")
+        table = f.writer.table(f.key)
         assert table is not None and table.capacity == MIN_CAPACITY
-    finally:
-        reader.close()
-        await feed.stop()
 
 
 async def test_a_table_still_being_made_when_its_engine_leaves_is_deleted(
