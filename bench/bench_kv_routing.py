@@ -14,9 +14,7 @@ requests through the Coordinator with ``kv_aware`` and ``least_load``, against t
 two legs sent straight to the engines by this client; the difference is the Coordinator's
 overhead per request, beside the Coordinator's own CPU time per request. Once with caches
 holding the working set, once with the churning ones of the TTFT runs (the event rate's worst
-case); least_load twice, the second time as a control for what the measurement can tell apart;
-and least_load with a bare subscriber on the engine's events (bench/loadgen/kv_sink.py), for
-what an engine publishing to anyone costs on this machine, before any work of Motor's own.
+case); least_load twice, the second time as a control for what the measurement can tell apart.
 Last, where the index lives (bench/loadgen/kv_index_cost.py).
 
 Targets: mean TTFT with ``kv_aware`` at least 2x lower than with ``least_load``; routing overhead
@@ -30,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,7 +39,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.loadgen import kv_index_cost, kv_workload
 from bench.loadgen.harness import cpu_ns, machine, percentile, publish, session_pids
 from bench.loadgen.up import Up
-from services.nodemanager.launch import KV_EVENTS_OFFSET, offset_port
 
 RESULTS = Path(__file__).parent / "results" / "kv_routing.md"
 POLICIES = ("kv_aware", "least_load", "round_robin")
@@ -58,17 +54,10 @@ OVERHEAD_ROUNDS = 32
 # churns: with engines that compute in no time, every request evicts and stores again most of its
 # prompt, an event rate no real engine reaches (a real prefill of 1,000 tokens takes milliseconds).
 OVERHEAD_CACHES = {"holding the working set": 65536, "churning, half the working set": CAPACITY_BLOCKS}
-# Row -> (policy, whether a bare subscriber follows the engine's events). The control is
-# least_load measured again, in rounds of its own: how far apart two identical configurations
-# come out is what this measurement cannot tell apart.
+# Row -> policy. The control is least_load measured again, in rounds of its own: how far apart
+# two identical configurations come out is what this measurement cannot tell apart.
 CONTROL = "least_load, again"
-SUBSCRIBED = "least_load, events subscribed"
-OVERHEAD_ROWS = {
-    "kv_aware": ("kv_aware", False),
-    "least_load": ("least_load", False),
-    SUBSCRIBED: ("least_load", True),
-    CONTROL: ("least_load", False),
-}
+OVERHEAD_ROWS = {"kv_aware": "kv_aware", "least_load": "least_load", CONTROL: "least_load"}
 
 
 @dataclass
@@ -174,29 +163,9 @@ class Overhead:
     diffs: list[float]
     worker_cpu_s: float
     management_cpu_s: float
-    sink_batches: int = 0  # batches the bare subscriber received (SUBSCRIBED rows)
 
 
-async def _sink(up: Up) -> asyncio.subprocess.Process:
-    """A bare subscriber on the prefill engine's events, connected."""
-    port = offset_port(ENGINE + up.offset, KV_EVENTS_OFFSET)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.loadgen.kv_sink", f"tcp://127.0.0.1:{port}",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    if (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() != b"ready":
-        raise RuntimeError("the KV events subscriber did not start")
-    return proc
-
-
-async def _sink_batches(proc: asyncio.subprocess.Process) -> int:
-    proc.terminate()
-    out, _ = await asyncio.wait_for(proc.communicate(), 30)
-    return int(out.split()[-1])
-
-
-async def overhead_run(policy: str, capacity: int, subscribed: bool = False) -> Overhead:
+async def overhead_run(policy: str, capacity: int) -> Overhead:
     """Per request, seconds through the Coordinator less the same two legs sent straight to the
     engines (zero-cost engines, one client): each request goes both ways back to back, in
     alternating order, so drift of the machine cancels out. (The Coordinator's own duration
@@ -208,12 +177,9 @@ async def overhead_run(policy: str, capacity: int, subscribed: bool = False) -> 
         # One prefill: both policies must send it there, as the direct legs do, so the
         # difference is the Coordinator's work alone (kv_aware still tokenizes, hashes, matches).
         up = Up(["--prefill", "1", "--decode", "1", "--config", str(cfg)], Path(tmp))
-        sink: asyncio.subprocess.Process | None = None
         try:
             await _serving(up, policy, prefills=1)
             await kv_workload.run(up.url, convs, order)  # every answer known, every connection warm
-            if subscribed:
-                sink = await _sink(up)
             workers = await asyncio.to_thread(session_pids, up.pid, "services.coordinator.worker")
             management = await asyncio.to_thread(session_pids, up.pid, "services.cli coordinator")
             cpu0 = await asyncio.to_thread(_cpu, workers, management)
@@ -235,13 +201,10 @@ async def overhead_run(policy: str, capacity: int, subscribed: bool = False) -> 
                         via = (await kv_workload.ask(s, up.url, messages))[1]
                     diffs.append(via - direct)
             cpu1 = await asyncio.to_thread(_cpu, workers, management)
-            batches = await _sink_batches(sink) if sink is not None else 0
         finally:
-            if sink is not None and sink.returncode is None:
-                sink.kill()
             up.stop()
     n = len(order)
-    return Overhead(diffs, (cpu1[0] - cpu0[0]) / 1e9 / n, (cpu1[1] - cpu0[1]) / 1e9 / n, batches)
+    return Overhead(diffs, (cpu1[0] - cpu0[0]) / 1e9 / n, (cpu1[1] - cpu0[1]) / 1e9 / n)
 
 
 def _cpu(workers: list[int], management: list[int]) -> tuple[int, int]:
@@ -274,8 +237,7 @@ async def amain() -> int:
     for _ in range(OVERHEAD_ROUNDS):
         for cache, capacity in OVERHEAD_CACHES.items():
             for row, rounds in overheads[cache].items():
-                policy, subscribed = OVERHEAD_ROWS[row]
-                rounds.append(await overhead_run(policy, capacity, subscribed))
+                rounds.append(await overhead_run(OVERHEAD_ROWS[row], capacity))
     costs = await asyncio.to_thread(kv_index_cost.measure)
     return publish(RESULTS, report(runs, overheads, costs))
 
@@ -303,7 +265,6 @@ def _overhead_section(cache: str, rounds: dict[str, list[Overhead]]) -> tuple[li
     ratio = kv_o / ll_o if ll_o > 0 else float("nan")
     control = median[CONTROL] / ll_o if ll_o > 0 else float("nan")
     worst = max(statistics.median(r.diffs) for r in rounds["kv_aware"])
-    batches = statistics.median(r.sink_batches for r in rounds[SUBSCRIBED])
     cpu = {
         row: (
             statistics.median(r.worker_cpu_s for r in rs),
@@ -327,10 +288,7 @@ def _overhead_section(cache: str, rounds: dict[str, list[Overhead]]) -> tuple[li
         f"{(kv_o - ll_o) * 1e6:+.0f} µs; worst kv_aware round median {worst * 1e6:.0f} µs); the control "
         f"against least_load: {control:.2f}x ({(median[CONTROL] - ll_o) * 1e6:+.0f} µs). The workers' CPU "
         f"per request: {cpu['kv_aware'][0] * 1e6:.0f} µs with kv_aware, {cpu['least_load'][0] * 1e6:.0f} "
-        f"and {cpu[CONTROL][0] * 1e6:.0f} µs with least_load. With a bare subscriber on the engine's "
-        f"events ({SUBSCRIBED}; it received {batches:.0f} batches per round, median), least_load reads "
-        f"{median[SUBSCRIBED] * 1e6:.0f} µs ({(median[SUBSCRIBED] - ll_o) * 1e6:+.0f} µs): what the "
-        "engine publishing to anyone costs here, before any work of Motor's own.",
+        f"and {cpu[CONTROL][0] * 1e6:.0f} µs with least_load.",
         "",
     ]
     return lines, ratio
@@ -379,10 +337,7 @@ def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) ->
         "Coordinator has seen the rest: a warm-up sent the conversations first). "
         f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, policies "
         f"alternating; the control row ({CONTROL}) is least_load once more, in rounds of its own, "
-        "for the spread between two identical configurations; in the row "
-        f"{SUBSCRIBED} another process subscribes to the prefill engine's KV events and discards "
-        "them (an engine with no subscriber drops each batch as it publishes it; with one, its I/O "
-        "thread sends every batch). The CPU columns are the median "
+        "for the spread between two identical configurations. The CPU columns are the median "
         "over rounds of the Coordinator's processes' "
         "own CPU time (the kernel's count) per request: its inference workers', and its "
         "management process's, which follows the engine's events, those of the direct legs' "
