@@ -12,7 +12,11 @@ TLS certificate); every child's log goes to stderr with a
 Until READY, a child that exits with an error is a start-up failure, not a crash to restart
 (a corrupt state file, a port in use, a refused registration: restarting changes nothing):
 everything stops and the last line is ``motor up: <child> failed to start (exit code N): <the
-child's last error line>``, exit code 1.
+child's last error line>``, exit code 1. The ports whose answers READY waits on (the
+Controllers', the Coordinator's gRPC and HTTP) are tried first: were one held by another
+cluster, its servers would answer for ours and READY would name a cluster we did not start, so
+a port in use is the one line ``motor up: <what> <host:port>: address already in use ...``,
+exit code 1, before anything starts.
 
 Stopping: SIGTERM/SIGINT stop the NodeManagers (and so their engines), then the Coordinator and
 Controllers, then etcd; a second signal kills every process we started, and their process
@@ -35,7 +39,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
+import socket
 import ssl
 import sys
 import tempfile
@@ -213,8 +219,29 @@ class Cluster:
                             return
                 await asyncio.sleep(0.05)
 
+    def probed(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every server READY waits on, where it binds."""
+        ctl, co, off = self.cfg.controller, self.cfg.coordinator, self.args.port_offset
+        controllers = [
+            (
+                "the Controller's gRPC" + (f" {i}" if len(self.plan.controllers) > 1 else ""),
+                ctl.host,
+                ctl.port + i + off,
+            )
+            for i in range(len(self.plan.controllers))
+        ]
+        return [
+            *controllers,
+            ("the Coordinator's gRPC", co.host, co.port + off),
+            ("the Coordinator's HTTP", co.host, co.http_port + off),
+        ]
+
     async def run(self) -> int:
         """0 after a stop that was asked for, 1 when start-up failed (``self.failure``)."""
+        taken = await asyncio.to_thread(first_in_use, self.probed())
+        if taken is not None:
+            self.failure = taken
+            return 1
         running = [tasks.spawn("reaper", self.reaper.run)]
         p = self.plan
 
@@ -288,6 +315,26 @@ class Cluster:
         temporary state directory."""
         kill_descendants(os.getpid())
         remove_state_dir(self.state, self.own_state)
+
+
+def first_in_use(addresses: list[tuple[str, str, int]]) -> str | None:
+    """What to say of the first of ``addresses`` a server already listens on, if any. A bind
+    with SO_REUSEADDR, as our servers bind: only a listener refuses it, not a closed connection
+    lingering in TIME_WAIT."""
+    for what, host, port in addresses:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"{what} {host}:{port}: address already in use (another cluster there? "
+                        "--port-offset moves every port)"
+                    )
+                # Any other refusal (a host not of this machine) is the server's to report.
+    return None
 
 
 def main(argv: list[str]) -> int:

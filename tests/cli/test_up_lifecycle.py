@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.nodemanager.statefile import StateFile
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster, up_ports
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, HTTP, Cluster, up_ports
 from tests.poll import wait_until
 from tests.ports import Ports, reserve
 from tests.procs import Proc, child_pids, exited, group_alive, grpcurl_bin, motor_argv, pids_with
@@ -117,10 +117,17 @@ def test_no_child_outlives_motor_up_killed_with_sigkill(up: Start) -> None:
     shutil.rmtree(state)  # the one way out that leaves it: nobody was left to remove it
 
 
-def test_a_child_that_cannot_start_ends_motor_up_with_its_error_line(up: Start) -> None:
+@pytest.mark.parametrize(
+    ("port", "what"), [(CONTROLLER, "the Controller's gRPC"), (HTTP, "the Coordinator's HTTP")]
+)
+def test_a_port_another_server_holds_ends_motor_up_before_anything_starts(
+    up: Start, port: int, what: str
+) -> None:
+    # Another cluster's servers there would answer for ours: READY would name a cluster we did
+    # not start.
     ports = reserve(up_ports(2))
-    port = CONTROLLER + ports.shift
-    with socket.socket() as squatter:  # the Controller's port is taken
+    port += ports.shift
+    with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", port))
         squatter.listen()
@@ -129,8 +136,8 @@ def test_a_child_that_cannot_start_ends_motor_up_with_its_error_line(up: Start) 
         assert proc.popen.wait(timeout=60) == 1
     wait_until(lambda: len(proc.lines) and proc.lines[-1].startswith("motor up: "), 5, "the last line")
     assert proc.lines[-1] == (
-        f"motor up: controller failed to start (exit code 1): motor controller: cannot bind gRPC "
-        f"127.0.0.1:{port}: address in use or not available"
+        f"motor up: {what} 127.0.0.1:{port}: address already in use (another cluster there? "
+        "--port-offset moves every port)"
     )
     assert proc.stdout_lines == []  # never READY
     assert "Traceback" not in proc.output()
