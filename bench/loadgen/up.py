@@ -75,6 +75,8 @@ class Up:
                     ) from None
                 continue
             if not line.startswith(b"READY "):
+                if PORT_TAKEN.search(self.log.read_text(errors="replace")):
+                    raise PortTaken  # it said so as it ended (its ports are tried before anything starts)
                 raise RuntimeError(f"motor up ended before READY ({line!r}):\n{self.log.read_text()[-2000:]}")
             return at - t0
 
