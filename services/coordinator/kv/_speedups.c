@@ -12,6 +12,8 @@
  *                   engine's tokenizer and chat lines)
  *   Chats.prompt    chain(chat_ids(messages)), remembered by conversation prefix
  *   chain           services.coordinator.kv.hashing.chain (CPython's int and tuple hashes)
+ *   unpack_ids      msgspec's decoding of a msgpack array as list[int] (wire._ids_of: a
+ *                   BlockStored's token ids, read only to be hashed)
  *   held            services.coordinator.kv.shared.Table.has with speedups.held_run
  *   holder          services.coordinator.kv.shared.SharedReader.holder's Python loop
  *   table_update    services.coordinator.kv.shared.Table.update (the management process's
