@@ -23,8 +23,9 @@ again (`--prefill-ms-per-token` counts only the uncached tokens). On by default 
 tokenizer.json or a directory with one; default the model's directory), else one token per
 whitespace-separated word; metrics vllm:prefix_cache_queries/hits (tokens).
 KV events (kv_events.py): `--kv-events-config` (vLLM's JSON) publishes every cache change on
-vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank);
-the bound addresses are logged in the listening line (`kv_events=`, `kv_replay=`).
+vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank),
+sent after the answer that caused them, as vLLM's publisher thread does; the bound addresses
+are logged in the listening line (`kv_events=`, `kv_replay=`).
 
 Tracing: with `--otlp-traces-endpoint URL` (vLLM's flag) or OTEL_EXPORTER_OTLP_ENDPOINT, one
 `llm_request` span per completion request, child of its `traceparent` (docs/tracing.md).

@@ -111,6 +111,7 @@ class Publisher:
         self._topic = cfg.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = itertools.count()
+        self._pending: list[tuple[float, list[Any]]] = []  # (when, events) not numbered yet
         self._encode = msgspec.msgpack.Encoder().encode
         self._ctx = zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
@@ -150,18 +151,29 @@ class Publisher:
         return sock
 
     def publish(self, events: list[Any]) -> None:
-        """One batch, with the next sequence number."""
-        seq = next(self._seq)
-        payload = self._encode(KVEventBatch(time.time(), events, self.rank))
-        self._buffer.append((seq, payload))
-        if self._pub is None:
-            return
-        parts = (self._topic, seq.to_bytes(8, "big"), payload)
-        sent = cast("asyncio.Future[Any]", self._pub.send_multipart(parts, flags=zmq.NOBLOCK))
-        if sent.done():
-            self._check_sent(sent)
-        else:
-            sent.add_done_callback(self._check_sent)
+        """One batch, numbered and sent once the running callback is done: as with vLLM's
+        publisher thread, the answer whose prefill caused the events does not wait for them."""
+        self._pending.append((time.time(), events))
+        if len(self._pending) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._flush)
+            except RuntimeError:  # no loop running: nothing to wait for
+                self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for ts, events in pending:
+            seq = next(self._seq)
+            payload = self._encode(KVEventBatch(ts, events, self.rank))
+            self._buffer.append((seq, payload))
+            if self._pub is None:
+                continue
+            parts = (self._topic, seq.to_bytes(8, "big"), payload)
+            sent = cast("asyncio.Future[Any]", self._pub.send_multipart(parts, flags=zmq.NOBLOCK))
+            if sent.done():
+                self._check_sent(sent)
+            else:
+                sent.add_done_callback(self._check_sent)
 
     def _check_sent(self, sent: asyncio.Future[Any]) -> None:
         exc = None if sent.cancelled() else sent.exception()
@@ -188,5 +200,6 @@ class Publisher:
             await router.send_multipart((client, b"", END_SEQ, b""))
 
     async def close(self) -> None:
+        self._flush()
         await tasks.cancel_quietly(self._task)
         self._ctx.destroy(linger=0)

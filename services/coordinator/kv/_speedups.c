@@ -43,13 +43,6 @@ static void crc_init(void) {
     }
 }
 
-static uint32_t crc32_of(const unsigned char *p, size_t len) {
-    uint32_t c = 0xFFFFFFFFu;
-    while (len--)
-        c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
-}
-
 /* -- growable buffers ------------------------------------------------------------------------ */
 
 /* Room in *v (n items of `size` bytes, *cap allocated) for one more. */
@@ -92,56 +85,50 @@ static int ids_extend(Ids *ids, const int32_t *v, Py_ssize_t n) {
 
 /* -- the built-in tokenizer: str.split() words, each crc32(utf-8, surrogatepass) % vocab ---- */
 
+/* The CRC of the current word runs as its bytes come: no copy of the word, and a word may
+ * continue across strings ("<role>" and ":" are one word). */
 typedef struct {
-    unsigned char *w; /* the current word's UTF-8 */
-    Py_ssize_t n, cap;
+    uint32_t crc; /* of the current word's UTF-8 so far, not yet inverted */
+    Py_ssize_t n; /* its bytes */
     uint32_t vocab;
     Ids *out;
 } Words;
 
-static int words_flush(Words *s) {
-    if (!s->n)
-        return 0;
-    int32_t id = (int32_t)(crc32_of(s->w, (size_t)s->n) % s->vocab);
-    s->n = 0;
-    return ids_push(s->out, id);
+#define WORDS(vocab, out) {0xFFFFFFFFu, 0, (vocab), (out)}
+
+static inline void words_byte(Words *s, unsigned char b) {
+    s->crc = crc_table[(s->crc ^ b) & 0xFF] ^ (s->crc >> 8);
+    s->n++;
 }
 
-static int words_byte(Words *s, unsigned char b) {
-    if (grow((void **)&s->w, s->n, &s->cap, 1) < 0)
-        return -1;
-    s->w[s->n++] = b;
-    return 0;
+static inline int words_flush(Words *s) {
+    if (!s->n)
+        return 0;
+    int32_t id = (int32_t)((s->crc ^ 0xFFFFFFFFu) % s->vocab);
+    s->crc = 0xFFFFFFFFu;
+    s->n = 0;
+    return ids_push(s->out, id);
 }
 
 static int words_char(Words *s, Py_UCS4 ch) {
     if (Py_UNICODE_ISSPACE(ch))
         return words_flush(s);
     /* UTF-8; a lone surrogate as its three bytes, as "surrogatepass" writes it */
-    unsigned char b[4];
-    int n;
     if (ch < 0x80) {
-        b[0] = (unsigned char)ch;
-        n = 1;
+        words_byte(s, (unsigned char)ch);
     } else if (ch < 0x800) {
-        b[0] = (unsigned char)(0xC0 | (ch >> 6));
-        b[1] = (unsigned char)(0x80 | (ch & 0x3F));
-        n = 2;
+        words_byte(s, (unsigned char)(0xC0 | (ch >> 6)));
+        words_byte(s, (unsigned char)(0x80 | (ch & 0x3F)));
     } else if (ch < 0x10000) {
-        b[0] = (unsigned char)(0xE0 | (ch >> 12));
-        b[1] = (unsigned char)(0x80 | ((ch >> 6) & 0x3F));
-        b[2] = (unsigned char)(0x80 | (ch & 0x3F));
-        n = 3;
+        words_byte(s, (unsigned char)(0xE0 | (ch >> 12)));
+        words_byte(s, (unsigned char)(0x80 | ((ch >> 6) & 0x3F)));
+        words_byte(s, (unsigned char)(0x80 | (ch & 0x3F)));
     } else {
-        b[0] = (unsigned char)(0xF0 | (ch >> 18));
-        b[1] = (unsigned char)(0x80 | ((ch >> 12) & 0x3F));
-        b[2] = (unsigned char)(0x80 | ((ch >> 6) & 0x3F));
-        b[3] = (unsigned char)(0x80 | (ch & 0x3F));
-        n = 4;
+        words_byte(s, (unsigned char)(0xF0 | (ch >> 18)));
+        words_byte(s, (unsigned char)(0x80 | ((ch >> 12) & 0x3F)));
+        words_byte(s, (unsigned char)(0x80 | ((ch >> 6) & 0x3F)));
+        words_byte(s, (unsigned char)(0x80 | (ch & 0x3F)));
     }
-    for (int i = 0; i < n; i++)
-        if (words_byte(s, b[i]) < 0)
-            return -1;
     return 0;
 }
 
@@ -150,10 +137,15 @@ static int words_str(Words *s, PyObject *str) {
     const void *data = PyUnicode_DATA(str);
     Py_ssize_t len = PyUnicode_GET_LENGTH(str);
     if (kind == PyUnicode_1BYTE_KIND && PyUnicode_IS_ASCII(str)) {
+        /* ASCII is its own UTF-8: each byte goes into the CRC as it is. */
         const unsigned char *p = data;
-        for (Py_ssize_t i = 0; i < len; i++)
-            if (words_char(s, p[i]) < 0)
-                return -1;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            if (Py_UNICODE_ISSPACE(p[i])) {
+                if (words_flush(s) < 0)
+                    return -1;
+            } else
+                words_byte(s, p[i]);
+        }
         return 0;
     }
     for (Py_ssize_t i = 0; i < len; i++)
@@ -207,7 +199,7 @@ PyDoc_STRVAR(chat_ids_doc,
 static int read_chat(PyObject *messages, uint32_t vocab, Ids *out) {
     if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
         return 0;
-    Words words = {NULL, 0, 0, vocab, out};
+    Words words = WORDS(vocab, out);
     int rc = 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages) && rc == 1; i++) {
         PyObject *role, *text;
@@ -215,7 +207,6 @@ static int read_chat(PyObject *messages, uint32_t vocab, Ids *out) {
         if (rc == 1 && message_ids(&words, role, text) < 0)
             rc = -1;
     }
-    PyMem_Free(words.w);
     return rc;
 }
 
@@ -554,7 +545,7 @@ static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize
     Key stack[STACK_KEYS], *keys = m <= STACK_KEYS ? stack : PyMem_Malloc((size_t)m * sizeof(Key));
     Hashes h = {0};
     Ids tail = {0};
-    Words words = {NULL, 0, 0, self->vocab, &tail};
+    Words words = WORDS(self->vocab, &tail);
     PyObject *result = NULL, *role, *text;
     if (!keys)
         return PyErr_NoMemory();
@@ -577,9 +568,14 @@ static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize
     if (from) {
         from->used = ++self->tick;
         n = from->n;
-        for (Py_ssize_t b = 0; b < from->nblocks; b++)
-            if (hashes_push(&h, from->hashes[b]) < 0)
-                goto done;
+        /* In one copy, with room for the blocks that follow. */
+        h.cap = from->nblocks + 64;
+        if (!(h.v = PyMem_Malloc((size_t)h.cap * sizeof(int64_t)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(h.v, from->hashes, (size_t)from->nblocks * sizeof(int64_t));
+        h.n = from->nblocks;
         if (ids_extend(&tail, (const int32_t *)(from->hashes + from->nblocks), from->ntail) < 0)
             goto done;
         if (h.n)
@@ -606,7 +602,6 @@ done:
         PyMem_Free(keys);
     PyMem_Free(h.v);
     PyMem_Free(tail.v);
-    PyMem_Free(words.w);
     return result;
 }
 
