@@ -112,6 +112,7 @@ class Publisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = itertools.count()
         self._pending: list[tuple[float, list[Any]]] = []  # (when, events) not numbered yet
+        self._closed = False
         self._encode = msgspec.msgpack.Encoder().encode
         self._ctx = zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
@@ -152,7 +153,10 @@ class Publisher:
 
     def publish(self, events: list[Any]) -> None:
         """One batch, numbered and sent once the running callback is done: as with vLLM's
-        publisher thread, the answer whose prefill caused the events does not wait for them."""
+        publisher thread, the answer whose prefill caused the events does not wait for them.
+        Nothing once closed (a request finishing while the engine stops)."""
+        if self._closed:
+            return
         self._pending.append((time.time(), events))
         if len(self._pending) == 1:
             try:
@@ -201,5 +205,6 @@ class Publisher:
 
     async def close(self) -> None:
         self._flush()
+        self._closed = True
         await tasks.cancel_quietly(self._task)
         self._ctx.destroy(linger=0)

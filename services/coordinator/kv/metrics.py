@@ -85,10 +85,12 @@ class KvMetrics:
         for reason in RESET_REASONS:
             self._resets.labels(reason)
 
-    def routed(self, role: int, prompt_tokens: int, cached_tokens: int) -> None:
+    def tallies(self, role: int) -> tuple[CounterTally, CounterTally]:
+        """What a request routed to an instance of ``role`` adds its prompt tokens to, and the
+        tokens of them the chosen engine held (kv_aware keeps them per role: its request path
+        adds to them directly)."""
         name = ROLE_NAMES.get(role, "union")  # type: ignore[call-overload]
-        self._prompt[name].n += prompt_tokens
-        self._cached[name].n += cached_tokens
+        return self._prompt[name], self._cached[name]
 
     # -- Stats of the subscriptions -------------------------------------------------------
 

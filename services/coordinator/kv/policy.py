@@ -18,6 +18,7 @@ import random
 from collections.abc import Collection, Hashable, Sequence
 from typing import Protocol
 
+from services.common.enums import ROLE_NAMES
 from services.coordinator.kv.metrics import KvMetrics
 from services.coordinator.kv.prompt import PromptView
 from services.coordinator.policies import candidates, least_load
@@ -43,21 +44,25 @@ class KvAware:
         self.metrics = metrics
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
+        # Every request's path: the tallies it adds to, found once per role.
+        self._tallies = {role: metrics.tallies(role) for role in ROLE_NAMES}
 
     def __call__(
         self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
     ) -> Target | None:
-        cands = candidates(targets, exclude)
+        if prompt is None:
+            return least_load(targets, exclude)
+        cands = targets if len(targets) == 1 and not exclude else candidates(targets, exclude)
         if not cands:
             return None
-        if prompt is None:
-            return least_load(cands)
         if len(cands) == 1:
             chosen = cands[0]
             prompt.cached, prompt.endpoint = self.index.holder(prompt, chosen.endpoints)
         else:
             chosen = self._cheapest(cands, prompt)
-        self.metrics.routed(chosen.role, prompt.n, prompt.cached)
+        prompts, cached = self._tallies.get(chosen.role) or self.metrics.tallies(chosen.role)
+        prompts.n += prompt.n
+        cached.n += prompt.cached
         return chosen
 
     def _cheapest(self, cands: Sequence[Target], prompt: PromptView) -> Target:
