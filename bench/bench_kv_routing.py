@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -58,6 +59,7 @@ OVERHEAD_CACHES = {"holding the working set": 65536, "churning, half the working
 # two identical configurations come out is what this measurement cannot tell apart.
 CONTROL = "least_load, again"
 OVERHEAD_ROWS = {"kv_aware": "kv_aware", "least_load": "least_load", CONTROL: "least_load"}
+OVERHEAD_SEED = 16
 
 
 @dataclass
@@ -234,10 +236,14 @@ Overheads = dict[str, dict[str, list[Overhead]]]  # cache -> policy -> rounds
 async def amain() -> int:
     runs = [await one_run(policy, clients) for clients in (1, 4) for policy in POLICIES]
     overheads: Overheads = {cache: {row: [] for row in OVERHEAD_ROWS} for cache in OVERHEAD_CACHES}
+    # Each round runs every (cache, row) once, in an order of its own: a configuration that
+    # always came right after another's cluster stopped would take whatever that left behind.
+    shuffle = random.Random(OVERHEAD_SEED).shuffle
     for _ in range(OVERHEAD_ROUNDS):
-        for cache, capacity in OVERHEAD_CACHES.items():
-            for row, rounds in overheads[cache].items():
-                rounds.append(await overhead_run(OVERHEAD_ROWS[row], capacity))
+        order = [(cache, row) for cache in OVERHEAD_CACHES for row in OVERHEAD_ROWS]
+        shuffle(order)
+        for cache, row in order:
+            overheads[cache][row].append(await overhead_run(OVERHEAD_ROWS[row], OVERHEAD_CACHES[cache]))
     costs = await asyncio.to_thread(kv_index_cost.measure)
     return publish(RESULTS, report(runs, overheads, costs))
 
@@ -335,8 +341,9 @@ def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) ->
         "two legs straight to the engines by the same client, back to back in alternating order; "
         "the overhead is the difference per request. Each request's last question is new (the "
         "Coordinator has seen the rest: a warm-up sent the conversations first). "
-        f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, policies "
-        f"alternating; the control row ({CONTROL}) is least_load once more, in rounds of its own, "
+        f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, every "
+        "round running each policy and cache once in a shuffled order; the control row "
+        f"({CONTROL}) is least_load once more, in rounds of its own, "
         "for the spread between two identical configurations. The CPU columns are the median "
         "over rounds of the Coordinator's processes' "
         "own CPU time (the kernel's count) per request: its inference workers', and its "
