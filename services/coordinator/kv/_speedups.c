@@ -357,8 +357,8 @@ static inline uint64_t fmix(uint64_t h) {
 static void fold_str(uint64_t l[LANES], PyObject *s) {
     const unsigned char *p = PyUnicode_DATA(s);
     size_t n = (size_t)PyUnicode_GET_LENGTH(s) * (size_t)PyUnicode_KIND(s);
-    uint64_t a = fold(l[0], (uint64_t)PyUnicode_KIND(s), M0), b = l[1], c = l[2], d = fold(l[3], (uint64_t)n, M3);
-    uint64_t e = l[4], f = l[5], g = l[6], h = l[7];
+    uint64_t a = fold(l[0], (uint64_t)PyUnicode_KIND(s), M0), b = l[1], c = l[2];
+    uint64_t d = fold(l[3], (uint64_t)n, M3), e = l[4], f = l[5], g = l[6], h = l[7];
     for (; n >= 64; p += 64, n -= 64) {
         a = fold(a, rd64(p), M0);
         b = fold(b, rd64(p + 8), M1);
@@ -385,7 +385,8 @@ static void fold_str(uint64_t l[LANES], PyObject *s) {
 
 /* The key of the messages so far: `prev`'s and one more message. */
 static Key next_key(Key prev, PyObject *role, PyObject *text) {
-    uint64_t l[LANES] = {seed[0], seed[1], seed[2], seed[3], seed[0] ^ M2, seed[1] ^ M3, seed[2] ^ M0, seed[3] ^ M1};
+    uint64_t l[LANES] = {seed[0], seed[1], seed[2], seed[3],
+                         seed[0] ^ M2, seed[1] ^ M3, seed[2] ^ M0, seed[3] ^ M1};
     fold_str(l, role);
     fold_str(l, text);
     uint64_t x = l[0] ^ ((l[2] << 23) | (l[2] >> 41)) ^ fmix(l[4] ^ ((l[6] << 29) | (l[6] >> 35)));
