@@ -242,6 +242,43 @@ class Endpoint:
         self.down = False
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 6), st.data())
+def test_a_chats_known_blocks_are_tried_first_and_find_what_bisection_finds(
+    tmp_path_factory: pytest.TempPathFactory, turns: int, known: int, data: st.DataObject
+) -> None:
+    """The C holder tries a chat's blocks the memo knew (its earlier messages) before bisecting:
+    whatever leading run a table holds, it finds the same one as the lookup of its bare ids."""
+    messages = [
+        {"role": "user" if t % 2 == 0 else "assistant", "content": " ".join(f"t{t}w{w}" for w in range(9))}
+        for t in range(turns)
+    ]
+    ids = reference(messages)
+    hashes = chain(ids, 4)
+    held = data.draw(st.integers(0, len(hashes)))
+    tmp = tmp_path_factory.mktemp("tables")
+    writer = SharedWriter(str(tmp), max_blocks_per_endpoint=100)
+    writer.open()
+    reader = SharedReader(str(tmp))
+    try:
+        writer.install("a", table := writer.create("a"))
+        table.set_block_size(4)
+        table.update(dict.fromkeys(hashes[:held], True))
+        changed = reader.read_directory()
+        assert changed is not None
+        reader.install(*changed, reader.attach(changed[1]))
+        chats = c().Chats(BUILTIN_VOCAB, 64, 1 << 20, ROOT)
+        if known:  # the memo knows the chat's first messages (all of them when known >= turns)
+            chats.prompt(messages[:known], 4)
+        prompt = chats.prompt(messages, 4)
+        a = Endpoint("a")
+        expected = (min(held * 4, len(ids)), a if held else None)
+        assert reader.holder(prompt, [a]) == reader.holder(Prompt(ids), [a]) == expected
+    finally:
+        reader.close()
+        writer.close()
+
+
 # -- the shared tables ---------------------------------------------------------------------------
 
 MASK = MIN_CAPACITY - 1
