@@ -858,14 +858,8 @@ static int table_has(const int64_t *slots, uint64_t mask, int64_t h) {
     return 0;
 }
 
-/* The run of h[0..n) the table holds, h[0] first: by bisection, as speedups.held_run. */
-static Py_ssize_t run_of(const int64_t *s, uint64_t mask, const int64_t *h, Py_ssize_t n) {
-    if (!n || !table_has(s, mask, h[0]))
-        return 0;
-    Py_ssize_t lo = 1, hi = n; /* h[lo - 1] is held; the run ends at hi at most */
-    if (table_has(s, mask, h[hi - 1]))
-        return hi;
-    hi -= 1;
+/* The run's end between lo and hi, h[0..lo) known held: by bisection. */
+static Py_ssize_t bisect_run(const int64_t *s, uint64_t mask, const int64_t *h, Py_ssize_t lo, Py_ssize_t hi) {
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi + 1) / 2;
         if (table_has(s, mask, h[mid - 1]))
@@ -876,27 +870,26 @@ static Py_ssize_t run_of(const int64_t *s, uint64_t mask, const int64_t *h, Py_s
     return lo;
 }
 
+/* The run of h[0..n) the table holds, h[0] first: by bisection, as speedups.held_run. */
+static Py_ssize_t run_of(const int64_t *s, uint64_t mask, const int64_t *h, Py_ssize_t n) {
+    if (!n || !table_has(s, mask, h[0]))
+        return 0;
+    if (table_has(s, mask, h[n - 1]))
+        return n;
+    return bisect_run(s, mask, h, 1, n - 1);
+}
+
 /* run_of, trying `guess` first: a chat's blocks that the memo knew (its earlier messages, which
  * the engine was sent before) are usually all held, and those of its new message not, so two
  * probes end the search that bisection takes about log2(n) to; each probe is a cache miss. */
 static Py_ssize_t run_of_guess(const int64_t *s, uint64_t mask, const int64_t *h, Py_ssize_t n, Py_ssize_t guess) {
     if (guess <= 0 || guess > n)
         return run_of(s, mask, h, n);
-    Py_ssize_t lo = 0, hi = guess - 1; /* h[0..lo) is held; the run ends at hi at most */
-    if (table_has(s, mask, h[guess - 1])) {
-        if (guess == n || !table_has(s, mask, h[guess]))
-            return guess;
-        lo = guess + 1;
-        hi = n;
-    }
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi + 1) / 2;
-        if (table_has(s, mask, h[mid - 1]))
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
+    if (!table_has(s, mask, h[guess - 1]))
+        return bisect_run(s, mask, h, 0, guess - 1);
+    if (guess == n || !table_has(s, mask, h[guess]))
+        return guess;
+    return bisect_run(s, mask, h, guess + 1, n);
 }
 
 /* A table's slots, to read, and their mask. */
