@@ -448,5 +448,5 @@ def test_a_conversation_reads_right_turn_after_turn_within_its_bounds(
             assert prompt is not None and prompt.tokens == sim_ids(SIM_BUILTIN, body, True)
             for bs in (3, 16):
                 assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
-        remembered = tokens._chats.count if tokens._chats is not None else len(tokens._lines or ())
+        remembered = tokens.chats.count if tokens.chats is not None else len(tokens._lines or ())
         assert 0 < remembered <= 6

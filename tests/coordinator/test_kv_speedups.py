@@ -206,7 +206,8 @@ def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) 
     ids = reference(messages)
     writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
     writer.open()
-    reader = SharedReader(str(tmp_path))
+    with implementation(impl):  # before the reader: it takes its lookup's implementation then
+        reader = SharedReader(str(tmp_path))
     try:
         for name, blocks, size in (("a", 7, 4), ("b", 9, 4), ("c", 20, 2), ("off", 10, 4)):
             writer.install(name, table := writer.create(name))

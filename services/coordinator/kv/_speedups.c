@@ -930,28 +930,29 @@ static PyObject *sp_held(PyObject *mod, PyObject *args) {
 }
 
 PyDoc_STRVAR(holder_doc,
-             "holder(prompt, endpoints, views, header) -> (int, endpoint | None)\n\n"
+             "holder(views, header, prompt, endpoints) -> (int, endpoint | None)\n\n"
              "SharedReader.holder: the longest prefix of prompt (in tokens, at most all of it)\n"
              "that one of endpoints that is up holds, and that endpoint. views maps an endpoint's\n"
              "base to its whole table file as 64-bit integers: header of them (capacity, block\n"
-             "size, blocks held, ...), then the slots.");
+             "size, blocks held, ...), then the slots. views and header first, so that a reader\n"
+             "binds them once (functools.partial) and a request calls C directly.");
 
 static PyObject *str_base, *str_down, *str_n;
 
 static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "holder(prompt, endpoints, views, header)");
+        PyErr_SetString(PyExc_TypeError, "holder(views, header, prompt, endpoints)");
         return NULL;
     }
-    PyObject *prompt = args[0], *views = args[2];
-    Py_ssize_t header = PyLong_AsSsize_t(args[3]);
+    PyObject *views = args[0], *prompt = args[2];
+    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
     if (header == -1 && PyErr_Occurred())
         return NULL;
     if (!PyDict_Check(views)) {
         PyErr_SetString(PyExc_TypeError, "views must be a dict");
         return NULL;
     }
-    PyObject *eps = PySequence_Fast(args[1], "endpoints must be a sequence");
+    PyObject *eps = PySequence_Fast(args[3], "endpoints must be a sequence");
     if (!eps)
         return NULL;
     Py_ssize_t cached = 0, n;

@@ -91,7 +91,7 @@ class Tokens:
         # With the built-in tokenizer: in C, each sequence of chat messages' hashes remembered;
         # here (text parts, or no C), each message's ids.
         native = speedups.native
-        self._chats = (
+        self.chats = (
             native.Chats(BUILTIN_VOCAB, TURN_CACHE_MAX, TURN_CACHE_BYTES, ROOT)
             if by_line and native is not None
             else None
@@ -107,11 +107,20 @@ class Tokens:
 
     def prompt(self, req: dict[str, Any], chat: bool) -> PromptView | None:
         """The request's (first) prompt; None when the body has none we can read."""
+        chats = self.chats
+        if chat and chats is not None:
+            try:
+                read = chats.prompt(req.get("messages"), self.block_size)
+            except Exception:
+                return None
+            if read is not None:
+                return read
+        return self.read(req, chat)
+
+    def read(self, req: dict[str, Any], chat: bool) -> Prompt | None:
+        """:meth:`prompt` in Python: what :attr:`chats` (the C path, where it was built) does not
+        read. Called directly by a request path that tried ``chats`` itself."""
         try:
-            if chat and self._chats is not None:
-                read = self._chats.prompt(req.get("messages"), self.block_size)
-                if read is not None:
-                    return read
             ids = (
                 self._chat(req.get("messages"), req.get("tools"))
                 if chat

@@ -91,7 +91,16 @@ class KvRouting:
         tokens = self._tokens.get((target.model, target.engine_type))
         if tokens is None:
             return None
-        prompt = tokens.prompt(req, chat)
+        # Tokens.prompt, without its frame (see KvAware.choose): a chat read in C, where it can be.
+        chats = tokens.chats
+        prompt: PromptView | None = None
+        if chat and chats is not None:
+            try:
+                prompt = chats.prompt(req.get("messages"), tokens.block_size)
+            except Exception:  # a tokenizer error only costs the hint
+                return None
+        if prompt is None:
+            prompt = tokens.read(req, chat)
         return prompt if prompt is not None and prompt.n else None
 
     # -- keeping up with the table and the shared index -----------------------------------

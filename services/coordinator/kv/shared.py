@@ -38,11 +38,12 @@ events themselves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
 import shutil
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from services.coordinator.kv import speedups
 from services.coordinator.kv.prompt import PromptView
@@ -53,6 +54,9 @@ DIRECTORY_BYTES = 1 << 20
 HEADER = mmap.PAGESIZE // 8  # int64s: capacity, block size, blocks held; the slots start a page in
 _CAPACITY, _BLOCK_SIZE, _BLOCKS = 0, 1, 2
 MIN_CAPACITY = 1024
+
+# A request's lookup: (prompt, the instance's endpoints) -> (tokens held, the endpoint holding them).
+Holder = Callable[[PromptView, Sequence[Upstream]], tuple[int, Upstream | None]]
 
 
 def capacity_for(max_blocks: int) -> int:
@@ -348,7 +352,15 @@ class SharedReader:
         self._dir: mmap.mmap | None = None
         self._gen = 0
         self._tables: dict[Hashable, Table] = {}
-        self._files: dict[Hashable, memoryview] = {}  # each table's whole file, for the C path
+        # Each table's whole file, for the C path: changed in place, since the C holder has it.
+        self._files: dict[Hashable, memoryview] = {}
+        # The request path's lookup: in C (where it was built) called directly, without a
+        # Python frame around it. Measured with the caches evicted, as a request finds them,
+        # each frame on the way costs about a microsecond (bench/loadgen/kv_index_cost.py).
+        native = speedups.native
+        self.holder: Holder = (
+            functools.partial(native.holder, self._files, HEADER) if native is not None else self._holder
+        )
 
     # -- following the directory ----------------------------------------------------------------
 
@@ -410,11 +422,12 @@ class SharedReader:
             if tables.get(ep) is not table:
                 table.close()
         self._tables = tables
-        self._files = {ep: table.file for ep, table in tables.items()}
+        self._files.clear()
+        self._files.update((ep, table.file) for ep, table in tables.items())
         self._gen = gen
 
     def close(self) -> None:
-        self._files = {}
+        self._files.clear()
         for table in self._tables.values():
             table.close()
         self._tables = {}
@@ -441,11 +454,8 @@ class SharedReader:
                     found[ep] = run
         return found
 
-    def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
-        """As :meth:`KvIndex.holder` (in C where it was built: this is the request path)."""
-        native = speedups.native
-        if native is not None:
-            return native.holder(prompt, endpoints, self._files, HEADER)
+    def _holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+        """:attr:`holder` without the C speedups: as :meth:`KvIndex.holder`."""
         cached, where = 0, None
         for ep in endpoints:
             table = self._tables.get(ep.base)
