@@ -60,6 +60,9 @@ OVERHEAD_CACHES = {"holding the working set": 65536, "churning, half the working
 CONTROL = "least_load, again"
 OVERHEAD_ROWS = {"kv_aware": "kv_aware", "least_load": "least_load", CONTROL: "least_load"}
 OVERHEAD_SEED = 16
+# How far the ratio of medians could move with other rounds: the rounds of each row resampled
+# (a cluster's round is the unit that varies most: its medians spread over 2x), RESAMPLES times.
+RESAMPLES = 1000
 
 
 @dataclass
@@ -271,6 +274,7 @@ def _overhead_section(cache: str, rounds: dict[str, list[Overhead]]) -> tuple[li
     ratio = kv_o / ll_o if ll_o > 0 else float("nan")
     control = median[CONTROL] / ll_o if ll_o > 0 else float("nan")
     worst = max(statistics.median(r.diffs) for r in rounds["kv_aware"])
+    low, high = _ratio_interval(rounds["kv_aware"], rounds["least_load"])
     cpu = {
         row: (
             statistics.median(r.worker_cpu_s for r in rs),
@@ -291,13 +295,26 @@ def _overhead_section(cache: str, rounds: dict[str, list[Overhead]]) -> tuple[li
         ),
         "",
         f"kv_aware against least_load: **{ratio:.2f}x** ({kv_o * 1e6:.0f} µs against {ll_o * 1e6:.0f} µs, "
-        f"{(kv_o - ll_o) * 1e6:+.0f} µs; worst kv_aware round median {worst * 1e6:.0f} µs); the control "
+        f"{(kv_o - ll_o) * 1e6:+.0f} µs; worst kv_aware round median {worst * 1e6:.0f} µs; with the rounds "
+        f"resampled, 95% of ratios fall in {low:.2f}x to {high:.2f}x); the control "
         f"against least_load: {control:.2f}x ({(median[CONTROL] - ll_o) * 1e6:+.0f} µs). The workers' CPU "
         f"per request: {cpu['kv_aware'][0] * 1e6:.0f} µs with kv_aware, {cpu['least_load'][0] * 1e6:.0f} "
         f"and {cpu[CONTROL][0] * 1e6:.0f} µs with least_load.",
         "",
     ]
     return lines, ratio
+
+
+def _ratio_interval(kv: list[Overhead], ll: list[Overhead]) -> tuple[float, float]:
+    """The 95% interval of kv_aware's pooled median over least_load's, rounds resampled."""
+    rnd = random.Random(OVERHEAD_SEED)
+    ratios = []
+    for _ in range(RESAMPLES):
+        a = statistics.median(x for r in rnd.choices(kv, k=len(kv)) for x in r.diffs)
+        b = statistics.median(x for r in rnd.choices(ll, k=len(ll)) for x in r.diffs)
+        ratios.append(a / b if b > 0 else float("nan"))
+    ratios.sort()
+    return ratios[int(0.025 * RESAMPLES)], ratios[int(0.975 * RESAMPLES) - 1]
 
 
 def _round_medians(rounds: list[Overhead]) -> str:

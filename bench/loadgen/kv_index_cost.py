@@ -126,13 +126,26 @@ def _path(
     return out
 
 
-def _python_path(tokens: Tokens, reader: SharedReader, eps: list[str], questions: range) -> list[float]:
-    """:func:`_path` against the shared index, with the Python the C speedups mirror."""
+def _python_path(directory: str, eps: list[str], questions: range) -> list[float]:
+    """:func:`_path` against the shared index, with the Python the C speedups mirror (a reader
+    takes its lookup's implementation as it is made)."""
     native, speedups.native = speedups.native, None  # type: ignore[assignment]
     try:
-        return _path(Tokens(Builtin(), sim=True), reader.holder, eps, questions, None)
+        reader = _reader(directory)
+        try:
+            return _path(Tokens(Builtin(), sim=True), reader.holder, eps, questions, None)
+        finally:
+            reader.close()
     finally:
         speedups.native = native
+
+
+def _reader(directory: str) -> SharedReader:
+    reader = SharedReader(directory)
+    changed = reader.read_directory()
+    assert changed is not None
+    reader.install(*changed, reader.attach(changed[1]))
+    return reader
 
 
 def _serve_index(address: str, tokens: list[int], blocks: int, ready: object) -> None:
@@ -214,10 +227,7 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             # Made as big as the fill needs: here no feed replaces a crowded table.
             writer.install(ep, writer.create(ep, writer.max_capacity))
         eps = _fill(index, ids, blocks_per_endpoint)
-        reader = SharedReader(d)
-        changed = reader.read_directory()
-        assert changed is not None
-        reader.install(*changed, reader.attach(changed[1]))
+        reader = _reader(d)
         in_process = _path(tok, index.holder, eps, range(1, SAMPLES + 1), None)
         shared = _path(tok, reader.holder, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
         cold = _path(
@@ -227,7 +237,7 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES),
             bytearray(EVICT_BYTES),
         )
-        python = _python_path(tok, reader, eps, range(3 * SAMPLES, 4 * SAMPLES))
+        python = _python_path(d, eps, range(3 * SAMPLES, 4 * SAMPLES))
         reader.close()
         writer.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import Counter, Histogram
 
@@ -58,11 +58,23 @@ class HistogramTally:
         child._sum.inc(total)
 
 
+class Flushable(Protocol):
+    def flush(self) -> None: ...
+
+
+F = TypeVar("F", bound=Flushable)
+
+
 class Tallies:
     """The tallies of one process, created on first use per label set."""
 
     def __init__(self) -> None:
-        self._all: list[CounterTally | HistogramTally] = []
+        self._all: list[Flushable] = []
+
+    def add(self, t: F) -> F:
+        """A tally of another shape, flushed with the others."""
+        self._all.append(t)
+        return t
 
     def counter(self, make: Callable[[], Counter]) -> CounterTally:
         t = CounterTally(make())

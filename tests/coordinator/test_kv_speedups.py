@@ -235,6 +235,42 @@ def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) 
         writer.close()
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_placing_a_prompt_writes_the_holders_answer_into_it_and_counts_it(tmp_path: Path, impl: str) -> None:
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+    ids = reference(messages)
+    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
+    writer.open()
+    with implementation(impl):
+        reader = SharedReader(str(tmp_path))
+    try:
+        writer.install("a", table := writer.create("a"))
+        table.set_block_size(4)
+        table.update(dict.fromkeys(chain(ids, 4)[:6], True))
+        changed = reader.read_directory()
+        assert changed is not None
+        reader.install(*changed, reader.attach(changed[1]))
+        a, b = Endpoint("a"), Endpoint("b")
+        tally = array("q", [5, 7])
+        with implementation(impl):
+            tokens = Tokens(Builtin(), sim=True)
+            tokens.block_size = 4
+            chat = tokens.prompt({"messages": messages}, True)
+        for prompt in (chat, Prompt(ids)):
+            assert prompt is not None
+            reader.place(prompt, [b, a], tally)
+            assert (prompt.cached, prompt.endpoint) == (24, a) == reader.holder(prompt, [b, a])
+            reader.place(prompt, [b], tally)
+            assert (prompt.cached, prompt.endpoint) == (0, None)
+        assert list(tally) == [5 + 4 * 41, 7 + 2 * 24]
+        if impl == "c":
+            with pytest.raises(ValueError, match="two 64-bit"):
+                reader.place(chat, [a], array("q", [0]))
+    finally:
+        reader.close()
+        writer.close()
+
+
 class Endpoint:
     """What the index reads of an Upstream."""
 

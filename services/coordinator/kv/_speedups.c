@@ -929,34 +929,22 @@ static PyObject *sp_held(PyObject *mod, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(holder_doc,
-             "holder(views, header, prompt, endpoints) -> (int, endpoint | None)\n\n"
-             "SharedReader.holder: the longest prefix of prompt (in tokens, at most all of it)\n"
-             "that one of endpoints that is up holds, and that endpoint. views maps an endpoint's\n"
-             "base to its whole table file as 64-bit integers: header of them (capacity, block\n"
-             "size, blocks held, ...), then the slots. views and header first, so that a reader\n"
-             "binds them once (functools.partial) and a request calls C directly.");
+static PyObject *str_base, *str_down, *str_n, *str_cached, *str_endpoint;
 
-static PyObject *str_base, *str_down, *str_n;
-
-static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "holder(views, header, prompt, endpoints)");
-        return NULL;
-    }
-    PyObject *views = args[0], *prompt = args[2];
-    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
-    if (header == -1 && PyErr_Occurred())
-        return NULL;
+/* The longest prefix of prompt (tokens, at most all of it) that one of eps that is up holds, in
+ * *cached, and that endpoint (borrowed; None if none) in *where. -1 on an error. */
+static int find_holder(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObject *endpoints, Py_ssize_t *n_out,
+                       Py_ssize_t *cached_out, PyObject **where_out) {
     if (!PyDict_Check(views)) {
         PyErr_SetString(PyExc_TypeError, "views must be a dict");
-        return NULL;
+        return -1;
     }
-    PyObject *eps = PySequence_Fast(args[3], "endpoints must be a sequence");
+    PyObject *eps = PySequence_Fast(endpoints, "endpoints must be a sequence");
     if (!eps)
-        return NULL;
+        return -1;
     Py_ssize_t cached = 0, n;
-    PyObject *where = Py_None, *result = NULL;
+    PyObject *where = Py_None;
+    int rc = -1;
     if (Py_IS_TYPE(prompt, &ChatPromptType))
         n = ((ChatPromptObject *)prompt)->n;
     else {
@@ -1015,10 +1003,88 @@ static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             where = ep;
         }
     }
-    result = Py_BuildValue("nO", cached < n ? cached : n, where);
+    *n_out = n;
+    *cached_out = cached < n ? cached : n;
+    *where_out = where; /* borrowed from endpoints, which the caller holds */
+    rc = 0;
 done:
     Py_DECREF(eps);
-    return result;
+    return rc;
+}
+
+static int header_arg(PyObject *arg, Py_ssize_t *header) {
+    *header = PyLong_AsSsize_t(arg);
+    return *header == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+PyDoc_STRVAR(holder_doc,
+             "holder(views, header, prompt, endpoints) -> (int, endpoint | None)\n\n"
+             "SharedReader.holder: the longest prefix of prompt (in tokens, at most all of it)\n"
+             "that one of endpoints that is up holds, and that endpoint. views maps an endpoint's\n"
+             "base to its whole table file as 64-bit integers: header of them (capacity, block\n"
+             "size, blocks held, ...), then the slots. views and header first, so that a reader\n"
+             "binds them once (functools.partial) and a request calls C directly.");
+
+static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t header, n, cached;
+    PyObject *where;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "holder(views, header, prompt, endpoints)");
+        return NULL;
+    }
+    if (header_arg(args[1], &header) < 0 || find_holder(args[0], header, args[2], args[3], &n, &cached, &where) < 0)
+        return NULL;
+    return Py_BuildValue("nO", cached, where);
+}
+
+PyDoc_STRVAR(place_doc,
+             "place(views, header, prompt, endpoints, tally) -> None\n\n"
+             "SharedReader.place: holder's answer written into prompt (cached, endpoint), and\n"
+             "prompt.n and cached added to tally, a writable buffer of two 64-bit integers. One\n"
+             "call where the request path otherwise unpacks a tuple and sets and adds four Python\n"
+             "attributes, each a cache miss on a request path whose caches are cold.");
+
+static PyObject *sp_place(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t header, n, cached;
+    PyObject *where, *prompt;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "place(views, header, prompt, endpoints, tally)");
+        return NULL;
+    }
+    prompt = args[2];
+    Py_buffer tally;
+    if (PyObject_GetBuffer(args[4], &tally, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (tally.len != 2 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&tally);
+        PyErr_SetString(PyExc_ValueError, "tally must be two 64-bit integers");
+        return NULL;
+    }
+    if (header_arg(args[1], &header) < 0 || find_holder(args[0], header, prompt, args[3], &n, &cached, &where) < 0) {
+        PyBuffer_Release(&tally);
+        return NULL;
+    }
+    int rc = 0;
+    if (Py_IS_TYPE(prompt, &ChatPromptType)) {
+        ChatPromptObject *p = (ChatPromptObject *)prompt;
+        p->cached = cached;
+        Py_SETREF(p->endpoint, Py_NewRef(where));
+    } else {
+        PyObject *c = PyLong_FromSsize_t(cached);
+        rc = !c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0
+                 ? -1
+                 : 0;
+        Py_XDECREF(c);
+    }
+    if (rc == 0) {
+        int64_t *sums = tally.buf;
+        sums[0] += n;
+        sums[1] += cached;
+    }
+    PyBuffer_Release(&tally);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* -- writing a table (the management process): Table.update --------------------------------- */
@@ -1245,6 +1311,7 @@ static PyMethodDef module_methods[] = {
     {"unpack_ids", sp_unpack_ids, METH_O, unpack_ids_doc},
     {"held", sp_held, METH_VARARGS, held_doc},
     {"holder", (PyCFunction)(void (*)(void))sp_holder, METH_FASTCALL, holder_doc},
+    {"place", (PyCFunction)(void (*)(void))sp_place, METH_FASTCALL, place_doc},
     {"table_update", sp_table_update, METH_VARARGS, table_update_doc},
     {"hold", sp_hold, METH_VARARGS, hold_doc},
     {"release", sp_release, METH_VARARGS, release_doc},
@@ -1267,11 +1334,14 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     str_base = PyUnicode_InternFromString("base");
     str_down = PyUnicode_InternFromString("down");
     str_n = PyUnicode_InternFromString("n");
+    str_cached = PyUnicode_InternFromString("cached");
+    str_endpoint = PyUnicode_InternFromString("endpoint");
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
     str_popitem = PyUnicode_InternFromString("popitem");
     kw_last = Py_BuildValue("(s)", "last");
     PyObject *array_mod = PyImport_ImportModule("array");
-    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_move_to_end ||
+    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_cached || !str_endpoint ||
+        !str_move_to_end ||
         !str_popitem || !kw_last || !array_mod)
         return NULL;
     array_type = PyObject_GetAttrString(array_mod, "array");

@@ -19,11 +19,11 @@ costs a cache hit, never a wrong answer about what is cached.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
 from typing import Protocol
 
 from services.coordinator.kv.hashing import ROOT
-from services.coordinator.kv.prompt import PromptView
+from services.coordinator.kv.prompt import PromptView, place
 from services.coordinator.kv.speedups import chain, held_run, hold, release
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from services.coordinator.routes import Upstream
@@ -178,6 +178,11 @@ class KvIndex:
                 if tokens > cached:
                     cached, where = tokens, ep
         return min(cached, prompt.n), where
+
+    def place(self, prompt: PromptView, endpoints: Sequence[Upstream], tally: MutableSequence[int]) -> None:
+        """:meth:`holder`, its answer written into ``prompt`` (``cached``, ``endpoint``) and
+        added to ``tally`` (prompt tokens, cached tokens)."""
+        place(self.holder, prompt, endpoints, tally)
 
     def endpoints(self) -> list[Hashable]:
         return list(self._held)

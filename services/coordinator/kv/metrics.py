@@ -8,15 +8,38 @@ already held, by the index, when the request was routed.
 
 from __future__ import annotations
 
+from array import array
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.enums import ROLE_NAMES
-from services.coordinator.tally import CounterTally, Tallies
+from services.coordinator.tally import Tallies
 
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROLES = ("prefill", "decode", "union")
 REPLAY_OUTCOMES = ("ok", "truncated", "timeout", "none")
 RESET_REASONS = ("left", "restart", "gap")
+
+
+class PromptTally:
+    """The prompt tokens of the requests kv_aware routed to one role's instances, and of them the
+    tokens the chosen engine held, as two 64-bit integers the C request path adds to in place
+    (as :mod:`services.coordinator.tally`'s tallies, flushed into the counters)."""
+
+    __slots__ = ("_cached", "_prompt", "sums")
+
+    def __init__(self, prompt: Counter, cached: Counter) -> None:
+        self._prompt = prompt
+        self._cached = cached
+        self.sums = array("q", [0, 0])
+
+    def flush(self) -> None:
+        tokens, cached = self.sums
+        self.sums[0] = self.sums[1] = 0
+        if tokens:
+            self._prompt.inc(tokens)
+        if cached:
+            self._cached.inc(cached)
 
 
 class KvMetrics:
@@ -38,11 +61,9 @@ class KvMetrics:
             ["role"],
             registry=r,
         )
-        self._prompt: dict[str, CounterTally] = {}
-        self._cached: dict[str, CounterTally] = {}
-        for role in ROLES:
-            self._prompt[role] = self._tallies.counter(lambda role=role: prompt.labels(role))  # type: ignore[misc]
-            self._cached[role] = self._tallies.counter(lambda role=role: cached.labels(role))  # type: ignore[misc]
+        self._by_role = {
+            role: tallies.add(PromptTally(prompt.labels(role), cached.labels(role))) for role in ROLES
+        }
         self.index_blocks = Gauge(
             "motor_coordinator_kv_index_blocks",
             "Blocks in the KV index (one per engine endpoint holding it).",
@@ -85,12 +106,11 @@ class KvMetrics:
         for reason in RESET_REASONS:
             self._resets.labels(reason)
 
-    def tallies(self, role: int) -> tuple[CounterTally, CounterTally]:
-        """What a request routed to an instance of ``role`` adds its prompt tokens to, and the
-        tokens of them the chosen engine held (kv_aware keeps them per role: its request path
-        adds to them directly)."""
-        name = ROLE_NAMES.get(role, "union")  # type: ignore[call-overload]
-        return self._prompt[name], self._cached[name]
+    def tallies(self, role: int) -> array[int]:
+        """What a request routed to an instance of ``role`` adds its prompt tokens, and the
+        tokens of them the chosen engine held, to: [prompt tokens, cached tokens] (kv_aware
+        keeps them per role: its request path adds to them directly, in C where it was built)."""
+        return self._by_role[ROLE_NAMES.get(role, "union")].sums  # type: ignore[call-overload]
 
     # -- Stats of the subscriptions -------------------------------------------------------
 

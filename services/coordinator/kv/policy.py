@@ -15,7 +15,7 @@ except that a tie goes to the emptier cache: new prefixes spread over the engine
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, MutableSequence, Sequence
 from typing import Protocol
 
 from services.common.enums import ROLE_NAMES
@@ -30,6 +30,10 @@ class IndexView(Protocol):
     :class:`~.shared.SharedReader`."""
 
     def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]: ...
+
+    def place(
+        self, prompt: PromptView, endpoints: Sequence[Upstream], tally: MutableSequence[int]
+    ) -> None: ...
 
     def endpoint_blocks(self, ep: Hashable) -> int: ...
 
@@ -47,7 +51,8 @@ class KvAware:
         # What every request's path reads, found once: the lookup (in C for a worker's shared
         # index, so no Python frame around it) and the tallies it adds to, per role.
         self._holder = index.holder
-        self._tallies = {role: metrics.tallies(role) for role in ROLE_NAMES}
+        self._place = index.place
+        self._tallies: dict[int, MutableSequence[int]] = {role: metrics.tallies(role) for role in ROLE_NAMES}
 
     def choose(
         self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
@@ -58,23 +63,30 @@ class KvAware:
         if prompt is None:
             return least_load(targets, exclude)
         if len(targets) == 1 and not exclude:
-            chosen = targets[0]  # the lone candidate, taken without the filter
-            prompt.cached, prompt.endpoint = self._holder(prompt, chosen.endpoints)
-        else:
-            cands = candidates(targets, exclude)
-            if not cands:
-                return None
-            if len(cands) == 1:
-                chosen = cands[0]
-                prompt.cached, prompt.endpoint = self._holder(prompt, chosen.endpoints)
-            else:
-                chosen = self._cheapest(cands, prompt)
-        prompts, cached = self._tallies.get(chosen.role) or self.metrics.tallies(chosen.role)
-        prompts.n += prompt.n
-        cached.n += prompt.cached
+            # The lone candidate, taken without the filter; one call finds what its endpoints
+            # hold, writes it into the prompt and counts it (in C: a tuple unpacked and four
+            # attributes set and added in Python cost 2 to 3 µs with cold caches).
+            chosen = targets[0]
+            tally = self._tallies.get(chosen.role) or self.metrics.tallies(chosen.role)
+            self._place(prompt, chosen.endpoints, tally)
+            return chosen
+        cands = candidates(targets, exclude)
+        if not cands:
+            return None
+        if len(cands) == 1:
+            chosen = cands[0]
+            self._place(prompt, chosen.endpoints, self._tally(chosen.role))
+            return chosen
+        chosen = self._cheapest(cands, prompt)
+        tally = self._tally(chosen.role)
+        tally[0] += prompt.n
+        tally[1] += prompt.cached
         return chosen
 
     __call__ = choose
+
+    def _tally(self, role: int) -> MutableSequence[int]:
+        return self._tallies.get(role) or self.metrics.tallies(role)
 
     def _cheapest(self, cands: Sequence[Target], prompt: PromptView) -> Target:
         pw, lw, n = self.prefix_weight, self.load_weight, prompt.n

@@ -18,7 +18,7 @@ the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from typing import Any, Protocol
 
 from services.common.tokenizer import (
@@ -55,6 +55,21 @@ class PromptView(Protocol):
     def tokens(self) -> list[int]: ...
 
     def hashes(self, block_size: int) -> Sequence[int]: ...
+
+
+# A request's lookup: (prompt, the instance's endpoints) -> (tokens held, the endpoint holding them).
+Holder = Callable[[PromptView, Sequence[Upstream]], tuple[int, Upstream | None]]
+# The same, its answer written into the prompt and added to a tally of [prompt tokens, cached].
+Placer = Callable[[PromptView, Sequence[Upstream], MutableSequence[int]], None]
+
+
+def place(
+    holder: Holder, prompt: PromptView, endpoints: Sequence[Upstream], tally: MutableSequence[int]
+) -> None:
+    """A :data:`Placer` from a :data:`Holder`: what the C ``place`` does, in Python."""
+    prompt.cached, prompt.endpoint = holder(prompt, endpoints)
+    tally[0] += prompt.n
+    tally[1] += prompt.cached
 
 
 class Prompt:

@@ -43,10 +43,10 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 
 from services.coordinator.kv import speedups
-from services.coordinator.kv.prompt import PromptView
+from services.coordinator.kv.prompt import Holder, Placer, PromptView, place
 from services.coordinator.routes import Upstream
 
 DIRECTORY = "endpoints"
@@ -54,9 +54,6 @@ DIRECTORY_BYTES = 1 << 20
 HEADER = mmap.PAGESIZE // 8  # int64s: capacity, block size, blocks held; the slots start a page in
 _CAPACITY, _BLOCK_SIZE, _BLOCKS = 0, 1, 2
 MIN_CAPACITY = 1024
-
-# A request's lookup: (prompt, the instance's endpoints) -> (tokens held, the endpoint holding them).
-Holder = Callable[[PromptView, Sequence[Upstream]], tuple[int, Upstream | None]]
 
 
 def capacity_for(max_blocks: int) -> int:
@@ -352,15 +349,17 @@ class SharedReader:
         self._dir: mmap.mmap | None = None
         self._gen = 0
         self._tables: dict[Hashable, Table] = {}
-        # Each table's whole file, for the C path: changed in place, since the C holder has it.
+        # Each table's whole file, for the C path: changed in place, since the C lookups have it.
         self._files: dict[Hashable, memoryview] = {}
-        # The request path's lookup: in C (where it was built) called directly, without a
-        # Python frame around it. Measured with the caches evicted, as a request finds them,
-        # each frame on the way costs about a microsecond (bench/loadgen/kv_index_cost.py).
+        # The request path's lookups (see KvIndex.holder and KvIndex.place): in C, where it was
+        # built, called directly, without a Python frame around them. Timed in process with the
+        # caches evicted, as a request finds them, each frame on the way costs about a microsecond.
         native = speedups.native
-        self.holder: Holder = (
-            functools.partial(native.holder, self._files, HEADER) if native is not None else self._holder
-        )
+        self.holder: Holder = self._holder
+        self.place: Placer = functools.partial(place, self._holder)
+        if native is not None:
+            self.holder = functools.partial(native.holder, self._files, HEADER)
+            self.place = functools.partial(native.place, self._files, HEADER)
 
     # -- following the directory ----------------------------------------------------------------
 
