@@ -1071,9 +1071,8 @@ static PyObject *sp_place(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         Py_SETREF(p->endpoint, Py_NewRef(where));
     } else {
         PyObject *c = PyLong_FromSsize_t(cached);
-        rc = !c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0
-                 ? -1
-                 : 0;
+        if (!c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0)
+            rc = -1;
         Py_XDECREF(c);
     }
     if (rc == 0) {
@@ -1340,9 +1339,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     str_popitem = PyUnicode_InternFromString("popitem");
     kw_last = Py_BuildValue("(s)", "last");
     PyObject *array_mod = PyImport_ImportModule("array");
-    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_cached || !str_endpoint ||
-        !str_move_to_end ||
-        !str_popitem || !kw_last || !array_mod)
+    if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_cached ||
+        !str_endpoint || !str_move_to_end || !str_popitem || !kw_last || !array_mod)
         return NULL;
     array_type = PyObject_GetAttrString(array_mod, "array");
     Py_DECREF(array_mod);
