@@ -200,23 +200,38 @@ def test_the_chat_cache_keeps_its_bounds_and_its_answers() -> None:
     assert chats.count <= before and chats.bytes <= 4096
 
 
+@contextlib.contextmanager
+def shared_tables(tmp: Path, impl: str) -> Iterator[tuple[SharedWriter, SharedReader]]:
+    """A writer of shared tables and a reader of them made with ``impl`` (a reader takes its
+    lookups' implementation as it is made)."""
+    writer = SharedWriter(str(tmp), max_blocks_per_endpoint=100)
+    writer.open()
+    with implementation(impl):
+        reader = SharedReader(str(tmp))
+    try:
+        yield writer, reader
+    finally:
+        reader.close()
+        writer.close()
+
+
+def installed(reader: SharedReader) -> None:
+    changed = reader.read_directory()
+    assert changed is not None
+    reader.install(*changed, reader.attach(changed[1]))
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) -> None:
     messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
     ids = reference(messages)
-    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
-    writer.open()
-    with implementation(impl):  # before the reader: it takes its lookup's implementation then
-        reader = SharedReader(str(tmp_path))
-    try:
+    with shared_tables(tmp_path, impl) as (writer, reader):
         for name, blocks, size in (("a", 7, 4), ("b", 9, 4), ("c", 20, 2), ("off", 10, 4)):
             writer.install(name, table := writer.create(name))
             table.set_block_size(size)
             for h in chain(ids, size)[:blocks]:
                 table.update({h: True})
-        changed = reader.read_directory()
-        assert changed is not None
-        reader.install(*changed, reader.attach(changed[1]))
+        installed(reader)
         a, b, c_, off, gone = (Endpoint(n) for n in ("a", "b", "c", "off", "gone"))
         off.down = True
         with implementation(impl):
@@ -230,26 +245,17 @@ def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) 
                 assert reader.holder(prompt, []) == (0, None)
             short = Prompt(ids[:30])
             assert reader.holder(short, [b]) == (28, b)  # its 7 full blocks
-    finally:
-        reader.close()
-        writer.close()
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_placing_a_prompt_writes_the_holders_answer_into_it_and_counts_it(tmp_path: Path, impl: str) -> None:
     messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
     ids = reference(messages)
-    writer = SharedWriter(str(tmp_path), max_blocks_per_endpoint=100)
-    writer.open()
-    with implementation(impl):
-        reader = SharedReader(str(tmp_path))
-    try:
+    with shared_tables(tmp_path, impl) as (writer, reader):
         writer.install("a", table := writer.create("a"))
         table.set_block_size(4)
         table.update(dict.fromkeys(chain(ids, 4)[:6], True))
-        changed = reader.read_directory()
-        assert changed is not None
-        reader.install(*changed, reader.attach(changed[1]))
+        installed(reader)
         a, b = Endpoint("a"), Endpoint("b")
         tally = array("q", [5, 7])
         with implementation(impl):
@@ -266,9 +272,6 @@ def test_placing_a_prompt_writes_the_holders_answer_into_it_and_counts_it(tmp_pa
         if impl == "c":
             with pytest.raises(ValueError, match="two 64-bit"):
                 reader.place(chat, [a], array("q", [0]))
-    finally:
-        reader.close()
-        writer.close()
 
 
 class Endpoint:
@@ -301,9 +304,7 @@ def test_a_chats_known_blocks_are_tried_first_and_find_what_bisection_finds(
         writer.install("a", table := writer.create("a"))
         table.set_block_size(4)
         table.update(dict.fromkeys(hashes[:held], True))
-        changed = reader.read_directory()
-        assert changed is not None
-        reader.install(*changed, reader.attach(changed[1]))
+        installed(reader)
         chats = c().Chats(BUILTIN_VOCAB, 64, 1 << 20, ROOT)
         if known:  # the memo knows the chat's first messages (all of them when known >= turns)
             chats.prompt(messages[:known], 4)
