@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -42,3 +43,16 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()
     yield c
     c.destroy(linger=0)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that configures logging in process (``log.setup``) leaves the root logger as it
+    found it: its handler writes to that test's captured stderr, which pytest closes after it,
+    and a later test's thread logging there (httpx, under the chaos harness) printed
+    "--- Logging error ---" in the middle of the run."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
