@@ -72,19 +72,15 @@ class Tallies:
         self._all: list[Flushable] = []
 
     def add(self, t: F) -> F:
-        """A tally of another shape, flushed with the others."""
+        """Any tally (one of these, or of another shape), flushed with the others."""
         self._all.append(t)
         return t
 
     def counter(self, make: Callable[[], Counter]) -> CounterTally:
-        t = CounterTally(make())
-        self._all.append(t)
-        return t
+        return self.add(CounterTally(make()))
 
     def histogram(self, make: Callable[[], Histogram], bounds: Sequence[float]) -> HistogramTally:
-        t = HistogramTally(make(), bounds)
-        self._all.append(t)
-        return t
+        return self.add(HistogramTally(make(), bounds))
 
     def flush(self) -> None:
         for t in self._all:
