@@ -22,29 +22,38 @@ ZeroMQ on every request):
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
 from bench.loadgen.harness import percentile
+from services.common.enums import ENGINE_SIM, PREFILL
 from services.common.tokenizer import Builtin
+from services.coordinator.bodies import loads
 from services.coordinator.kv import speedups, wire
 from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
+from services.coordinator.kv.metrics import KvMetrics
+from services.coordinator.kv.policy import IndexView, KvAware
 from services.coordinator.kv.prompt import Tokens
+from services.coordinator.kv.routing import prompt_reader
 from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, capacity_for
+from services.coordinator.tally import Tallies
 
 BLOCK = 16
 ENDPOINTS = 4
+MODEL = "motor-sim"
 SAMPLES = 2000
 COLD_SAMPLES = 300
 EVICT_BYTES = 32 << 20  # more than this machine's caches
@@ -103,37 +112,60 @@ class _Endpoint:
     down: bool = False
 
 
-Holder = Callable[[Any, Sequence[Any]], tuple[int, Any]]
+class _Target:
+    """What the request path reads of an instance: here one, with every endpoint."""
+
+    def __init__(self, eps: list[str]) -> None:
+        self.model, self.engine_type, self.role = MODEL, ENGINE_SIM, PREFILL
+        self.endpoints = [_Endpoint(ep) for ep in eps]
+
+
+Read = Callable[[dict[str, Any], bool, Any], Any]  # (req, chat, target) -> prompt
+Decide = Callable[..., Any]  # the policy, (targets, exclude, prompt) -> target
+
+
+def _worker_path(tokens: Tokens, index: IndexView) -> tuple[Read, Decide]:
+    """A request's two steps as an inference process takes them: its prompt read
+    (KvRouting.prompt) and the policy's choice among the candidates (KvAware.decide)."""
+    read = prompt_reader(
+        {(MODEL, ENGINE_SIM): tokens.chats} if tokens.chats is not None else {}, _rest(tokens)
+    )
+    return read, KvAware(index, KvMetrics(CollectorRegistry(), Tallies()), 1.0, 1.0).decide
+
+
+def _rest(tokens: Tokens) -> Read:
+    return lambda req, chat, target: tokens.read(req, chat)
 
 
 def _path(
-    tokens: Tokens, holder: Holder, eps: list[str], questions: range, evict: bytearray | None
+    read: Read, decide: Decide, eps: list[str], questions: range, evict: bytearray | None
 ) -> list[float]:
-    """Per request (each with a question not seen before), seconds to its match."""
+    """Per request (each with a question not seen before), seconds to its match. The body is
+    parsed after the eviction, as a worker parses it just before routing it."""
     out = []
     zeros = bytes(len(evict) // 64) if evict is not None else b""
-    endpoints = [_Endpoint(ep) for ep in eps]
+    target = _Target(eps)
     for i in questions:
-        req = _request(1000, i)
+        raw = json.dumps(_request(1000, i)).encode()
         if evict is not None:
             evict[::64] = zeros
+        req = loads(raw)
         t = time.perf_counter()
-        prompt = tokens.prompt(req, True)
-        assert prompt is not None
-        cached, _ = holder(prompt, endpoints)
+        prompt = read(req, True, target)
+        decide([target], (), prompt)
         out.append((time.perf_counter() - t) * 1e6)
-        assert cached > 0
+        assert prompt is not None and prompt.cached > 0
     return out
 
 
 def _python_path(directory: str, eps: list[str], questions: range) -> list[float]:
     """:func:`_path` against the shared index, with the Python the C speedups mirror (a reader
-    takes its lookup's implementation as it is made)."""
+    and a tokenizer take their implementation as they are made)."""
     native, speedups.native = speedups.native, None  # type: ignore[assignment]
     try:
         reader = _reader(directory)
         try:
-            return _path(Tokens(Builtin(), sim=True), reader.holder, eps, questions, None)
+            return _path(*_worker_path(Tokens(Builtin(), sim=True), reader), eps, questions, None)
         finally:
             reader.close()
     finally:
@@ -228,14 +260,11 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             writer.install(ep, writer.create(ep, writer.max_capacity))
         eps = _fill(index, ids, blocks_per_endpoint)
         reader = _reader(d)
-        in_process = _path(tok, index.holder, eps, range(1, SAMPLES + 1), None)
-        shared = _path(tok, reader.holder, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
+        in_process = _path(*_worker_path(tok, index), eps, range(1, SAMPLES + 1), None)
+        worker = _worker_path(tok, reader)
+        shared = _path(*worker, eps, range(SAMPLES + 1, 2 * SAMPLES + 1), None)
         cold = _path(
-            tok,
-            reader.holder,
-            eps,
-            range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES),
-            bytearray(EVICT_BYTES),
+            *worker, eps, range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES), bytearray(EVICT_BYTES)
         )
         python = _python_path(d, eps, range(3 * SAMPLES, 4 * SAMPLES))
         reader.close()
@@ -291,7 +320,7 @@ def summary(c: Costs) -> list[str]:
             c.in_process_us,
         ),
         _row("the same against the shared index (what a worker does)", c.shared_us),
-        _row("the same, CPU caches evicted before each request", c.shared_cold_us),
+        _row("the same, CPU caches evicted before each request (then its body parsed)", c.shared_cold_us),
         _row("the same in Python (no C speedups), caches warm", c.shared_python_us),
         _row("round trip to an index in another process (ipc, msgpack)", c.round_trip_us),
         "",

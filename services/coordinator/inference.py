@@ -91,7 +91,7 @@ def make_router(
     def policy(name: str) -> Policy:
         if name != kv_routing.POLICY:
             return make_policy(name)
-        return kv.policy.choose if kv is not None else least_load
+        return kv.policy.decide if kv is not None else least_load
 
     return Router(engines, policy(cfg.prefill_policy), policy(cfg.decode_policy), kv)
 

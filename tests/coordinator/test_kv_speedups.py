@@ -282,6 +282,91 @@ class Endpoint:
         self.down = False
 
 
+class Instance:
+    """What the request path reads of a Target."""
+
+    def __init__(self, *endpoints: Endpoint, model: str = "m", role: int = 1) -> None:
+        self.model, self.engine_type, self.role = model, 4, role
+        self.endpoints = endpoints
+
+
+class Calls:
+    """A Python fallback that records its calls and answers with a marker."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.answer = object()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((*args, *kwargs.values()))
+        return self.answer
+
+
+def test_a_workers_prompt_is_a_chat_read_in_c_and_the_rest_in_python() -> None:
+    tokens = Tokens(Builtin(), sim=True)
+    rest = Calls()
+    prompts = c().Prompts({("m", 4): tokens.chats}, rest)
+    messages = [{"role": "system", "content": "be brief " * 20}, {"role": "user", "content": "why"}]
+    ids = reference(messages)
+    target = Instance()
+    for size in (16, 3):  # the block size the Python side keeps, as the engines report it
+        tokens.block_size = size
+        prompt = prompts({"messages": messages}, True, target)
+        assert (prompt.n, list(prompt.hashes(size))) == (len(ids), chain(ids, size))
+    assert rest.calls == []
+    parts = [{"role": "user", "content": [{"type": "text", "text": "parts are read in Python"}]}]
+    other = Instance(model="another")
+    for req, chat, t in (
+        ({"messages": parts}, True, target),  # a chat C does not read
+        ({"prompt": "a completion"}, False, target),
+        ({"messages": messages}, True, other),  # no C reader for its model
+        (["not", "a", "body"], True, target),
+    ):
+        assert prompts(req, chat, t) is rest.answer
+        assert rest.calls[-1] == (req, chat, t)
+    assert len(rest.calls) == 4
+    with pytest.raises(TypeError):
+        prompts({"messages": messages}, True)
+    with pytest.raises(ValueError, match="positive"):
+        tokens.block_size = 0
+    assert tokens.block_size == tokens.chats.block_size == 3
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_workers_lone_candidate_is_placed_in_c_and_every_other_choice_is_the_policys(
+    tmp_path: Path, impl: str
+) -> None:
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+    ids = reference(messages)
+    with shared_tables(tmp_path, impl) as (writer, reader):
+        writer.install("a", table := writer.create("a"))
+        table.set_block_size(4)
+        table.update(dict.fromkeys(chain(ids, 4)[:6], True))
+        installed(reader)
+        tallies = {1: array("q", [0, 0])}
+        general = Calls()
+        chooser = reader.chooser(tallies, general)
+        if impl == "python":  # the policy's own choose is called directly
+            assert chooser is None
+            return
+        a = Endpoint("a")
+        lone, second, no_tally = Instance(Endpoint("b"), a), Instance(a), Instance(a, role=2)
+        prompt = Prompt(ids)
+        assert chooser([lone], set(), prompt) is lone
+        assert (prompt.cached, prompt.endpoint) == (24, a) == reader.holder(prompt, [Endpoint("b"), a])
+        assert list(tallies[1]) == [41, 24]
+        for args, kwargs in (
+            (([lone, second], set(), prompt), {}),
+            (([lone], {7}, prompt), {}),  # something excluded
+            (([lone], set(), None), {}),  # no prompt: the load policy's choice
+            (([no_tally], set(), prompt), {}),  # a role without a tally yet
+            (([lone], set()), {"prompt": prompt}),
+        ):
+            assert chooser(*args, **kwargs) is general.answer
+            assert general.calls[-1] == (*args, *kwargs.values())
+        assert len(general.calls) == 5 and list(tallies[1]) == [41, 24]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 6), st.data())
 def test_a_chats_known_blocks_are_tried_first_and_find_what_bisection_finds(

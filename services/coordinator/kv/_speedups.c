@@ -321,6 +321,7 @@ typedef struct {
     Py_ssize_t count;
     uint32_t vocab;
     int64_t root;
+    Py_ssize_t bs; /* the engines' block size, kept by the Python side (see Prompts) */
 } ChatsObject;
 
 static uint64_t seed[4];
@@ -544,19 +545,19 @@ PyDoc_STRVAR(prompt_doc,
 
 #define STACK_KEYS 32
 
-static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "prompt(messages, block_size)");
-        return NULL;
+static int positive_block_size(PyObject *arg, Py_ssize_t *bs) {
+    *bs = PyLong_AsSsize_t(arg);
+    if (*bs == -1 && PyErr_Occurred())
+        return -1;
+    if (*bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", *bs);
+        return -1;
     }
-    PyObject *messages = args[0];
-    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
-    if (bs == -1 && PyErr_Occurred())
-        return NULL;
-    if (bs <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, not %zd", bs);
-        return NULL;
-    }
+    return 0;
+}
+
+/* Chats.prompt, its arguments checked. */
+static PyObject *chats_read(ChatsObject *self, PyObject *messages, Py_ssize_t bs) {
     if (!PyList_Check(messages) || PyList_GET_SIZE(messages) == 0)
         Py_RETURN_NONE;
     Py_ssize_t m = PyList_GET_SIZE(messages);
@@ -575,6 +576,11 @@ static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize
             goto done;
         }
         keys[i] = k = next_key(k, role, text);
+        /* Its set, fetched while the next messages are folded rather than by the lookups
+         * below, one miss after another, on a request path whose caches are cold. */
+        const char *set = (const char *)&self->turns[(k.a & (self->sets - 1)) * WAYS];
+        for (size_t at = 0; at < WAYS * sizeof(Turn); at += 64)
+            __builtin_prefetch(set + at);
     }
     /* From the longest prefix remembered (usually all but the last answer and question). */
     Py_ssize_t j = m - 1;
@@ -623,6 +629,33 @@ done:
     return result;
 }
 
+static PyObject *Chats_prompt(ChatsObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t bs;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "prompt(messages, block_size)");
+        return NULL;
+    }
+    if (positive_block_size(args[1], &bs) < 0)
+        return NULL;
+    return chats_read(self, args[0], bs);
+}
+
+static PyObject *Chats_block_size_get(ChatsObject *self, void *closure) {
+    return PyLong_FromSsize_t(self->bs);
+}
+
+static int Chats_block_size_set(ChatsObject *self, PyObject *value, void *closure) {
+    Py_ssize_t bs;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "block_size cannot be deleted");
+        return -1;
+    }
+    if (positive_block_size(value, &bs) < 0)
+        return -1;
+    self->bs = bs;
+    return 0;
+}
+
 static PyObject *Chats_count_get(ChatsObject *self, void *closure) {
     return PyLong_FromSsize_t(self->count);
 }
@@ -668,6 +701,7 @@ static int Chats_init(ChatsObject *self, PyObject *args, PyObject *kwds) {
     self->bytes = 0;
     self->count = 0;
     self->tick = 0;
+    self->bs = 16;
     return 0;
 }
 
@@ -684,6 +718,8 @@ static PyMethodDef Chats_methods[] = {
 static PyGetSetDef Chats_getset[] = {
     {"count", (getter)Chats_count_get, NULL, "message sequences remembered", NULL},
     {"bytes", (getter)Chats_bytes_get, NULL, "bytes of hashes and ids remembered", NULL},
+    {"block_size", (getter)Chats_block_size_get, (setter)Chats_block_size_set,
+     "the block size a Prompts reads chats at (16 until set)", NULL},
     {NULL},
 };
 
@@ -1044,47 +1080,303 @@ PyDoc_STRVAR(place_doc,
              "call where the request path otherwise unpacks a tuple and sets and adds four Python\n"
              "attributes, each a cache miss on a request path whose caches are cold.");
 
+/* place's work: 0, or -1 with an error set. */
+static int place_in(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObject *endpoints, PyObject *tally_obj) {
+    Py_ssize_t n, cached;
+    PyObject *where;
+    Py_buffer tally;
+    if (PyObject_GetBuffer(tally_obj, &tally, PyBUF_WRITABLE) < 0)
+        return -1;
+    int rc = -1;
+    if (tally.len != 2 * (Py_ssize_t)sizeof(int64_t))
+        PyErr_SetString(PyExc_ValueError, "tally must be two 64-bit integers");
+    else if (find_holder(views, header, prompt, endpoints, &n, &cached, &where) == 0) {
+        rc = 0;
+        if (Py_IS_TYPE(prompt, &ChatPromptType)) {
+            ChatPromptObject *p = (ChatPromptObject *)prompt;
+            p->cached = cached;
+            Py_SETREF(p->endpoint, Py_NewRef(where));
+        } else {
+            PyObject *c = PyLong_FromSsize_t(cached);
+            if (!c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0)
+                rc = -1;
+            Py_XDECREF(c);
+        }
+        if (rc == 0) {
+            int64_t *sums = tally.buf;
+            sums[0] += n;
+            sums[1] += cached;
+        }
+    }
+    PyBuffer_Release(&tally);
+    return rc;
+}
+
 static PyObject *sp_place(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t header, n, cached;
-    PyObject *where, *prompt;
+    Py_ssize_t header;
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "place(views, header, prompt, endpoints, tally)");
         return NULL;
     }
-    prompt = args[2];
-    Py_buffer tally;
-    if (PyObject_GetBuffer(args[4], &tally, PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (tally.len != 2 * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&tally);
-        PyErr_SetString(PyExc_ValueError, "tally must be two 64-bit integers");
-        return NULL;
-    }
-    if (header_arg(args[1], &header) < 0 || find_holder(args[0], header, prompt, args[3], &n, &cached, &where) < 0) {
-        PyBuffer_Release(&tally);
-        return NULL;
-    }
-    int rc = 0;
-    if (Py_IS_TYPE(prompt, &ChatPromptType)) {
-        ChatPromptObject *p = (ChatPromptObject *)prompt;
-        p->cached = cached;
-        Py_SETREF(p->endpoint, Py_NewRef(where));
-    } else {
-        PyObject *c = PyLong_FromSsize_t(cached);
-        if (!c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0)
-            rc = -1;
-        Py_XDECREF(c);
-    }
-    if (rc == 0) {
-        int64_t *sums = tally.buf;
-        sums[0] += n;
-        sums[1] += cached;
-    }
-    PyBuffer_Release(&tally);
-    if (rc < 0)
+    if (header_arg(args[1], &header) < 0 || place_in(args[0], header, args[2], args[3], args[4]) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
+
+/* -- Prompts and Chooser: kv_aware's two steps on a worker's request path, whole in C ---------
+ *
+ * The router asks for a request's prompt (KvRouting.prompt), then for an instance (the policy).
+ * Done in Python, each is a frame whose code, constants and the attributes it reads are cache
+ * misses on a request path whose caches other processes have evicted: about 4 µs each, where
+ * the C each calls takes 5 to 10. So the usual case of each step is one call here, and anything
+ * else goes to the Python that defines it. */
+
+static PyObject *str_model, *str_engine_type, *str_messages, *str_role_attr, *str_endpoints;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *chats; /* dict: (model, engine type) -> Chats */
+    PyObject *rest;  /* (req, chat, target) -> prompt | None: what Chats does not read */
+    /* The last target found a Chats, and that Chats: a target's model and engine type are
+     * fixed for its life, and requests come to the same few targets. */
+    PyObject *last_target, *last_chats;
+} PromptsObject;
+
+/* The Chats for target's model and engine type: borrowed, NULL when none (or on an error). */
+static PyObject *target_chats(PyObject *chats, PyObject *target) {
+    PyObject *model = PyObject_GetAttr(target, str_model);
+    PyObject *engine_type = model ? PyObject_GetAttr(target, str_engine_type) : NULL;
+    PyObject *key = engine_type ? PyTuple_Pack(2, model, engine_type) : NULL;
+    PyObject *found = key ? PyDict_GetItemWithError(chats, key) : NULL;
+    Py_XDECREF(key);
+    Py_XDECREF(engine_type);
+    Py_XDECREF(model);
+    return found && Py_IS_TYPE(found, &ChatsType) ? found : NULL;
+}
+
+static PyObject *Prompts_vectorcall(PromptsObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 3 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "Prompts(req, chat, target)");
+        return NULL;
+    }
+    PyObject *req = args[0];
+    if (args[1] == Py_True && PyDict_Check(req)) {
+        PyObject *chats = self->last_chats;
+        if (args[2] != self->last_target) {
+            if (!(chats = target_chats(self->chats, args[2]))) {
+                if (PyErr_Occurred())
+                    return NULL;
+            } else { /* only a found one: a tokenizer may load later */
+                Py_XSETREF(self->last_target, Py_NewRef(args[2]));
+                Py_XSETREF(self->last_chats, Py_NewRef(chats));
+            }
+        }
+        if (chats) {
+            Py_INCREF(chats);
+            PyObject *messages = PyDict_GetItemWithError(req, str_messages);
+            PyObject *p = messages || !PyErr_Occurred()
+                              ? chats_read((ChatsObject *)chats, messages ? messages : Py_None, ((ChatsObject *)chats)->bs)
+                              : NULL;
+            Py_DECREF(chats);
+            if (!p) { /* a tokenizer error only costs the hint, as in KvRouting */
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+            if (p != Py_None) {
+                if (((ChatPromptObject *)p)->n)
+                    return p;
+                Py_DECREF(p);
+                Py_RETURN_NONE;
+            }
+            Py_DECREF(p);
+        }
+    }
+    return PyObject_Vectorcall(self->rest, args, nargs, NULL);
+}
+
+static PyObject *Prompts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *chats, *rest;
+    static char *kwlist[] = {"chats", "rest", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O:Prompts", kwlist, &PyDict_Type, &chats, &rest))
+        return NULL;
+    if (!PyCallable_Check(rest)) {
+        PyErr_SetString(PyExc_TypeError, "rest must be callable");
+        return NULL;
+    }
+    PromptsObject *self = (PromptsObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->vectorcall = (vectorcallfunc)Prompts_vectorcall;
+    self->chats = Py_NewRef(chats);
+    self->rest = Py_NewRef(rest);
+    return (PyObject *)self;
+}
+
+static int Prompts_traverse(PromptsObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->chats);
+    Py_VISIT(self->rest);
+    Py_VISIT(self->last_target);
+    Py_VISIT(self->last_chats);
+    return 0;
+}
+
+static int Prompts_clear(PromptsObject *self) {
+    Py_CLEAR(self->chats);
+    Py_CLEAR(self->rest);
+    Py_CLEAR(self->last_target);
+    Py_CLEAR(self->last_chats);
+    return 0;
+}
+
+static void Prompts_dealloc(PromptsObject *self) {
+    PyObject_GC_UnTrack(self);
+    Prompts_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject PromptsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Prompts",
+    .tp_doc = PyDoc_STR("Prompts(chats, rest)(req, chat, target) -> prompt | None\n\n"
+                        "KvRouting.prompt: a chat request read by the Chats that chats (a dict) maps\n"
+                        "(target.model, target.engine_type) to, at its block_size; any other request,\n"
+                        "or a chat that Chats does not read, is rest(req, chat, target)'s. None for\n"
+                        "an empty prompt or a chat Chats fails to read."),
+    .tp_basicsize = sizeof(PromptsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PromptsObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = Prompts_new,
+    .tp_traverse = (traverseproc)Prompts_traverse,
+    .tp_clear = (inquiry)Prompts_clear,
+    .tp_dealloc = (destructor)Prompts_dealloc,
+};
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *views; /* as place's */
+    Py_ssize_t header;
+    PyObject *tallies; /* dict: role -> tally */
+    PyObject *general; /* the policy (targets, exclude, prompt) for every other case */
+    /* The last lone target, its tally and endpoints (fixed for a target's life, as its role). */
+    PyObject *last_target, *last_tally, *last_endpoints;
+} ChooserObject;
+
+/* The lone target to place a prompt on, borrowed, when the call is (targets, exclude, prompt)
+ * with one target, nothing excluded and a prompt; else NULL (and -1 in *rc on an error). */
+static PyObject *lone(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int *rc) {
+    *rc = 0;
+    if (kwnames || nargs != 3 || args[2] == Py_None)
+        return NULL;
+    PyObject *targets = args[0];
+    if (!(PyList_CheckExact(targets) || PyTuple_CheckExact(targets)) || PySequence_Fast_GET_SIZE(targets) != 1)
+        return NULL;
+    int excluded = PyObject_IsTrue(args[1]);
+    if (excluded)
+        *rc = excluded < 0 ? -1 : 0;
+    return excluded ? NULL : PySequence_Fast_GET_ITEM(targets, 0);
+}
+
+static PyObject *Chooser_vectorcall(ChooserObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int rc;
+    PyObject *chosen = lone(args, nargs, kwnames, &rc);
+    if (!chosen)
+        return rc < 0 ? NULL : PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    if (chosen != self->last_target) {
+        PyObject *role = PyObject_GetAttr(chosen, str_role_attr);
+        if (!role)
+            return NULL;
+        PyObject *tally = PyDict_GetItemWithError(self->tallies, role);
+        Py_DECREF(role);
+        if (!tally)
+            return PyErr_Occurred() ? NULL : PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+        Py_INCREF(tally);
+        PyObject *endpoints = PyObject_GetAttr(chosen, str_endpoints);
+        if (!endpoints) {
+            Py_DECREF(tally);
+            return NULL;
+        }
+        Py_XSETREF(self->last_target, Py_NewRef(chosen));
+        Py_XSETREF(self->last_tally, tally);
+        Py_XSETREF(self->last_endpoints, endpoints);
+    }
+    /* Held across the lookup, which may run Python (an endpoint's attributes). */
+    PyObject *tally = Py_NewRef(self->last_tally), *endpoints = Py_NewRef(self->last_endpoints);
+    Py_INCREF(chosen);
+    rc = place_in(self->views, self->header, args[2], endpoints, tally);
+    Py_DECREF(endpoints);
+    Py_DECREF(tally);
+    if (rc < 0)
+        Py_CLEAR(chosen);
+    return chosen;
+}
+
+static PyObject *Chooser_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *views, *tallies, *general;
+    Py_ssize_t header;
+    static char *kwlist[] = {"views", "header", "tallies", "general", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nO!O:Chooser", kwlist, &PyDict_Type, &views, &header,
+                                     &PyDict_Type, &tallies, &general))
+        return NULL;
+    if (!PyCallable_Check(general)) {
+        PyErr_SetString(PyExc_TypeError, "general must be callable");
+        return NULL;
+    }
+    ChooserObject *self = (ChooserObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->vectorcall = (vectorcallfunc)Chooser_vectorcall;
+    self->views = Py_NewRef(views);
+    self->header = header;
+    self->tallies = Py_NewRef(tallies);
+    self->general = Py_NewRef(general);
+    return (PyObject *)self;
+}
+
+static int Chooser_traverse(ChooserObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->views);
+    Py_VISIT(self->tallies);
+    Py_VISIT(self->general);
+    Py_VISIT(self->last_target);
+    Py_VISIT(self->last_tally);
+    Py_VISIT(self->last_endpoints);
+    return 0;
+}
+
+static int Chooser_clear(ChooserObject *self) {
+    Py_CLEAR(self->views);
+    Py_CLEAR(self->tallies);
+    Py_CLEAR(self->general);
+    Py_CLEAR(self->last_target);
+    Py_CLEAR(self->last_tally);
+    Py_CLEAR(self->last_endpoints);
+    return 0;
+}
+
+static void Chooser_dealloc(ChooserObject *self) {
+    PyObject_GC_UnTrack(self);
+    Chooser_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject ChooserType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Chooser",
+    .tp_doc = PyDoc_STR("Chooser(views, header, tallies, general)(targets, exclude, prompt) -> target\n\n"
+                        "KvAware.choose for a worker: a lone target, nothing excluded, a prompt and a\n"
+                        "tally for the target's role in tallies (a dict) is place(views, header, prompt,\n"
+                        "target.endpoints, tally) and that target; every other call is general's."),
+    .tp_basicsize = sizeof(ChooserObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(ChooserObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = Chooser_new,
+    .tp_traverse = (traverseproc)Chooser_traverse,
+    .tp_clear = (inquiry)Chooser_clear,
+    .tp_dealloc = (destructor)Chooser_dealloc,
+};
 
 /* -- writing a table (the management process): Table.update --------------------------------- */
 
@@ -1335,16 +1627,22 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     str_n = PyUnicode_InternFromString("n");
     str_cached = PyUnicode_InternFromString("cached");
     str_endpoint = PyUnicode_InternFromString("endpoint");
+    str_model = PyUnicode_InternFromString("model");
+    str_engine_type = PyUnicode_InternFromString("engine_type");
+    str_messages = PyUnicode_InternFromString("messages");
+    str_role_attr = str_role;
+    str_endpoints = PyUnicode_InternFromString("endpoints");
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
     str_popitem = PyUnicode_InternFromString("popitem");
     kw_last = Py_BuildValue("(s)", "last");
     PyObject *array_mod = PyImport_ImportModule("array");
     if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_cached ||
-        !str_endpoint || !str_move_to_end || !str_popitem || !kw_last || !array_mod)
+        !str_endpoint || !str_model || !str_engine_type || !str_messages || !str_endpoints || !str_move_to_end || !str_popitem || !kw_last || !array_mod)
         return NULL;
     array_type = PyObject_GetAttrString(array_mod, "array");
     Py_DECREF(array_mod);
-    if (!array_type || PyType_Ready(&ChatsType) < 0 || PyType_Ready(&ChatPromptType) < 0)
+    if (!array_type || PyType_Ready(&ChatsType) < 0 || PyType_Ready(&ChatPromptType) < 0 ||
+        PyType_Ready(&PromptsType) < 0 || PyType_Ready(&ChooserType) < 0)
         return NULL;
     /* The chat keys' seed, new in each process (see Chats). */
     PyObject *os_mod = PyImport_ImportModule("os");
@@ -1358,7 +1656,9 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (!m)
         return NULL;
     if (PyModule_AddObjectRef(m, "Chats", (PyObject *)&ChatsType) < 0 ||
-        PyModule_AddObjectRef(m, "ChatPrompt", (PyObject *)&ChatPromptType) < 0) {
+        PyModule_AddObjectRef(m, "ChatPrompt", (PyObject *)&ChatPromptType) < 0 ||
+        PyModule_AddObjectRef(m, "Prompts", (PyObject *)&PromptsType) < 0 ||
+        PyModule_AddObjectRef(m, "Chooser", (PyObject *)&ChooserType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,5 @@
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, final
 
 from typing_extensions import Buffer
@@ -18,8 +18,19 @@ class ChatPrompt:
 class Chats:
     count: int
     bytes: int
+    block_size: int
     def __init__(self, vocab: int, max_turns: int, max_bytes: int, root: int) -> None: ...
     def prompt(self, messages: object, block_size: int) -> ChatPrompt | None: ...
+
+class Prompts:
+    def __init__(self, chats: dict[Any, Chats], rest: Callable[[Any, bool, Any], Any]) -> None: ...
+    def __call__(self, req: Any, chat: bool, target: Any) -> Any: ...
+
+class Chooser:
+    def __init__(
+        self, views: Mapping[Any, Buffer], header: int, tallies: dict[int, Any], general: Callable[..., Any]
+    ) -> None: ...
+    def __call__(self, targets: Any, exclude: Any = (), prompt: Any = None) -> Any: ...
 
 def chat_ids(messages: object, vocab: int) -> array[int] | None: ...
 def chain(ids: Buffer | list[int], block_size: int, parent: int) -> array[int]: ...

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.coordinator.kv.hashing import ROOT
 from services.coordinator.kv.prompt import PromptView, place
 from services.coordinator.kv.speedups import chain, held_run, hold, release
 from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from services.coordinator.routes import Upstream
+
+if TYPE_CHECKING:
+    from services.coordinator.policies import Policy
 
 DEFAULT_MAX_BLOCKS = 262144
 
@@ -183,6 +186,11 @@ class KvIndex:
         """:meth:`holder`, its answer written into ``prompt`` (``cached``, ``endpoint``) and
         added to ``tally`` (prompt tokens, cached tokens)."""
         place(self.holder, prompt, endpoints, tally)
+
+    def chooser(self, tallies: dict[int, MutableSequence[int]], general: Policy) -> Policy | None:
+        """None: the C chooser reads a worker's shared tables (the events are followed here, in
+        Python, on the same loop)."""
+        return None
 
     def endpoints(self) -> list[Hashable]:
         return list(self._held)

@@ -112,8 +112,19 @@ class Tokens:
             else None
         )
         self._lines: dict[tuple[str, str], tuple[int, ...]] | None = {} if by_line else None
-        # The engines' block size, which a chat is hashed at in C (kept by routing.KvRouting).
         self.block_size = DEFAULT_BLOCK_SIZE
+
+    @property
+    def block_size(self) -> int:
+        """The engines' block size, which a chat is hashed at in C (kept by routing.KvRouting,
+        and by :attr:`chats` for the C request path)."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, size: int) -> None:
+        if self.chats is not None:
+            self.chats.block_size = size  # checks it
+        self._block_size = size
 
     def of(self, req: dict[str, Any], chat: bool) -> list[int] | None:
         """The ids of the request's (first) prompt; None when the body has none we can read."""

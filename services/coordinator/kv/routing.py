@@ -69,6 +69,11 @@ class KvRouting:
                 hint="reinstall with a C compiler present: kv_aware runs its Python request path",
             )
         self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
+        # Their C chat readers, where they have one. ``prompt(req, chat, target)`` is the request
+        # path's: a chat that one of them reads is read there in one call (a Python frame costs
+        # about 4 µs on a request path whose caches other processes have evicted), the rest here.
+        self._chats: dict[tuple[str, int], Any] = {}
+        self.prompt = prompt_reader(self._chats, self._read)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -85,22 +90,14 @@ class KvRouting:
 
     # -- the request path ------------------------------------------------------------------
 
-    def prompt(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
-        """The request's prompt tokenized for ``target``'s model and engine; None while its
-        tokenizer is not loaded, or when the body has no prompt it can read."""
+    def _read(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
+        """:attr:`prompt` in Python: the request's prompt tokenized for ``target``'s model and
+        engine; None while its tokenizer is not loaded, or when the body has no prompt it can
+        read. With the C speedups, what their chat reader leaves (see :attr:`prompt`)."""
         tokens = self._tokens.get((target.model, target.engine_type))
         if tokens is None:
             return None
-        # Tokens.prompt, without its frame (see KvAware.choose): a chat read in C, where it can be.
-        chats = tokens.chats
-        prompt: PromptView | None = None
-        if chat and chats is not None:
-            try:
-                prompt = chats.prompt(req.get("messages"), tokens.block_size)
-            except Exception:  # a tokenizer error only costs the hint
-                return None
-        if prompt is None:
-            prompt = tokens.read(req, chat)
+        prompt = tokens.read(req, chat)
         return prompt if prompt is not None and prompt.n else None
 
     # -- keeping up with the table and the shared index -----------------------------------
@@ -160,8 +157,21 @@ class KvRouting:
             # A real engine's ids cannot be guessed: its requests go by load alone.
             log.warn("kv_no_tokenizer", model=model, hint="set coordinator.tokenizers")
             return
-        self._tokens[(model, engine_type)] = Tokens(tokenizer, sim)
+        tokens = self._tokens[(model, engine_type)] = Tokens(tokenizer, sim)
+        if tokens.chats is not None:
+            self._chats[(model, engine_type)] = tokens.chats
         log.event("kv_tokenizer", model=model, tokenizer=tokenizer.name, sim=sim)
+
+
+ReadPrompt = Callable[[dict[str, Any], bool, Target], PromptView | None]
+
+
+def prompt_reader(chats: dict[tuple[str, int], Any], rest: ReadPrompt) -> ReadPrompt:
+    """A request's prompt for a target, ``(req, chat, target)``: a chat read by the C chat
+    reader ``chats`` maps the target's (model, engine type) to, when the speedups were built;
+    the rest, and everything without them, is ``rest``'s."""
+    native = speedups.native
+    return rest if native is None else native.Prompts(chats, rest)
 
 
 def _tokenizer_for(path: str, sim: bool) -> Tokenizer | None:

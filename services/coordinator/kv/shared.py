@@ -43,11 +43,15 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
+from typing import TYPE_CHECKING
 
 from services.coordinator.kv import speedups
 from services.coordinator.kv.prompt import Holder, Placer, PromptView, place
 from services.coordinator.routes import Upstream
+
+if TYPE_CHECKING:
+    from services.coordinator.policies import Policy
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
@@ -354,7 +358,7 @@ class SharedReader:
         # The request path's lookups (see KvIndex.holder and KvIndex.place): in C, where it was
         # built, called directly, without a Python frame around them. Timed in process with the
         # caches evicted, as a request finds them, each frame on the way costs about a microsecond.
-        native = speedups.native
+        native = self._native = speedups.native
         self.holder: Holder = self._holder
         self.place: Placer = functools.partial(place, self._holder)
         if native is not None:
@@ -468,6 +472,12 @@ class SharedReader:
 
     def endpoints(self) -> list[Hashable]:
         return list(self._tables)
+
+    def chooser(self, tallies: dict[int, MutableSequence[int]], general: Policy) -> Policy | None:
+        """``general`` (KvAware.choose) with a lone candidate placed in C: see
+        ``_speedups.Chooser``."""
+        native = self._native
+        return None if native is None else native.Chooser(self._files, HEADER, tallies, general)
 
     def endpoint_blocks(self, ep: Hashable) -> int:
         table = self._tables.get(ep)
