@@ -221,6 +221,22 @@ def installed(reader: SharedReader) -> None:
     reader.install(*changed, reader.attach(changed[1]))
 
 
+FORTY_WORDS = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+
+
+@contextlib.contextmanager
+def a_holds_six_blocks(tmp: Path, impl: str) -> Iterator[tuple[SharedReader, list[int]]]:
+    """A reader (of ``impl``) of one table, endpoint "a" at block size 4, holding the first 6
+    blocks of :data:`FORTY_WORDS`; and that chat's ids."""
+    ids = reference(FORTY_WORDS)
+    with shared_tables(tmp, impl) as (writer, reader):
+        writer.install("a", table := writer.create("a"))
+        table.set_block_size(4)
+        table.update(dict.fromkeys(chain(ids, 4)[:6], True))
+        installed(reader)
+        yield reader, ids
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) -> None:
     messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
@@ -249,19 +265,13 @@ def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_placing_a_prompt_writes_the_holders_answer_into_it_and_counts_it(tmp_path: Path, impl: str) -> None:
-    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
-    ids = reference(messages)
-    with shared_tables(tmp_path, impl) as (writer, reader):
-        writer.install("a", table := writer.create("a"))
-        table.set_block_size(4)
-        table.update(dict.fromkeys(chain(ids, 4)[:6], True))
-        installed(reader)
+    with a_holds_six_blocks(tmp_path, impl) as (reader, ids):
         a, b = Endpoint("a"), Endpoint("b")
         tally = array("q", [5, 7])
         with implementation(impl):
             tokens = Tokens(Builtin(), sim=True)
             tokens.block_size = 4
-            chat = tokens.prompt({"messages": messages}, True)
+            chat = tokens.prompt({"messages": FORTY_WORDS}, True)
         for prompt in (chat, Prompt(ids)):
             assert prompt is not None
             reader.place(prompt, [b, a], tally)
@@ -336,13 +346,7 @@ def test_a_workers_prompt_is_a_chat_read_in_c_and_the_rest_in_python() -> None:
 def test_a_workers_lone_candidate_is_placed_in_c_and_every_other_choice_is_the_policys(
     tmp_path: Path, impl: str
 ) -> None:
-    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
-    ids = reference(messages)
-    with shared_tables(tmp_path, impl) as (writer, reader):
-        writer.install("a", table := writer.create("a"))
-        table.set_block_size(4)
-        table.update(dict.fromkeys(chain(ids, 4)[:6], True))
-        installed(reader)
+    with a_holds_six_blocks(tmp_path, impl) as (reader, ids):
         tallies = {1: array("q", [0, 0])}
         general = Calls()
         chooser = reader.chooser(tallies, general)

@@ -356,8 +356,8 @@ class SharedReader:
         # Each table's whole file, for the C path: changed in place, since the C lookups have it.
         self._files: dict[Hashable, memoryview] = {}
         # The request path's lookups (see KvIndex.holder and KvIndex.place): in C, where it was
-        # built, called directly, without a Python frame around them. Timed in process with the
-        # caches evicted, as a request finds them, each frame on the way costs about a microsecond.
+        # built, called directly, without a Python frame around them: timed in process with the
+        # caches evicted, as a request finds them, each frame on the way costs microseconds.
         native = self._native = speedups.native
         self.holder: Holder = self._holder
         self.place: Placer = functools.partial(place, self._holder)
