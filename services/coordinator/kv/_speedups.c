@@ -16,6 +16,9 @@
  *                   BlockStored's token ids, read only to be hashed)
  *   held            services.coordinator.kv.shared.Table.has with speedups.held_run
  *   holder          services.coordinator.kv.shared.SharedReader.holder's Python loop
+ *   place           services.coordinator.kv.prompt.place over holder
+ *   Prompts         services.coordinator.kv.routing.KvRouting._read with Tokens.prompt's chats
+ *   Chooser         services.coordinator.kv.policy.KvAware.choose (its lone-candidate case)
  *   table_update    services.coordinator.kv.shared.Table.update (the management process's
  *                   writes, an event's changes at once)
  *   hold, release   services.coordinator.kv.speedups.hold and .release (KvIndex's loops over an
