@@ -89,7 +89,11 @@ class KvAware:
         tally[1] += prompt.cached
         return chosen
 
-    __call__ = choose
+    def __call__(
+        self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None
+    ) -> Target | None:
+        """:attr:`decide`: the policy as the router calls it."""
+        return self.decide(targets, exclude, prompt)
 
     def _tally(self, role: int) -> MutableSequence[int]:
         return self._tallies.get(role) or self.metrics.tallies(role)
