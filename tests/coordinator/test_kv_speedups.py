@@ -239,7 +239,7 @@ def a_holds_six_blocks(tmp: Path, impl: str) -> Iterator[tuple[SharedReader, lis
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_a_worker_finds_the_holder_of_a_chats_prefix(tmp_path: Path, impl: str) -> None:
-    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+    messages = FORTY_WORDS
     ids = reference(messages)
     with shared_tables(tmp_path, impl) as (writer, reader):
         for name, blocks, size in (("a", 7, 4), ("b", 9, 4), ("c", 20, 2), ("off", 10, 4)):
