@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -20,6 +21,17 @@ import pytest
 import zmq.asyncio
 
 from tests.procs import Proc, motor_argv
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A shell without job control starts a background job (``make test &`` in a script) with
+    SIGINT and SIGQUIT ignored, and every process it starts inherits that: the CLIs the tests
+    stop with SIGINT, as a user's Ctrl-C, would never stop. Handled here, they are default in
+    every child again (each xdist worker runs this too)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture

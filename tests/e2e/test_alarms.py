@@ -203,7 +203,10 @@ def test_precision_alarm_lifecycle(tmp_path: Path, cluster_with: Any) -> None:
         finally:
             load.close()
             watch.signal(signal.SIGINT)
-            watch.popen.wait(10)
+            try:
+                watch.popen.wait(10)
+            finally:
+                watch.kill()  # whatever happened, no watch outlives the test
 
         # The watch printed every record the store holds, once each, across the restart.
         printed = [json.loads(ln) for ln in watch.stdout_lines if ln.startswith("{")]
