@@ -169,6 +169,65 @@ def test_a_conversation_is_hashed_from_what_it_shares_with_earlier_ones() -> Non
     assert chats.count == 7
 
 
+def test_a_chats_last_message_is_remembered_once_its_prompt_is_released() -> None:
+    """The request that sent a question does not need it remembered; its next turn does."""
+    chats = c().Chats(BUILTIN_VOCAB, 64, 1 << 20, ROOT)
+    system = {"role": "system", "content": "a long shared system prompt " * 10}
+    first = [system, {"role": "user", "content": "one two three four five"}]
+    prompt = chats.prompt(first, 4)
+    assert chats.count == 1  # [system] only, while the request is routed and served
+    assert (prompt.n, list(prompt.hashes(4))) == (len(reference(first)), chain(reference(first), 4))
+    del prompt
+    assert chats.count == 2
+    bytes_before = chats.bytes
+    later = [*first, {"role": "assistant", "content": "six"}, {"role": "user", "content": "seven"}]
+    ids = reference(later)
+    assert read(chats, later, 4) == (len(ids), chain(ids, 4))  # from the turn the first one left
+    assert chats.count == 4 and chats.bytes > bytes_before
+    # What a turn keeps counts what it holds (hashes and the last partial block's ids), not the
+    # room its buffer had: the budget of one of them is exactly one chat's worth.
+    one = c().Chats(BUILTIN_VOCAB, 8, 1 << 20, ROOT)
+    read(one, [{"role": "user", "content": "w " * 21}], 4)  # 22 tokens: 5 blocks and 2 ids
+    assert (one.count, one.bytes) == (1, 5 * 8 + 2 * 4)
+
+
+@pytest.fixture(params=["aes", "portable"])
+def key_fold(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The chat memo keyed by each fold the extension has (AES where the CPU has it)."""
+    before = c()._key_fold()
+    try:
+        c()._key_fold(request.param)
+    except ValueError:
+        pytest.skip(f"no {request.param} key fold on this CPU")
+    try:
+        yield request.param
+    finally:
+        c()._key_fold(before)
+
+
+def test_every_byte_of_a_chat_keys_what_the_memo_remembers(key_fold: str) -> None:
+    """A key that missed a byte, a length, a text's width or where a role ends would hand one
+    chat the blocks remembered for another: each chat below is read after all the others before
+    it were remembered, and must still get its own hashes."""
+    chats = c().Chats(BUILTIN_VOCAB, 4096, 1 << 24, ROOT)
+    base = "".join(chr(97 + i % 26) + (" " if i % 7 == 6 else "") for i in range(300))
+    texts = [base[:n] for n in range(0, 300, 3)]  # every length class: tails, blocks, lanes
+    texts += [base[:n] + "\x00" for n in (0, 15, 16, 127, 128, 129)]  # not its zero-padded self
+    texts += [base[:i] + "#" + base[i + 1 :] for i in range(0, len(base), 5)]  # one byte changed
+    texts += ["\u0100", "\x00\x01", "\U00010000", "\x00\x00\x01\x00"]  # same bytes, another width
+    chats_read = [[{"role": "system", "content": t}, {"role": "user", "content": "q"}] for t in texts]
+    chats_read += [
+        [{"role": "ab", "content": "c"}],
+        [{"role": "a", "content": "bc"}],
+        [{"role": "a", "content": "b"}, {"role": "c", "content": "d"}],
+        [{"role": "a", "content": "bc"}, {"role": "", "content": "d"}],
+    ]
+    for messages in chats_read:
+        ids = reference(messages)
+        assert read(chats, messages, 4) == (len(ids), chain(ids, 4)), messages
+    assert chats.count > len(texts)  # they were remembered, so each read above went by its key
+
+
 @pytest.mark.parametrize(
     "messages",
     [
