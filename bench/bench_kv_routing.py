@@ -196,8 +196,8 @@ async def overhead_run(policy: str, capacity: int) -> Overhead:
                 for i, c in enumerate(order):
                     messages = convs[c].messages(seen.get(c, 0))
                     seen[c] = seen.get(c, 0) + 1
-                    # A question not asked before, as in a live conversation: the Coordinator
-                    # has seen the history (the warm-up sent it) but not this last message.
+                    # A question not asked before, as in a live conversation: the warm-up sent
+                    # the history through the Coordinator, but not this last message.
                     question = f"{messages[-1]['content']} (asked again, {i})"
                     messages[-1] = {"role": "user", "content": question}
                     if i % 2:
@@ -358,8 +358,10 @@ def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) ->
         "direct legs go; the Coordinator has two inference workers), engines that compute in no "
         "time, one client, the same 128 requests, each sent through the Coordinator and as the same "
         "two legs straight to the engines by the same client, back to back in alternating order; "
-        "the overhead is the difference per request. Each request's last question is new (the "
-        "Coordinator has seen the rest: a warm-up sent the conversations first). "
+        "the overhead is the difference per request. Each request's last question is new; a "
+        "warm-up sent the rest of its conversation through the Coordinator first (over its own "
+        "connection, so to one worker: each remembers the chats it read itself, and the worker "
+        "routing the measured requests may read their history anew). "
         f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, every "
         "round running each policy and cache once in a shuffled order; the control row "
         f"({CONTROL}) is least_load once more, in rounds of its own, "

@@ -9,8 +9,8 @@ ZeroMQ on every request):
 - the request path: read a chat request (the conversation so far remembered, its question
   new), hash its blocks, find the endpoint holding the longest prefix, against an index in the
   process and against the shared one; in a tight loop and with the CPU caches evicted before
-  each request, as they are on a busy machine between two requests; and without the C
-  speedups;
+  each request, as they are on a busy machine between two requests; without the C speedups;
+  and among several instances, each prompt weighed against each one's load;
 - the same lookup as a round trip to another process holding the index (a DEALER -> ROUTER
   over ipc, the hashes as msgpack, the answer back);
 - what following the events costs: decoding and applying one batch (a request's
@@ -65,6 +65,8 @@ class Costs:
     shared_us: list[float]  # the same against the shared index
     shared_cold_us: list[float]  # the same, CPU caches evicted before each request
     shared_python_us: list[float]  # the same in Python, without the C speedups
+    several_us: list[float]  # against the shared index, the endpoints as as many instances
+    several_python_us: list[float]  # the same in Python
     round_trip_us: list[float]  # the match asked of another process
     ingest_us: float  # decode + apply one batch to an index
     ingest_mirrored_us: float  # the same, mirrored for the workers
@@ -112,12 +114,18 @@ class _Endpoint:
     down: bool = False
 
 
+class _Downs:
+    n = 0  # no endpoint of the table out of rotation
+
+
 class _Target:
-    """What the request path reads of an instance: here one, with every endpoint."""
+    """What the request path reads of an instance."""
 
     def __init__(self, eps: list[str]) -> None:
         self.model, self.engine_type, self.role = MODEL, ENGINE_SIM, PREFILL
         self.endpoints = [_Endpoint(ep) for ep in eps]
+        self.load = 0
+        self.downs = _Downs()
 
 
 Read = Callable[[dict[str, Any], bool, Any], Any]  # (req, chat, target) -> prompt
@@ -138,34 +146,41 @@ def _rest(tokens: Tokens) -> Read:
 
 
 def _path(
-    read: Read, decide: Decide, eps: list[str], questions: range, evict: bytearray | None
+    read: Read,
+    decide: Decide,
+    eps: list[str],
+    questions: range,
+    evict: bytearray | None,
+    several: bool = False,
 ) -> list[float]:
-    """Per request (each with a question not seen before), seconds to its match. The body is
-    parsed after the eviction, as a worker parses it just before routing it."""
+    """Per request (each with a question not seen before), microseconds to its choice: among
+    one instance with every endpoint, or (``several``) as many instances of one endpoint each.
+    The body is parsed after the eviction, as a worker parses it just before routing it."""
     out = []
     zeros = bytes(len(evict) // 64) if evict is not None else b""
-    target = _Target(eps)
+    targets = [_Target([ep]) for ep in eps] if several else [_Target(eps)]
     for i in questions:
         raw = json.dumps(_request(1000, i)).encode()
         if evict is not None:
             evict[::64] = zeros
         req = loads(raw)
         t = time.perf_counter()
-        prompt = read(req, True, target)
-        decide([target], (), prompt)
+        prompt = read(req, True, targets[0])
+        decide(targets, (), prompt)
         out.append((time.perf_counter() - t) * 1e6)
         assert prompt is not None and prompt.cached > 0
     return out
 
 
-def _python_path(directory: str, eps: list[str], questions: range) -> list[float]:
+def _python_path(directory: str, eps: list[str], questions: range, several: bool = False) -> list[float]:
     """:func:`_path` against the shared index, with the Python the C speedups mirror (a reader
     and a tokenizer take their implementation as they are made)."""
     native, speedups.native = speedups.native, None  # type: ignore[assignment]
     try:
         reader = _reader(directory)
         try:
-            return _path(*_worker_path(Tokens(Builtin(), sim=True), reader), eps, questions, None)
+            worker = _worker_path(Tokens(Builtin(), sim=True), reader)
+            return _path(*worker, eps, questions, None, several)
         finally:
             reader.close()
     finally:
@@ -267,6 +282,8 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
             *worker, eps, range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES), bytearray(EVICT_BYTES)
         )
         python = _python_path(d, eps, range(3 * SAMPLES, 4 * SAMPLES))
+        several = _path(*worker, eps, range(4 * SAMPLES, 5 * SAMPLES), None, several=True)
+        several_python = _python_path(d, eps, range(5 * SAMPLES, 6 * SAMPLES), several=True)
         reader.close()
         writer.close()
 
@@ -296,6 +313,8 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         shared,
         cold,
         python,
+        several,
+        several_python,
         trips,
         ingest,
         ingest_mirrored,
@@ -322,6 +341,8 @@ def summary(c: Costs) -> list[str]:
         _row("the same against the shared index (what a worker does)", c.shared_us),
         _row("the same, CPU caches evicted before each request (then its body parsed)", c.shared_cold_us),
         _row("the same in Python (no C speedups), caches warm", c.shared_python_us),
+        _row(f"against the shared index, {ENDPOINTS} instances of one endpoint each", c.several_us),
+        _row("the same in Python (no C speedups)", c.several_python_us),
         _row("round trip to an index in another process (ipc, msgpack)", c.round_trip_us),
         "",
         f"- Following the events, per batch (a {blocks}-block `BlockStored` and a {blocks}-block "

@@ -351,12 +351,23 @@ class Endpoint:
         self.down = False
 
 
+class Downs:
+    """A table's count of endpoints out of rotation (routes.DownCount)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class Instance:
     """What the request path reads of a Target."""
 
-    def __init__(self, *endpoints: Endpoint, model: str = "m", role: int = 1) -> None:
+    def __init__(
+        self, *endpoints: Endpoint, model: str = "m", role: int = 1, load: int = 0, downs: Downs | None = None
+    ) -> None:
         self.model, self.engine_type, self.role = model, 4, role
         self.endpoints = endpoints
+        self.load = load
+        self.downs = downs or Downs()
 
 
 class Calls:
@@ -402,32 +413,50 @@ def test_a_workers_prompt_is_a_chat_read_in_c_and_the_rest_in_python() -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_a_workers_lone_candidate_is_placed_in_c_and_every_other_choice_is_the_policys(
+def test_a_workers_usual_choice_is_made_in_c_and_every_other_one_is_the_policys(
     tmp_path: Path, impl: str
 ) -> None:
     with a_holds_six_blocks(tmp_path, impl) as (reader, ids):
         tallies = {1: array("q", [0, 0])}
         general = Calls()
-        chooser = reader.chooser(tallies, general)
+        chooser = reader.chooser(tallies, general, 1.0, 1.0)
         if impl == "python":  # the policy's own choose is called directly
             assert chooser is None
             return
-        a = Endpoint("a")
-        lone, second, no_tally = Instance(Endpoint("b"), a), Instance(a), Instance(a, role=2)
+        a, b = Endpoint("a"), Endpoint("b")
+        lone, busy, idle = Instance(b, a), Instance(a, load=30), Instance(a, load=10)
         prompt = Prompt(ids)
         assert chooser([lone], set(), prompt) is lone
-        assert (prompt.cached, prompt.endpoint) == (24, a) == reader.holder(prompt, [Endpoint("b"), a])
+        assert (prompt.cached, prompt.endpoint) == (24, a) == reader.holder(prompt, [b, a])
         assert list(tallies[1]) == [41, 24]
+        # Several: the lowest cost (uncached tokens + load), placed and counted the same way.
+        prompt = Prompt(ids)
+        assert chooser([busy, idle, Instance(b)], set(), prompt) is idle  # b: 41 uncached tokens
+        assert (prompt.cached, prompt.endpoint, list(tallies[1])) == (24, a, [82, 48])
+        assert chooser([busy, Instance(b)], set(), Prompt(ids)).endpoints == (b,)  # 41 < 17 + 30
+        weighed = reader.chooser(tallies, general, 1.0, 0.1)  # load counts a tenth
+        assert weighed([busy, Instance(b)], set(), Prompt(ids)) is busy  # 17 + 3 < 41
+        # Equal costs: the engines caching fewer blocks, then at random.
+        assert chooser([Instance(a, load=24), Instance(b)], set(), Prompt(ids)).endpoints == (b,)  # 41 each
+        twins = [Instance(a), Instance(a)]
+        assert {id(chooser(twins, (), Prompt(ids))) for _ in range(200)} == {id(t) for t in twins}
+        calls = len(general.calls)
+        down = Downs()
+        down.n = 1
         for args, kwargs in (
-            (([lone, second], set(), prompt), {}),
-            (([lone], {7}, prompt), {}),  # something excluded
-            (([lone], set(), None), {}),  # no prompt: the load policy's choice
-            (([no_tally], set(), prompt), {}),  # a role without a tally yet
+            (([lone, busy], {7}, prompt), {}),  # something excluded
+            (([lone], {7}, prompt), {}),
+            (([lone, busy], set(), None), {}),  # no prompt: the load policy's choice
+            (([Instance(a, role=2)], set(), prompt), {}),  # a role without a tally yet
+            (([Instance(a, role=2), Instance(b, role=2)], set(), prompt), {}),
+            (([Instance(a, downs=down), Instance(b, downs=down)], set(), prompt), {}),  # the healthy only
+            (([Instance(b)] * 65, set(), prompt), {}),  # more candidates than the C takes
             (([lone], set()), {"prompt": prompt}),
+            (([], set(), prompt), {}),
         ):
             assert chooser(*args, **kwargs) is general.answer
             assert general.calls[-1] == (*args, *kwargs.values())
-        assert len(general.calls) == 5 and list(tallies[1]) == [41, 24]
+        assert len(general.calls) == calls + 9 and calls == 0
 
 
 @settings(max_examples=60, deadline=None)

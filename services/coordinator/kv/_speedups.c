@@ -18,7 +18,8 @@
  *   holder          services.coordinator.kv.shared.SharedReader.holder's Python loop
  *   place           services.coordinator.kv.prompt.place over holder
  *   Prompts         services.coordinator.kv.routing.KvRouting._read with Tokens.prompt's chats
- *   Chooser         services.coordinator.kv.policy.KvAware.choose (its lone-candidate case)
+ *   Chooser         services.coordinator.kv.policy.KvAware.choose (nothing excluded, no endpoint
+ *                   down)
  *   table_update    services.coordinator.kv.shared.Table.update (the management process's
  *                   writes, an event's changes at once)
  *   hold, release   services.coordinator.kv.speedups.hold and .release (KvIndex's loops over an
@@ -1123,7 +1124,7 @@ static PyObject *str_base, *str_down, *str_n, *str_cached, *str_endpoint;
 /* The longest prefix of prompt (tokens, at most all of it) that one of eps that is up holds, in
  * *cached, and that endpoint (borrowed; None if none) in *where. -1 on an error. */
 static int find_holder(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObject *endpoints, Py_ssize_t *n_out,
-                       Py_ssize_t *cached_out, PyObject **where_out) {
+                       Py_ssize_t *cached_out, PyObject **where_out, int64_t *blocks_out) {
     if (!PyDict_Check(views)) {
         PyErr_SetString(PyExc_TypeError, "views must be a dict");
         return -1;
@@ -1155,18 +1156,22 @@ static int find_holder(PyObject *views, Py_ssize_t header, PyObject *prompt, PyO
                 goto done;
             continue;
         }
-        PyObject *down = PyObject_GetAttr(ep, str_down);
-        int is_down = down ? PyObject_IsTrue(down) : -1;
-        Py_XDECREF(down);
-        if (is_down < 0)
-            goto done;
-        if (is_down)
-            continue;
         Py_buffer buf;
         if (PyObject_GetBuffer(view, &buf, PyBUF_SIMPLE) < 0)
             goto done;
         const int64_t *file = buf.buf;
         Py_ssize_t capacity = buf.len / 8 - header, tokens = 0;
+        if (blocks_out && capacity > 0 && header >= 3) /* every endpoint's, down ones too */
+            *blocks_out += __atomic_load_n(&file[2], __ATOMIC_RELAXED);
+        PyObject *down = PyObject_GetAttr(ep, str_down);
+        int is_down = down ? PyObject_IsTrue(down) : -1;
+        Py_XDECREF(down);
+        if (is_down) {
+            PyBuffer_Release(&buf);
+            if (is_down < 0)
+                goto done;
+            continue;
+        }
         int64_t bs = capacity > 0 && header >= 2 ? __atomic_load_n(&file[1], __ATOMIC_RELAXED) : 0;
         if (bs > 0 && (capacity & (capacity - 1)) == 0) {
             const int64_t *slots = file + header;
@@ -1221,7 +1226,7 @@ static PyObject *sp_holder(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "holder(views, header, prompt, endpoints)");
         return NULL;
     }
-    if (header_arg(args[1], &header) < 0 || find_holder(args[0], header, args[2], args[3], &n, &cached, &where) < 0)
+    if (header_arg(args[1], &header) < 0 || find_holder(args[0], header, args[2], args[3], &n, &cached, &where, NULL) < 0)
         return NULL;
     return Py_BuildValue("nO", cached, where);
 }
@@ -1233,6 +1238,24 @@ PyDoc_STRVAR(place_doc,
              "call where the request path otherwise unpacks a tuple and sets and adds four Python\n"
              "attributes, each a cache miss on a request path whose caches are cold.");
 
+/* The choice written into prompt (cached, endpoint) and added to a tally's two sums. */
+static int settle(PyObject *prompt, Py_ssize_t n, Py_ssize_t cached, PyObject *where, int64_t *sums) {
+    if (Py_IS_TYPE(prompt, &ChatPromptType)) {
+        ChatPromptObject *p = (ChatPromptObject *)prompt;
+        p->cached = cached;
+        Py_SETREF(p->endpoint, Py_NewRef(where));
+    } else {
+        PyObject *c = PyLong_FromSsize_t(cached);
+        int rc = !c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0;
+        Py_XDECREF(c);
+        if (rc)
+            return -1;
+    }
+    sums[0] += n;
+    sums[1] += cached;
+    return 0;
+}
+
 /* place's work: 0, or -1 with an error set. */
 static int place_in(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObject *endpoints, PyObject *tally_obj) {
     Py_ssize_t n, cached;
@@ -1243,24 +1266,8 @@ static int place_in(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObje
     int rc = -1;
     if (tally.len != 2 * (Py_ssize_t)sizeof(int64_t))
         PyErr_SetString(PyExc_ValueError, "tally must be two 64-bit integers");
-    else if (find_holder(views, header, prompt, endpoints, &n, &cached, &where) == 0) {
-        rc = 0;
-        if (Py_IS_TYPE(prompt, &ChatPromptType)) {
-            ChatPromptObject *p = (ChatPromptObject *)prompt;
-            p->cached = cached;
-            Py_SETREF(p->endpoint, Py_NewRef(where));
-        } else {
-            PyObject *c = PyLong_FromSsize_t(cached);
-            if (!c || PyObject_SetAttr(prompt, str_cached, c) < 0 || PyObject_SetAttr(prompt, str_endpoint, where) < 0)
-                rc = -1;
-            Py_XDECREF(c);
-        }
-        if (rc == 0) {
-            int64_t *sums = tally.buf;
-            sums[0] += n;
-            sums[1] += cached;
-        }
-    }
+    else if (find_holder(views, header, prompt, endpoints, &n, &cached, &where, NULL) == 0)
+        rc = settle(prompt, n, cached, where, tally.buf);
     PyBuffer_Release(&tally);
     return rc;
 }
@@ -1284,7 +1291,7 @@ static PyObject *sp_place(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
  * the C each calls takes 5 to 10. So the usual case of each step is one call here, and anything
  * else goes to the Python that defines it. */
 
-static PyObject *str_model, *str_engine_type, *str_messages, *str_role_attr, *str_endpoints;
+static PyObject *str_model, *str_engine_type, *str_messages, *str_role_attr, *str_endpoints, *str_load, *str_downs;
 
 typedef struct {
     PyObject_HEAD
@@ -1413,43 +1420,47 @@ typedef struct {
     Py_ssize_t header;
     PyObject *tallies; /* dict: role -> tally */
     PyObject *general; /* the policy (targets, exclude, prompt) for every other case */
+    double prefix_weight, load_weight;
     /* The last lone target, its tally and endpoints (fixed for a target's life, as its role). */
     PyObject *last_target, *last_tally, *last_endpoints;
 } ChooserObject;
 
-/* The lone target to place a prompt on, borrowed, when the call is (targets, exclude, prompt)
- * with one target, nothing excluded and a prompt; else NULL (and -1 in *rc on an error). */
-static PyObject *lone(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int *rc) {
+/* The candidates of a call (targets, exclude, prompt) that is the usual case, borrowed: a list
+ * or tuple of targets, nothing excluded and a prompt; else NULL (and -1 in *rc on an error). */
+static PyObject *plain_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int *rc) {
     *rc = 0;
     if (kwnames || nargs != 3 || args[2] == Py_None)
         return NULL;
     PyObject *targets = args[0];
-    if (!(PyList_CheckExact(targets) || PyTuple_CheckExact(targets)) || PySequence_Fast_GET_SIZE(targets) != 1)
+    if (!(PyList_CheckExact(targets) || PyTuple_CheckExact(targets)) || PySequence_Fast_GET_SIZE(targets) == 0)
         return NULL;
     int excluded = PyObject_IsTrue(args[1]);
     if (excluded)
         *rc = excluded < 0 ? -1 : 0;
-    return excluded ? NULL : PySequence_Fast_GET_ITEM(targets, 0);
+    return excluded ? NULL : targets;
 }
 
-static PyObject *Chooser_vectorcall(ChooserObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    int rc;
-    PyObject *chosen = lone(args, nargs, kwnames, &rc);
-    if (!chosen)
-        return rc < 0 ? NULL : PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+/* A target's tally for its role, a new reference; NULL without an error when tallies has none. */
+static PyObject *tally_of(ChooserObject *self, PyObject *target) {
+    PyObject *role = PyObject_GetAttr(target, str_role_attr);
+    if (!role)
+        return NULL;
+    PyObject *tally = PyDict_GetItemWithError(self->tallies, role);
+    Py_DECREF(role);
+    return Py_XNewRef(tally);
+}
+
+static PyObject *lone_target(ChooserObject *self, PyObject *chosen, PyObject *prompt, int *rc) {
     if (chosen != self->last_target) {
-        PyObject *role = PyObject_GetAttr(chosen, str_role_attr);
-        if (!role)
+        PyObject *tally = tally_of(self, chosen);
+        if (!tally) {
+            *rc = PyErr_Occurred() ? -1 : 0;
             return NULL;
-        PyObject *tally = PyDict_GetItemWithError(self->tallies, role);
-        Py_DECREF(role);
-        if (!tally)
-            return PyErr_Occurred() ? NULL : PyObject_Vectorcall(self->general, args, nargsf, kwnames);
-        Py_INCREF(tally);
+        }
         PyObject *endpoints = PyObject_GetAttr(chosen, str_endpoints);
         if (!endpoints) {
             Py_DECREF(tally);
+            *rc = -1;
             return NULL;
         }
         Py_XSETREF(self->last_target, Py_NewRef(chosen));
@@ -1459,20 +1470,126 @@ static PyObject *Chooser_vectorcall(ChooserObject *self, PyObject *const *args, 
     /* Held across the lookup, which may run Python (an endpoint's attributes). */
     PyObject *tally = Py_NewRef(self->last_tally), *endpoints = Py_NewRef(self->last_endpoints);
     Py_INCREF(chosen);
-    rc = place_in(self->views, self->header, args[2], endpoints, tally);
+    *rc = place_in(self->views, self->header, prompt, endpoints, tally);
     Py_DECREF(endpoints);
     Py_DECREF(tally);
-    if (rc < 0)
+    if (*rc < 0)
         Py_CLEAR(chosen);
     return chosen;
+}
+
+#define MAX_CANDIDATES 64
+
+static uint64_t rng_state; /* xorshift64*, for ties; seeded with the chat keys */
+
+static uint64_t rng_next(void) {
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1Dull;
+}
+
+/* KvAware._cheapest: the candidate of the lowest cost (prefix_weight x the prompt tokens its
+ * engines have not cached + load_weight x its load, then the fewest blocks its engines cache),
+ * one at random among equals, placed and counted. NULL without an error where the call is
+ * general's: a table with an endpoint down (the candidates are then the healthy ones), more
+ * than MAX_CANDIDATES, a role without a tally. */
+static PyObject *cheapest(ChooserObject *self, PyObject *targets, PyObject *prompt, int *rc) {
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(targets);
+    PyObject **items = PySequence_Fast_ITEMS(targets);
+    *rc = 0;
+    if (m > MAX_CANDIDATES)
+        return NULL;
+    PyObject *downs = PyObject_GetAttr(items[0], str_downs);
+    PyObject *count = downs ? PyObject_GetAttr(downs, str_n) : NULL;
+    int any_down = count ? PyObject_IsTrue(count) : -1;
+    Py_XDECREF(count);
+    Py_XDECREF(downs);
+    if (any_down) {
+        *rc = any_down < 0 ? -1 : 0;
+        return NULL;
+    }
+    Py_ssize_t tie[MAX_CANDIDATES], cached_of[MAX_CANDIDATES], ties = 0, n = 0;
+    PyObject *where_of[MAX_CANDIDATES];
+    double best = 0;
+    int64_t best_blocks = 0;
+    PyObject *chosen = NULL;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *endpoints = PyObject_GetAttr(items[i], str_endpoints);
+        PyObject *load_obj = endpoints ? PyObject_GetAttr(items[i], str_load) : NULL;
+        double load = load_obj ? PyFloat_AsDouble(load_obj) : -1.0;
+        Py_XDECREF(load_obj);
+        Py_ssize_t cached;
+        PyObject *where;
+        int64_t blocks = 0;
+        if ((load == -1.0 && PyErr_Occurred()) ||
+            find_holder(self->views, self->header, prompt, endpoints, &n, &cached, &where, &blocks) < 0) {
+            Py_XDECREF(endpoints);
+            goto error;
+        }
+        Py_INCREF(where); /* it was borrowed from endpoints */
+        Py_DECREF(endpoints);
+        double cost = self->prefix_weight * (double)(n - cached) + self->load_weight * load;
+        if (!ties || cost < best || (cost == best && blocks < best_blocks)) {
+            for (Py_ssize_t k = 0; k < ties; k++)
+                Py_DECREF(where_of[k]);
+            ties = 0;
+            best = cost;
+            best_blocks = blocks;
+        } else if (cost != best || blocks != best_blocks) {
+            Py_DECREF(where);
+            continue;
+        }
+        tie[ties] = i;
+        cached_of[ties] = cached;
+        where_of[ties++] = where;
+    }
+    Py_ssize_t k = ties == 1 ? 0 : (Py_ssize_t)(rng_next() % (uint64_t)ties);
+    PyObject *tally = tally_of(self, items[tie[k]]);
+    if (!tally) {
+        *rc = PyErr_Occurred() ? -1 : 0;
+        goto release;
+    }
+    Py_buffer sums;
+    if (PyObject_GetBuffer(tally, &sums, PyBUF_WRITABLE) == 0) {
+        if (sums.len != 2 * (Py_ssize_t)sizeof(int64_t))
+            PyErr_SetString(PyExc_ValueError, "tally must be two 64-bit integers");
+        else if (settle(prompt, n, cached_of[k], where_of[k], sums.buf) == 0)
+            chosen = Py_NewRef(items[tie[k]]);
+        PyBuffer_Release(&sums);
+    }
+    Py_DECREF(tally);
+    if (!chosen)
+        *rc = -1;
+release:
+    for (Py_ssize_t j = 0; j < ties; j++)
+        Py_DECREF(where_of[j]);
+    return chosen;
+error:
+    *rc = -1;
+    goto release;
+}
+
+static PyObject *Chooser_vectorcall(ChooserObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int rc;
+    PyObject *targets = plain_call(args, nargs, kwnames, &rc), *chosen = NULL;
+    if (targets)
+        chosen = PySequence_Fast_GET_SIZE(targets) == 1
+                     ? lone_target(self, PySequence_Fast_GET_ITEM(targets, 0), args[2], &rc)
+                     : cheapest(self, targets, args[2], &rc);
+    if (chosen || rc < 0)
+        return chosen;
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
 static PyObject *Chooser_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *views, *tallies, *general;
     Py_ssize_t header;
-    static char *kwlist[] = {"views", "header", "tallies", "general", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nO!O:Chooser", kwlist, &PyDict_Type, &views, &header,
-                                     &PyDict_Type, &tallies, &general))
+    double prefix_weight, load_weight;
+    static char *kwlist[] = {"views", "header", "tallies", "general", "prefix_weight", "load_weight", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nO!Odd:Chooser", kwlist, &PyDict_Type, &views, &header,
+                                     &PyDict_Type, &tallies, &general, &prefix_weight, &load_weight))
         return NULL;
     if (!PyCallable_Check(general)) {
         PyErr_SetString(PyExc_TypeError, "general must be callable");
@@ -1486,6 +1603,8 @@ static PyObject *Chooser_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->header = header;
     self->tallies = Py_NewRef(tallies);
     self->general = Py_NewRef(general);
+    self->prefix_weight = prefix_weight;
+    self->load_weight = load_weight;
     return (PyObject *)self;
 }
 
@@ -1517,10 +1636,13 @@ static void Chooser_dealloc(ChooserObject *self) {
 
 static PyTypeObject ChooserType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Chooser",
-    .tp_doc = PyDoc_STR("Chooser(views, header, tallies, general)(targets, exclude, prompt) -> target\n\n"
-                        "KvAware.choose for a worker: a lone target, nothing excluded, a prompt and a\n"
-                        "tally for the target's role in tallies (a dict) is place(views, header, prompt,\n"
-                        "target.endpoints, tally) and that target; every other call is general's."),
+    .tp_doc = PyDoc_STR("Chooser(views, header, tallies, general, prefix_weight, load_weight)\n"
+                        "(targets, exclude, prompt) -> target\n\n"
+                        "KvAware.choose for a worker, with nothing excluded and a prompt: a lone target is\n"
+                        "place(views, header, prompt, target.endpoints, tally) and that target; among\n"
+                        "several (up to 64, none of their table's endpoints down) the cheapest, as\n"
+                        "KvAware._cheapest weighs them, placed and counted the same way (the tally of the\n"
+                        "chosen target's role in tallies, a dict). Every other call is general's."),
     .tp_basicsize = sizeof(ChooserObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(ChooserObject, vectorcall),
@@ -1786,12 +1908,14 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     str_messages = PyUnicode_InternFromString("messages");
     str_role_attr = str_role;
     str_endpoints = PyUnicode_InternFromString("endpoints");
+    str_load = PyUnicode_InternFromString("load");
+    str_downs = PyUnicode_InternFromString("downs");
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
     str_popitem = PyUnicode_InternFromString("popitem");
     kw_last = Py_BuildValue("(s)", "last");
     PyObject *array_mod = PyImport_ImportModule("array");
     if (!str_role || !str_content || !str_colon || !str_empty || !str_base || !str_down || !str_n || !str_cached ||
-        !str_endpoint || !str_model || !str_engine_type || !str_messages || !str_endpoints || !str_move_to_end || !str_popitem || !kw_last || !array_mod)
+        !str_endpoint || !str_model || !str_engine_type || !str_messages || !str_endpoints || !str_load || !str_downs || !str_move_to_end || !str_popitem || !kw_last || !array_mod)
         return NULL;
     array_type = PyObject_GetAttrString(array_mod, "array");
     Py_DECREF(array_mod);
@@ -1805,6 +1929,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (!random)
         return NULL;
     memcpy(seed, PyBytes_AS_STRING(random), sizeof(seed));
+    rng_state = seed[2] ^ seed[3] ? seed[2] ^ seed[3] : M0; /* xorshift's state is never 0 */
     Py_DECREF(random);
 #ifdef AES_FOLD
     __builtin_cpu_init();

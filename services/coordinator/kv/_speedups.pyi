@@ -28,7 +28,13 @@ class Prompts:
 
 class Chooser:
     def __init__(
-        self, views: Mapping[Any, Buffer], header: int, tallies: dict[int, Any], general: Callable[..., Any]
+        self,
+        views: Mapping[Any, Buffer],
+        header: int,
+        tallies: dict[int, Any],
+        general: Callable[..., Any],
+        prefix_weight: float,
+        load_weight: float,
     ) -> None: ...
     def __call__(self, targets: Any, exclude: Any = (), prompt: Any = None) -> Any: ...
 

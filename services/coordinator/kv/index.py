@@ -187,7 +187,9 @@ class KvIndex:
         added to ``tally`` (prompt tokens, cached tokens)."""
         place(self.holder, prompt, endpoints, tally)
 
-    def chooser(self, tallies: dict[int, MutableSequence[int]], general: Policy) -> Policy | None:
+    def chooser(
+        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+    ) -> Policy | None:
         """None: the C chooser reads a worker's shared tables (the events are followed here, in
         Python, on the same loop)."""
         return None

@@ -39,9 +39,11 @@ class IndexView(Protocol):
 
     def block_size(self, ep: Hashable) -> int | None: ...
 
-    def chooser(self, tallies: dict[int, MutableSequence[int]], general: Policy) -> Policy | None:
-        """``general`` with its usual case (a lone candidate) in C against this index, or None
-        where there is none."""
+    def chooser(
+        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+    ) -> Policy | None:
+        """``general`` with its usual case (nothing excluded, no endpoint down) in C against this
+        index, or None where there is none."""
         ...
 
 
@@ -60,7 +62,9 @@ class KvAware:
         self._tallies: dict[int, MutableSequence[int]] = {role: metrics.tallies(role) for role in ROLE_NAMES}
         # The policy as the router calls it: for a worker, the usual case whole in C (a Python
         # frame here costs about 4 µs on a request path whose caches are cold); else choose.
-        self.decide: Policy = index.chooser(self._tallies, self.choose) or self.choose
+        self.decide: Policy = (
+            index.chooser(self._tallies, self.choose, prefix_weight, load_weight) or self.choose
+        )
 
     def choose(
         self, targets: Sequence[Target], exclude: Collection[int] = (), prompt: PromptView | None = None

@@ -473,11 +473,14 @@ class SharedReader:
     def endpoints(self) -> list[Hashable]:
         return list(self._tables)
 
-    def chooser(self, tallies: dict[int, MutableSequence[int]], general: Policy) -> Policy | None:
-        """``general`` (KvAware.choose) with a lone candidate placed in C: see
-        ``_speedups.Chooser``."""
+    def chooser(
+        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+    ) -> Policy | None:
+        """``general`` (KvAware.choose) with its usual case in C: see ``_speedups.Chooser``."""
         native = self._native
-        return None if native is None else native.Chooser(self._files, HEADER, tallies, general)
+        if native is None:
+            return None
+        return native.Chooser(self._files, HEADER, tallies, general, prefix_weight, load_weight)
 
     def endpoint_blocks(self, ep: Hashable) -> int:
         table = self._tables.get(ep)
