@@ -186,13 +186,19 @@ async def overhead_run(policy: str, capacity: int) -> Overhead:
         up = Up(["--prefill", "1", "--decode", "1", "--config", str(cfg)], Path(tmp))
         try:
             await _serving(up, policy, prefills=1)
-            await kv_workload.run(up.url, convs, order)  # every answer known, every connection warm
             workers = await asyncio.to_thread(session_pids, up.pid, "services.coordinator.worker")
             management = await asyncio.to_thread(session_pids, up.pid, "services.cli coordinator")
-            cpu0 = await asyncio.to_thread(_cpu, workers, management)
-            seen: dict[int, int] = {}
             diffs = []
             async with aiohttp.ClientSession() as s:
+                # Every answer known and every connection warm; over the measuring session's
+                # own connection, so the worker that routes the measured requests has read
+                # their conversations, as a chat client's connection brings each turn to the
+                # worker that read the turns before. Twice: a worker routes by load until its
+                # tokenizer is loaded, just after it starts.
+                for _ in range(2):
+                    await kv_workload.run(up.url, convs, order, session=s)
+                cpu0 = await asyncio.to_thread(_cpu, workers, management)
+                seen: dict[int, int] = {}
                 for i, c in enumerate(order):
                     messages = convs[c].messages(seen.get(c, 0))
                     seen[c] = seen.get(c, 0) + 1
@@ -359,9 +365,9 @@ def report(runs: list[Run], overheads: Overheads, costs: kv_index_cost.Costs) ->
         "time, one client, the same 128 requests, each sent through the Coordinator and as the same "
         "two legs straight to the engines by the same client, back to back in alternating order; "
         "the overhead is the difference per request. Each request's last question is new; a "
-        "warm-up sent the rest of its conversation through the Coordinator first (over its own "
-        "connection, so to one worker: each remembers the chats it read itself, and the worker "
-        "routing the measured requests may read their history anew). "
+        "warm-up sent the rest of its conversation first, over the same connection (so to the "
+        "same inference worker: each remembers the chats it has read, as a chat client's "
+        "connection brings a conversation's turns to one worker). "
         f"{OVERHEAD_ROUNDS} rounds of 128 per policy and cache, a fresh cluster each, every "
         "round running each policy and cache once in a shuffled order; the control row "
         f"({CONTROL}) is least_load once more, in rounds of its own, "

@@ -85,10 +85,15 @@ async def ask(
 
 
 async def run(
-    url: str, convs: list[Conversation], order: list[int], clients: int = 1
+    url: str,
+    convs: list[Conversation],
+    order: list[int],
+    clients: int = 1,
+    session: aiohttp.ClientSession | None = None,
 ) -> list[tuple[float, float]]:
     """Every turn of ``order``; with ``clients`` > 1 they share the order, each conversation
-    still one turn at a time. Returns (ttft, total) per request."""
+    still one turn at a time. Returns (ttft, total) per request. Over ``session`` if given (its
+    connections, so the Coordinator's workers they reach), else a session of its own."""
     for c in convs:
         c.answers.clear()
     turns = {i: 0 for i in range(len(convs))}
@@ -112,7 +117,9 @@ async def run(
             busy.discard(c)
             results.append((ttft, total))
 
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    if session is not None:
         await asyncio.gather(*(worker(session) for _ in range(clients)))
+        return results
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as own:
+        await asyncio.gather(*(worker(own) for _ in range(clients)))
     return results

@@ -188,7 +188,11 @@ class KvIndex:
         place(self.holder, prompt, endpoints, tally)
 
     def chooser(
-        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+        self,
+        tallies: dict[int, MutableSequence[int]],
+        general: Policy,
+        prefix_weight: float,
+        load_weight: float,
     ) -> Policy | None:
         """None: the C chooser reads a worker's shared tables (the events are followed here, in
         Python, on the same loop)."""

@@ -40,7 +40,11 @@ class IndexView(Protocol):
     def block_size(self, ep: Hashable) -> int | None: ...
 
     def chooser(
-        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+        self,
+        tallies: dict[int, MutableSequence[int]],
+        general: Policy,
+        prefix_weight: float,
+        load_weight: float,
     ) -> Policy | None:
         """``general`` with its usual case (nothing excluded, no endpoint down) in C against this
         index, or None where there is none."""

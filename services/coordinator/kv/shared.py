@@ -474,7 +474,11 @@ class SharedReader:
         return list(self._tables)
 
     def chooser(
-        self, tallies: dict[int, MutableSequence[int]], general: Policy, prefix_weight: float, load_weight: float
+        self,
+        tallies: dict[int, MutableSequence[int]],
+        general: Policy,
+        prefix_weight: float,
+        load_weight: float,
     ) -> Policy | None:
         """``general`` (KvAware.choose) with its usual case in C: see ``_speedups.Chooser``."""
         native = self._native
