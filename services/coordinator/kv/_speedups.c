@@ -1122,7 +1122,8 @@ static PyObject *sp_held(PyObject *mod, PyObject *args) {
 static PyObject *str_base, *str_down, *str_n, *str_cached, *str_endpoint;
 
 /* The longest prefix of prompt (tokens, at most all of it) that one of eps that is up holds, in
- * *cached, and that endpoint (borrowed; None if none) in *where. -1 on an error. */
+ * *cached, and that endpoint (borrowed; None if none) in *where; with blocks_out, the blocks
+ * every endpoint's table holds (down ones too) added to it. -1 on an error. */
 static int find_holder(PyObject *views, Py_ssize_t header, PyObject *prompt, PyObject *endpoints, Py_ssize_t *n_out,
                        Py_ssize_t *cached_out, PyObject **where_out, int64_t *blocks_out) {
     if (!PyDict_Check(views)) {
@@ -1494,12 +1495,8 @@ static uint64_t rng_next(void) {
  * one at random among equals, placed and counted. NULL without an error where the call is
  * general's: a table with an endpoint down (the candidates are then the healthy ones), more
  * than MAX_CANDIDATES, a role without a tally. */
-static PyObject *cheapest(ChooserObject *self, PyObject *targets, PyObject *prompt, int *rc) {
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(targets);
-    PyObject **items = PySequence_Fast_ITEMS(targets);
+static PyObject *cheapest_of(ChooserObject *self, PyObject *const *items, Py_ssize_t m, PyObject *prompt, int *rc) {
     *rc = 0;
-    if (m > MAX_CANDIDATES)
-        return NULL;
     PyObject *downs = PyObject_GetAttr(items[0], str_downs);
     PyObject *count = downs ? PyObject_GetAttr(downs, str_n) : NULL;
     int any_down = count ? PyObject_IsTrue(count) : -1;
@@ -1568,6 +1565,22 @@ release:
 error:
     *rc = -1;
     goto release;
+}
+
+static PyObject *cheapest(ChooserObject *self, PyObject *targets, PyObject *prompt, int *rc) {
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(targets);
+    *rc = 0;
+    if (m > MAX_CANDIDATES)
+        return NULL;
+    /* Held: the lookups below may run Python (an endpoint's attributes), which could change a
+     * list of targets under us. */
+    PyObject *items[MAX_CANDIDATES];
+    for (Py_ssize_t i = 0; i < m; i++)
+        items[i] = Py_NewRef(PySequence_Fast_GET_ITEM(targets, i));
+    PyObject *chosen = cheapest_of(self, items, m, prompt, rc);
+    for (Py_ssize_t i = 0; i < m; i++)
+        Py_DECREF(items[i]);
+    return chosen;
 }
 
 static PyObject *Chooser_vectorcall(ChooserObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
