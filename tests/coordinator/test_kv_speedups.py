@@ -440,9 +440,10 @@ def test_a_workers_usual_choice_is_made_in_c_and_every_other_one_is_the_policys(
         assert chooser([Instance(a, load=24), Instance(b)], set(), Prompt(ids)).endpoints == (b,)  # 41 each
         twins = [Instance(a), Instance(a)]
         assert {id(chooser(twins, (), Prompt(ids))) for _ in range(200)} == {id(t) for t in twins}
-        calls = len(general.calls)
+        calls, counted = len(general.calls), list(tallies[1])
         down = Downs()
         down.n = 1
+        prompt = Prompt(ids)
         for args, kwargs in (
             (([lone, busy], {7}, prompt), {}),  # something excluded
             (([lone], {7}, prompt), {}),
@@ -450,13 +451,15 @@ def test_a_workers_usual_choice_is_made_in_c_and_every_other_one_is_the_policys(
             (([Instance(a, role=2)], set(), prompt), {}),  # a role without a tally yet
             (([Instance(a, role=2), Instance(b, role=2)], set(), prompt), {}),
             (([Instance(a, downs=down), Instance(b, downs=down)], set(), prompt), {}),  # the healthy only
-            (([Instance(b)] * 65, set(), prompt), {}),  # more candidates than the C takes
+            (([Instance(a)] * 65, set(), prompt), {}),  # more candidates than the C takes
             (([lone], set()), {"prompt": prompt}),
             (([], set(), prompt), {}),
         ):
             assert chooser(*args, **kwargs) is general.answer
             assert general.calls[-1] == (*args, *kwargs.values())
         assert len(general.calls) == calls + 9 and calls == 0
+        # What the policy decides is its own: nothing was placed or counted on the way to it.
+        assert (prompt.cached, prompt.endpoint, list(tallies[1])) == (0, None, counted)
 
 
 @settings(max_examples=60, deadline=None)
