@@ -1341,7 +1341,7 @@ static PyObject *Prompts_vectorcall(PromptsObject *self, PyObject *const *args, 
                               ? chats_read((ChatsObject *)chats, messages ? messages : Py_None, ((ChatsObject *)chats)->bs)
                               : NULL;
             Py_DECREF(chats);
-            if (!p) { /* a tokenizer error only costs the hint, as in KvRouting */
+            if (!p) { /* a tokenizer error only costs the hint, as in Tokens.read */
                 PyErr_Clear();
                 Py_RETURN_NONE;
             }
