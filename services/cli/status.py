@@ -269,6 +269,11 @@ def engine_entry(ep: common_pb2.Endpoint) -> dict[str, Any]:
         "pid": ep.pid,
         "status": enums.endpoint_status_name(ep.status),
         "headless": ep.headless,
+        # Set while it starts (WAIT_TO_START): how long it has been at it, by the node's clock.
+        "startup_elapsed_s": (
+            round(ep.startup_elapsed.ToNanoseconds() / 1e9, 1) if ep.HasField("startup_elapsed") else None
+        ),
+        "last_output_lines": list(ep.last_output_lines),
     }
 
 

@@ -23,6 +23,9 @@ COORDINATOR_HEADER = [
     "WORKERS",
 ]
 NODEMANAGER_HEADER = ["NODEMANAGER", "INSTANCE", "READY", "UPTIME", "RESTARTS", "FROZEN", "ENGINES"]
+# An engine starting for longer than this gets its last output line shown under its node: a
+# model that loads in seconds needs no explaining, one that takes minutes (or hangs) does.
+SHOW_OUTPUT_AFTER_S = 15.0
 
 
 def duration(seconds: float) -> str:
@@ -39,6 +42,15 @@ def duration(seconds: float) -> str:
 
 def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def clip_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` in its middle: a log line's start (time, level) and its end
+    (the message) say the most."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 4
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
 def problem(err: dict[str, str]) -> str:
@@ -138,10 +150,27 @@ def coordinator_row(c: dict[str, Any]) -> list[str]:
 
 def engine_text(e: dict[str, Any]) -> str:
     pid = f"pid={e['pid']}" if e["pid"] else "no pid"
-    return f"{e['endpoint']} {pid} {e['status']}" + (" headless" if e["headless"] else "")
+    text = f"{e['endpoint']} {pid} {e['status']}" + (" headless" if e["headless"] else "")
+    if e.get("startup_elapsed_s") is not None:
+        text += f" starting {duration(e['startup_elapsed_s'])}"
+    return text
 
 
-def nodemanager_rows(nm: dict[str, Any], now: float) -> list[list[str]]:
+def output_note(e: dict[str, Any], width: int) -> str | None:
+    """``last output: <its last line>``, cut to ``width``, for an engine that has been starting
+    for long; None for the others."""
+    elapsed = e.get("startup_elapsed_s")
+    lines = e.get("last_output_lines") or []
+    if elapsed is None or elapsed <= SHOW_OUTPUT_AFTER_S or not lines:
+        return None
+    label = "last output: "
+    return label + clip_middle(lines[-1], max(width - len(label), 20))
+
+
+def nodemanager_rows(nm: dict[str, Any], now: float, note_width: int = WIDTH) -> list[list[str]]:
+    """The rows of one NodeManager: its first engine on its own row, one row more for each
+    other engine (DP ranks), and under an engine that has been starting for long, a row whose
+    text runs on from the second column: its last output line, cut to ``note_width``."""
     instance = f"{nm['instance_id']} {nm['role']}".strip() if nm["instance_id"] else "-"
     if nm["error"] is not None:
         return [[nm["address"], instance, problem(nm["error"])]]
@@ -150,10 +179,18 @@ def nodemanager_rows(nm: dict[str, Any], now: float) -> list[list[str]]:
         left = datetime.fromisoformat(nm["frozen_until"]).timestamp() - now
         frozen = duration(max(0.0, left))
     uptime = duration(nm["uptime_s"]) if nm["uptime_s"] is not None else "-"
-    engines = [engine_text(e) for e in nm["engines"]] or ["none"]
-    first = [nm["address"], instance, yes_no(nm["ready"]), uptime, str(nm["restarts"]), frozen, engines[0]]
-    # A NodeManager with several engines (DP ranks): one more line for each, under ENGINES.
-    return [first] + [[""] * 6 + [e] for e in engines[1:]]
+    first = [nm["address"], instance, yes_no(nm["ready"]), uptime, str(nm["restarts"]), frozen]
+    if not nm["engines"]:
+        return [[*first, "none"]]
+    rows = []
+    for k, e in enumerate(nm["engines"]):
+        rows.append([*(first if k == 0 else [""] * 6), engine_text(e)])
+        note = output_note(e, note_width)
+        if note is not None:
+            # Right under the engine's row. Fewer cells than the header: it runs on from the
+            # second column and widens no column.
+            rows.append(["", note])
+    return rows
 
 
 def render(doc: dict[str, Any], now: float) -> list[str]:
@@ -168,7 +205,9 @@ def render(doc: dict[str, Any], now: float) -> list[str]:
         lines.append("NodeManagers: none (no instance names one)")
     else:
         rows = [NODEMANAGER_HEADER]
+        # A note row starts in the second column, after the widest address.
+        indent = max(len(nm["address"]) for nm in [{"address": NODEMANAGER_HEADER[0]}, *doc["nodemanagers"]])
         for nm in doc["nodemanagers"]:
-            rows += nodemanager_rows(nm, now)
+            rows += nodemanager_rows(nm, now, WIDTH - indent - 2)
         lines += table_lines(rows)
     return lines

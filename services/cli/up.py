@@ -28,6 +28,11 @@ runs in a session of its own (a Ctrl-C does not reach it), is stopped by SIGTERM
 SIGTERM by the kernel when we are gone. The temporary state directory (no ``--state-dir``) is
 removed on every way out but SIGKILL; a given one is kept.
 
+While READY is awaited, every ``PROGRESS_S`` seconds (``MOTOR_UP_PROGRESS_S`` overrides it) a
+line on stderr for each engine it still waits for (``motor up: waiting for engine-<k> (nm-<i>,
+port P, pid N): starting for 2m13s; last output: ...``), from each NodeManager's GetStatus: a real
+model takes minutes to load, and without this nothing would say what it is doing.
+
 Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
 one engine each. Engines are numbered k = 0, 1, ... across the NodeManagers: NodeManager i owns
 engines i * dp ... i * dp + dp - 1, and engine k's business port is ``nodemanager.ports[0]`` +
@@ -50,14 +55,17 @@ from pathlib import Path
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from motor.v1 import common_pb2, nodemanager_pb2, nodemanager_pb2_grpc
 
+from services.cli.status_table import clip, duration
 from services.cli.up_args import parse
 from services.cli.up_output import error_line, pump
 from services.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
 from services.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
-from services.common import log, tasks
+from services.common import enums, log, tasks
 from services.common.channel import open_channel
-from services.common.config import Config, ConfigError, ServerConfig, load
+from services.common.config import Config, ConfigError, ServerConfig, load, read_key_file
+from services.common.config.loader import WILDCARDS
 from services.common.procgroup import Reaper, become_subreaper
 from services.common.signals import STDIN_GUARD_ENV, install_stop_signals
 from services.nodemanager.statefile import StateFile, kill_recorded_engines
@@ -69,6 +77,12 @@ STOP_BUDGET_S = 12.0  # under the 15 s promise, leaving time to sweep leftover e
 # (the Coordinator's workers do) can hold it open after the child is gone.
 OUTPUT_DRAIN_S = 2.0
 ETCD_STOP_S = 1.5  # etcd stops last, after the Controllers; taken from the NodeManagers' share
+# Until READY, how often each engine still waited for is reported on stderr; the variable
+# overrides it (tests, or an impatient operator).
+PROGRESS_S = 15.0
+PROGRESS_ENV = "MOTOR_UP_PROGRESS_S"
+PROGRESS_RPC_S = 2.0  # the deadline of each NodeManager's GetStatus for a report
+PROGRESS_LINE_CHARS = 200  # an engine's last output line, cut to this in a report
 
 
 class Cluster:
@@ -219,6 +233,64 @@ class Cluster:
                             return
                 await asyncio.sleep(0.05)
 
+    # -- progress until READY --------------------------------------------------------------------
+    async def report_progress(self, interval: float) -> None:
+        """Every ``interval`` s until READY, one line on stderr per engine READY still waits for
+        (and per NodeManager that cannot say yet), so a slow or stuck start-up is seen."""
+        key = await asyncio.to_thread(nodemanager_key, self.cfg.nodemanager)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), interval)
+            if self.stopping.is_set() or self.ready:
+                return
+            nodes = [c for c in self.plan.nodes if c.proc is not None]
+            answers = await asyncio.gather(*(self._node_status(c, key) for c in nodes))
+            lines = [line for c, got in zip(nodes, answers, strict=True) for line in self._progress(c, got)]
+            if self.ready:  # READY came while we asked: nothing is waited for any more
+                return
+            for line in lines or ["motor up: every engine is ready; waiting for the Coordinator to route"]:
+                print(line, file=sys.stderr, flush=True)
+
+    async def _node_status(
+        self, child: Child, key: str | None
+    ) -> nodemanager_pb2.GetStatusResponse | grpc.aio.AioRpcError:
+        async with open_channel(
+            self.nodemanager_address(child), key=key, tls=self.cfg.nodemanager, retries=False
+        ) as ch:
+            try:
+                return await nodemanager_pb2_grpc.NodeManagerStub(ch).GetStatus(
+                    nodemanager_pb2.GetStatusRequest(), timeout=PROGRESS_RPC_S, wait_for_ready=False
+                )
+            except grpc.aio.AioRpcError as err:
+                return err
+
+    def nodemanager_address(self, child: Child) -> str:
+        """Where NodeManager ``child`` serves gRPC: its ``--port`` on the configured host."""
+        host = self.cfg.nodemanager.host
+        host = "127.0.0.1" if host in WILDCARDS else host
+        port = child.argv[child.argv.index("--port") + 1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _progress(
+        self, child: Child, got: nodemanager_pb2.GetStatusResponse | grpc.aio.AioRpcError
+    ) -> list[str]:
+        where = f"{child.name} ({self.nodemanager_address(child)})"
+        if isinstance(got, grpc.aio.AioRpcError):
+            code = got.code().name
+            if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                return [f"motor up: waiting for {where}: not answering yet ({code})"]
+            return [f"motor up: waiting for {where}: GetStatus failed: {code}: {got.details() or ''}"]
+        if not got.endpoints:
+            return [f"motor up: waiting for {where}: no engines yet (its instance is not assembled yet)"]
+        first = int(child.env.get("MOTOR_UP_ENGINE_INDEX", "0") or 0)
+        # Engine k is the NodeManager's first + its position (GetStatus lists them by id, the
+        # order they were spawned and prefixed [engine-<k>] in).
+        return [
+            engine_progress(f"engine-{first + n}", child.name, ep)
+            for n, ep in enumerate(got.endpoints)
+            if ep.status != enums.EP_NORMAL
+        ]
+
     def probed(self) -> list[tuple[str, str, int]]:
         """(what, host, port) of every server READY waits on, where it binds."""
         ctl, co, off = self.cfg.controller, self.cfg.coordinator, self.args.port_offset
@@ -265,6 +337,7 @@ class Cluster:
                     break
                 await start(child)
             running.append(tasks.start("announce-ready", self.announce_ready()))
+            running.append(tasks.start("progress", self.report_progress(progress_interval())))
             await self.stopping.wait()
         except OSError as exc:  # a child could not even be started (spawn() raised)
             log.exception("spawn_failed")
@@ -315,6 +388,42 @@ class Cluster:
         temporary state directory."""
         kill_descendants(os.getpid())
         remove_state_dir(self.state, self.own_state)
+
+
+def engine_progress(engine: str, node: str, ep: common_pb2.Endpoint) -> str:
+    """``motor up: waiting for engine-0 (nm-0, port 10000, pid 1234): starting for 2m13s; last
+    output: ...``"""
+    pid = f"pid {ep.pid}" if ep.pid else "no pid"
+    if ep.HasField("startup_elapsed"):
+        state = f"starting for {duration(ep.startup_elapsed.ToNanoseconds() / 1e9)}"
+    else:
+        state = enums.endpoint_status_name(ep.status)
+    last = (
+        f"last output: {clip(ep.last_output_lines[-1], PROGRESS_LINE_CHARS)}"
+        if ep.last_output_lines
+        else "no output yet"
+    )
+    return f"motor up: waiting for {engine} ({node}, port {ep.port}, {pid}): {state}; {last}"
+
+
+def progress_interval() -> float:
+    """``PROGRESS_S``, or the positive number of seconds ``MOTOR_UP_PROGRESS_S`` says."""
+    try:
+        value = float(os.environ.get(PROGRESS_ENV, ""))
+    except ValueError:
+        return PROGRESS_S
+    return value if 0 < value < 86400 else PROGRESS_S
+
+
+def nodemanager_key(section: ServerConfig) -> str | None:
+    """The management key the NodeManagers require, when they do (their section's key file);
+    None when none is set or it cannot be read (the NodeManager then says so itself)."""
+    if not section.management_key_file:
+        return None
+    try:
+        return read_key_file(section.management_key_file)
+    except (ConfigError, OSError):
+        return None
 
 
 def first_in_use(addresses: list[tuple[str, str, int]]) -> str | None:

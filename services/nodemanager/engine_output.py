@@ -1,6 +1,8 @@
 """Engine output on its way to the NodeManager's stdout: lines read from each engine's pipe
 (:func:`pump`), prefixed, cut when overlong, and queued for a thread that writes them
-(:class:`Output`), so neither a chatty engine nor a stdout nobody reads can stall the loop.
+(:class:`Output`), so neither a chatty engine nor a stdout nobody reads can stall the loop. The
+last few lines of each engine are kept too (:class:`Tail`): what GetStatus shows of an engine
+that is slow to start, and what the start-up timeout's warning quotes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,36 @@ from services.common.lines import MAX_LINE, read_lines
 LINE_LIMIT = MAX_LINE
 # Engine output waiting for our stdout; beyond this, lines are dropped (and counted).
 OUTPUT_QUEUE_BYTES = 4 << 20
+# The tail kept per engine: its last lines, each cut to this many characters.
+TAIL_LINES = 20
+TAIL_CHARS = 400
+# Bytes of a line kept for the tail: room for TAIL_CHARS characters of UTF-8.
+_TAIL_BYTES = TAIL_CHARS * 4
+
+
+class Tail:
+    """The last :data:`TAIL_LINES` non-blank lines of one engine. ``add`` runs for every line on
+    the loop, so it only slices and appends raw bytes; decoding, escaping and cutting to
+    :data:`TAIL_CHARS` happen when someone reads them (GetStatus, a warning)."""
+
+    def __init__(self, size: int = TAIL_LINES) -> None:
+        self._lines: deque[bytes] = deque(maxlen=size)
+
+    def add(self, line: bytes) -> None:
+        if not line.isspace():
+            self._lines.append(line[:_TAIL_BYTES])
+
+    def lines(self) -> list[str]:
+        """Oldest first, each one printable line of at most :data:`TAIL_CHARS` characters."""
+        return [_shown(raw) for raw in self._lines]
+
+
+def _shown(raw: bytes) -> str:
+    text = raw.decode(errors="replace").rstrip("\r\n")
+    # A progress bar redraws itself with carriage returns: what is on screen is the last part.
+    text = text.rsplit("\r", 1)[-1] or text
+    text = log.printable(text)
+    return text if len(text) <= TAIL_CHARS else text[: TAIL_CHARS - 1] + "…"
 
 
 class Output:
@@ -127,7 +159,14 @@ class Output:
 STDOUT = Output()
 
 
-async def pump(stream: asyncio.StreamReader, prefix: bytes, out: Output) -> None:
-    """Pass ``stream``'s lines to ``out``, each with ``prefix``, until EOF; a line longer than
-    :data:`LINE_LIMIT` is cut, with a note, and the lines after it come through as usual."""
-    await read_lines(stream, lambda line: out.put(prefix + line))
+async def pump(stream: asyncio.StreamReader, prefix: bytes, out: Output, tail: Tail | None = None) -> None:
+    """Pass ``stream``'s lines to ``out``, each with ``prefix``, until EOF, keeping the last ones
+    in ``tail``; a line longer than :data:`LINE_LIMIT` is cut, with a note, and the lines after
+    it come through as usual."""
+
+    def on_line(line: bytes) -> None:
+        if tail is not None:
+            tail.add(line)
+        out.put(prefix + line)
+
+    await read_lines(stream, on_line)

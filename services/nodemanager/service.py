@@ -43,7 +43,7 @@ class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
         sup = self.sup
         resp = pb.GetStatusResponse(
             ready=sup.ready(request.relaxed),
-            endpoints=sup.endpoints(),
+            endpoints=sup.status_endpoints(),
             relaunch_count=sup.relaunch_count,
             instance_id=sup.instance_id,
             incarnation=sup.incarnation,

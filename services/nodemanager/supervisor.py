@@ -113,7 +113,13 @@ class EngineSupervisor:
         return e.status
 
     def endpoints(self) -> list[common_pb2.Endpoint]:
+        """As the heartbeats and StartEngines answers carry them."""
         return [e.to_proto(self._reported(e)) for e in self.current_engines()]
+
+    def status_endpoints(self) -> list[common_pb2.Endpoint]:
+        """As GetStatus answers them: with how long each has been starting and its last output
+        lines, which the heartbeats leave out (see Engine.status_proto)."""
+        return [e.status_proto(self._reported(e)) for e in self.current_engines()]
 
     def ready(self, relaxed: bool) -> bool:
         engines = list(self.current_engines())
@@ -270,7 +276,7 @@ class EngineSupervisor:
 
     def _log_prefix(self, position: int) -> bytes | None:
         """``[engine-<k>] `` under ``motor up``, which numbers the engines and passes this node's
-        first k in MOTOR_UP_ENGINE_INDEX; None elsewhere (engine output is inherited as is)."""
+        first k in MOTOR_UP_ENGINE_INDEX; None elsewhere (engine output is passed on as is)."""
         base = os.environ.get(ENGINE_INDEX_ENV, "")
         if not base.isdigit():
             return None

@@ -61,7 +61,9 @@ class Engine:
         self.tickets = pd.TicketStore()
         self.rendezvous = pd.Rendezvous(cfg.engine_id) if cfg.sglang and cfg.role == "prefill" else None
         self.metrics = Metrics(self.model_id, self._gauges)
+        # --startup-s: /health answers 503 until then, as a real engine loading its model does.
         self.ready_at = time.monotonic() + cfg.startup_s
+        self._loading_said = False
         self.advertised_host = os.environ.get("VLLM_HOST_IP") or (
             cfg.host if cfg.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         )
@@ -121,6 +123,7 @@ class Engine:
                 ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
                 ("GET", "/sim/fault"): self.get_fault,
                 ("POST", "/sim/fault"): self.post_fault,
+                ("POST", "/sim/ready"): self.post_ready,
             }
         )
 
@@ -163,10 +166,22 @@ class Engine:
             if faults.mode == "unhealthy" and faults.is_active():
                 out.send(503, b"unhealthy", TEXT_CT)
                 return
-        if self.cfg.startup_s and time.monotonic() < self.ready_at:
+        if self.starting():
             out.send(503, b"starting", TEXT_CT)
             return
         out.send(200, b"", TEXT_CT)
+
+    def starting(self) -> bool:
+        """Still in its --startup-s. Says so in one line the first time it is asked (after the
+        listening line, so the line a NodeManager shows for a loading engine is this one)."""
+        left = self.ready_at - time.monotonic()
+        if not self.cfg.startup_s or left <= 0:
+            return False
+        if not self._loading_said:
+            self._loading_said = True
+            ready_in = "never" if left == float("inf") else round(left, 1)
+            log.event("loading", model=self.model_id, ready_in_s=ready_in)
+        return True
 
     async def models(self, req: Request, out: Responder) -> None:
         if self.faults.hanging():
@@ -250,6 +265,17 @@ class Engine:
         if self.faults.hanging():
             await hang()
         out.send(200, _json(self.faults.snapshot()))
+
+    async def post_ready(self, req: Request, out: Responder) -> None:
+        """End the --startup-s start-up now: a test decides when a slow engine is ready."""
+        self._check_loopback(req)
+        if self.faults.hanging():
+            await hang()
+        was_starting = bool(self.cfg.startup_s) and self.ready_at > time.monotonic()
+        self.ready_at = time.monotonic()
+        if was_starting:
+            log.event("loaded", via="/sim/ready")
+        out.send(200, _json({"ready": True}))
 
     async def post_fault(self, req: Request, out: Responder) -> None:
         self._check_loopback(req)

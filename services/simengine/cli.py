@@ -133,7 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     proc.add_argument("--fault-after-requests", type=_nonneg_int, default=0)
     proc.add_argument("--fault-after-s", type=_nonneg_float, default=0.0)
     proc.add_argument("--fault-status", type=_status, default=500)
-    proc.add_argument("--startup-s", type=_nonneg_float, default=0.0)
+    proc.add_argument(
+        "--startup-s",
+        type=_nonneg_float,
+        default=0.0,
+        metavar="S",
+        help="start-up time: /health answers 503 for S seconds after start, as a real engine "
+        "loading its model (the first such answer logs one `event=loading` line); inf = never "
+        "healthy, a start-up that hangs. POST /sim/ready (loopback clients only) ends it at once",
+    )
     proc.add_argument("--seed", type=int, default=0)
     return p
 

@@ -22,29 +22,30 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15motor/v1/common.proto\x12\x08motor.v1\"\xde\x01\n\x08\x45ndpoint\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x16\n\x0e\x62ootstrap_port\x18\x04 \x01(\r\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.motor.v1.EndpointStatus\x12\x10\n\x08headless\x18\x06 \x01(\x08\x12\x12\n\ndevice_ids\x18\x07 \x03(\r\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12\x16\n\x0ekv_events_port\x18\t \x01(\r\x12\x1d\n\x15kv_events_replay_port\x18\n \x01(\r\"P\n\x0eParallelConfig\x12\n\n\x02\x64p\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02\x65p\x18\x04 \x01(\r\x12\x0e\n\x06nnodes\x18\x05 \x01(\r\"\xc4\x02\n\x08Instance\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.motor.v1.Role\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12)\n\x0b\x65ngine_type\x18\x05 \x01(\x0e\x32\x14.motor.v1.EngineType\x12(\n\x06status\x18\x06 \x01(\x0e\x32\x18.motor.v1.InstanceStatus\x12%\n\tendpoints\x18\x07 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12*\n\x08parallel\x18\x08 \x01(\x0b\x32\x18.motor.v1.ParallelConfig\x12\x15\n\rnode_managers\x18\t \x03(\t\x12)\n\x0bpd_protocol\x18\n \x01(\x0e\x32\x14.motor.v1.PdProtocol*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0e\n\nROLE_UNION\x10\x03*l\n\nEngineType\x12\x1b\n\x17\x45NGINE_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_TYPE_VLLM\x10\x01\x12\x16\n\x12\x45NGINE_TYPE_SGLANG\x10\x02\x12\x13\n\x0f\x45NGINE_TYPE_SIM\x10\x03*W\n\nPdProtocol\x12\x1b\n\x17PD_PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PD_PROTOCOL_VLLM\x10\x01\x12\x16\n\x12PD_PROTOCOL_SGLANG\x10\x02*\xc1\x01\n\x0eInstanceStatus\x12\x1f\n\x1bINSTANCE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATUS_INITIAL\x10\x01\x12\x1a\n\x16INSTANCE_STATUS_ACTIVE\x10\x02\x12\x1c\n\x18INSTANCE_STATUS_INACTIVE\x10\x03\x12\x1a\n\x16INSTANCE_STATUS_PAUSED\x10\x04\x12\x1b\n\x17INSTANCE_STATUS_DELETED\x10\x05*\xc7\x01\n\x0e\x45ndpointStatus\x12\x1f\n\x1b\x45NDPOINT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45NDPOINT_STATUS_INITIAL\x10\x01\x12!\n\x1d\x45NDPOINT_STATUS_WAIT_TO_START\x10\x02\x12\x1a\n\x16\x45NDPOINT_STATUS_NORMAL\x10\x03\x12\x1c\n\x18\x45NDPOINT_STATUS_ABNORMAL\x10\x04\x12\x1a\n\x16\x45NDPOINT_STATUS_PAUSED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15motor/v1/common.proto\x12\x08motor.v1\x1a\x1egoogle/protobuf/duration.proto\"\xad\x02\n\x08\x45ndpoint\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x16\n\x0e\x62ootstrap_port\x18\x04 \x01(\r\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.motor.v1.EndpointStatus\x12\x10\n\x08headless\x18\x06 \x01(\x08\x12\x12\n\ndevice_ids\x18\x07 \x03(\r\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12\x16\n\x0ekv_events_port\x18\t \x01(\r\x12\x1d\n\x15kv_events_replay_port\x18\n \x01(\r\x12\x32\n\x0fstartup_elapsed\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11last_output_lines\x18\x0c \x03(\t\"P\n\x0eParallelConfig\x12\n\n\x02\x64p\x18\x01 \x01(\r\x12\n\n\x02tp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02\x65p\x18\x04 \x01(\r\x12\x0e\n\x06nnodes\x18\x05 \x01(\r\"\xc4\x02\n\x08Instance\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.motor.v1.Role\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12)\n\x0b\x65ngine_type\x18\x05 \x01(\x0e\x32\x14.motor.v1.EngineType\x12(\n\x06status\x18\x06 \x01(\x0e\x32\x18.motor.v1.InstanceStatus\x12%\n\tendpoints\x18\x07 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12*\n\x08parallel\x18\x08 \x01(\x0b\x32\x18.motor.v1.ParallelConfig\x12\x15\n\rnode_managers\x18\t \x03(\t\x12)\n\x0bpd_protocol\x18\n \x01(\x0e\x32\x14.motor.v1.PdProtocol*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0e\n\nROLE_UNION\x10\x03*l\n\nEngineType\x12\x1b\n\x17\x45NGINE_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_TYPE_VLLM\x10\x01\x12\x16\n\x12\x45NGINE_TYPE_SGLANG\x10\x02\x12\x13\n\x0f\x45NGINE_TYPE_SIM\x10\x03*W\n\nPdProtocol\x12\x1b\n\x17PD_PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PD_PROTOCOL_VLLM\x10\x01\x12\x16\n\x12PD_PROTOCOL_SGLANG\x10\x02*\xc1\x01\n\x0eInstanceStatus\x12\x1f\n\x1bINSTANCE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATUS_INITIAL\x10\x01\x12\x1a\n\x16INSTANCE_STATUS_ACTIVE\x10\x02\x12\x1c\n\x18INSTANCE_STATUS_INACTIVE\x10\x03\x12\x1a\n\x16INSTANCE_STATUS_PAUSED\x10\x04\x12\x1b\n\x17INSTANCE_STATUS_DELETED\x10\x05*\xc7\x01\n\x0e\x45ndpointStatus\x12\x1f\n\x1b\x45NDPOINT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45NDPOINT_STATUS_INITIAL\x10\x01\x12!\n\x1d\x45NDPOINT_STATUS_WAIT_TO_START\x10\x02\x12\x1a\n\x16\x45NDPOINT_STATUS_NORMAL\x10\x03\x12\x1c\n\x18\x45NDPOINT_STATUS_ABNORMAL\x10\x04\x12\x1a\n\x16\x45NDPOINT_STATUS_PAUSED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=669
-  _globals['_ROLE']._serialized_end=748
-  _globals['_ENGINETYPE']._serialized_start=750
-  _globals['_ENGINETYPE']._serialized_end=858
-  _globals['_PDPROTOCOL']._serialized_start=860
-  _globals['_PDPROTOCOL']._serialized_end=947
-  _globals['_INSTANCESTATUS']._serialized_start=950
-  _globals['_INSTANCESTATUS']._serialized_end=1143
-  _globals['_ENDPOINTSTATUS']._serialized_start=1146
-  _globals['_ENDPOINTSTATUS']._serialized_end=1345
-  _globals['_ENDPOINT']._serialized_start=36
-  _globals['_ENDPOINT']._serialized_end=258
-  _globals['_PARALLELCONFIG']._serialized_start=260
-  _globals['_PARALLELCONFIG']._serialized_end=340
-  _globals['_INSTANCE']._serialized_start=343
-  _globals['_INSTANCE']._serialized_end=667
+  _globals['_ROLE']._serialized_start=780
+  _globals['_ROLE']._serialized_end=859
+  _globals['_ENGINETYPE']._serialized_start=861
+  _globals['_ENGINETYPE']._serialized_end=969
+  _globals['_PDPROTOCOL']._serialized_start=971
+  _globals['_PDPROTOCOL']._serialized_end=1058
+  _globals['_INSTANCESTATUS']._serialized_start=1061
+  _globals['_INSTANCESTATUS']._serialized_end=1254
+  _globals['_ENDPOINTSTATUS']._serialized_start=1257
+  _globals['_ENDPOINTSTATUS']._serialized_end=1456
+  _globals['_ENDPOINT']._serialized_start=68
+  _globals['_ENDPOINT']._serialized_end=369
+  _globals['_PARALLELCONFIG']._serialized_start=371
+  _globals['_PARALLELCONFIG']._serialized_end=451
+  _globals['_INSTANCE']._serialized_start=454
+  _globals['_INSTANCE']._serialized_end=778
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -181,13 +182,14 @@ class _EndpointStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Endpoi
     ENDPOINT_STATUS_WAIT_TO_START: _EndpointStatus.ValueType  # 2
     """The process runs; its `/health` does not answer 200 (or `/v1/models` does not list the
     model) yet. Failures do not count during the start-up window
-    (nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead.
+    (nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead. An
+    engine still not healthy when the window ends is killed and reported dead (ABNORMAL).
     """
     ENDPOINT_STATUS_NORMAL: _EndpointStatus.ValueType  # 3
     """Serving. A headless endpoint is NORMAL while its process is alive."""
     ENDPOINT_STATUS_ABNORMAL: _EndpointStatus.ValueType  # 4
-    """Its process died, or nodemanager.max_probe_failures consecutive health probes failed after
-    it had been NORMAL.
+    """Its process died (or was killed: hung, or not healthy within its start-up window), or
+    nodemanager.max_probe_failures consecutive health probes failed after it had been NORMAL.
     """
     ENDPOINT_STATUS_PAUSED: _EndpointStatus.ValueType  # 5
     """Running but paused by the NodeManager's Pause RPC."""
@@ -204,13 +206,14 @@ engines).
 ENDPOINT_STATUS_WAIT_TO_START: EndpointStatus.ValueType  # 2
 """The process runs; its `/health` does not answer 200 (or `/v1/models` does not list the
 model) yet. Failures do not count during the start-up window
-(nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead.
+(nodemanager.engine_startup_timeout_s): a model that loads for minutes is not dead. An
+engine still not healthy when the window ends is killed and reported dead (ABNORMAL).
 """
 ENDPOINT_STATUS_NORMAL: EndpointStatus.ValueType  # 3
 """Serving. A headless endpoint is NORMAL while its process is alive."""
 ENDPOINT_STATUS_ABNORMAL: EndpointStatus.ValueType  # 4
-"""Its process died, or nodemanager.max_probe_failures consecutive health probes failed after
-it had been NORMAL.
+"""Its process died (or was killed: hung, or not healthy within its start-up window), or
+nodemanager.max_probe_failures consecutive health probes failed after it had been NORMAL.
 """
 ENDPOINT_STATUS_PAUSED: EndpointStatus.ValueType  # 5
 """Running but paused by the NodeManager's Pause RPC."""
@@ -234,6 +237,8 @@ class Endpoint(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     KV_EVENTS_PORT_FIELD_NUMBER: _builtins.int
     KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _builtins.int
+    STARTUP_ELAPSED_FIELD_NUMBER: _builtins.int
+    LAST_OUTPUT_LINES_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Position inside the instance: node_rank * parallel.dp + the endpoint's DP rank, so the
     serving endpoints (node_rank 0) are 0 .. dp-1. The Controller numbers an instance's
@@ -272,6 +277,21 @@ class Endpoint(_message.Message):
         device_env); empty = none set.
         """
 
+    @_builtins.property
+    def startup_elapsed(self) -> _duration_pb2.Duration:
+        """How long its process has been starting: set while it is WAIT_TO_START (running, its health
+        probe not answered yet), unset otherwise. Only in NodeManager GetStatus answers (it changes
+        with every call; heartbeats and instance tables leave it unset).
+        """
+
+    @_builtins.property
+    def last_output_lines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The last lines its process wrote (stdout and stderr together), oldest first: at most 20,
+        each cut to 400 characters, control characters escaped, blank lines left out. What an engine
+        that is slow to start or died was doing. Only in NodeManager GetStatus answers; empty in
+        heartbeats, registrations and instance tables (they stay small).
+        """
+
     def __init__(
         self,
         *,
@@ -285,10 +305,12 @@ class Endpoint(_message.Message):
         pid: _builtins.int = ...,
         kv_events_port: _builtins.int = ...,
         kv_events_replay_port: _builtins.int = ...,
+        startup_elapsed: _duration_pb2.Duration | None = ...,
+        last_output_lines: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["startup_elapsed", b"startup_elapsed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_port", b"bootstrap_port", "device_ids", b"device_ids", "headless", b"headless", "host", b"host", "id", b"id", "kv_events_port", b"kv_events_port", "kv_events_replay_port", b"kv_events_replay_port", "pid", b"pid", "port", b"port", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_port", b"bootstrap_port", "device_ids", b"device_ids", "headless", b"headless", "host", b"host", "id", b"id", "kv_events_port", b"kv_events_port", "kv_events_replay_port", b"kv_events_replay_port", "last_output_lines", b"last_output_lines", "pid", b"pid", "port", b"port", "startup_elapsed", b"startup_elapsed", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
