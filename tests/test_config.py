@@ -47,11 +47,11 @@ CONTRACT_KEYS = {
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s""",
     "nodemanager": """port controller controller_key_file job_name role model served_model_name
-        engine_type sim_protocol ports device_count device_env node_rank parallel state_dir
+        engine_type sim_protocol ports device_count device_env cpu_cores ucx_port_range node_rank parallel state_dir
         status_poll_interval_s status_probe_timeout_s max_probe_failures engine_startup_timeout_s
         engine_hang_timeout_s engine_stop_grace_s suicide_check_interval_s suicide_threshold
         engine_restart_wait_timeout_s engine_restart_freeze_s metrics_port""",
-    "engine": "args kv_connector env data_parallel_group",
+    "engine": "args kv_connector kv_transfer_config env cpu_kvcache_space_gib data_parallel_group",
 }
 
 
@@ -325,6 +325,13 @@ BAD_VALUES = [
     ("nodemanager", "ports", [10000, 0], None),
     ("nodemanager", "device_count", -1, "must be between 0 and 4096, got -1"),
     ("nodemanager", "device_env", "NOT VALID", None),
+    ("nodemanager", "cpu_cores", "3-1", 'core range "3-1" must run upwards from 0 to 65535'),
+    ("nodemanager", "cpu_cores", "0-3,x", 'expected a cpuset such as "0-3,6", got "0-3,x"'),
+    ("nodemanager", "cpu_cores", "0-3,2", "must name each core once, got 2 again"),
+    ("nodemanager", "cpu_cores", [1, 1], "must name each core once, got 1 again"),
+    ("nodemanager", "cpu_cores", -1, "must be between 0 and 65535, got -1"),
+    ("nodemanager", "cpu_cores", True, None),
+    ("nodemanager", "cpu_cores", {"0": 1}, None),
     ("nodemanager", "node_rank", -1, "must be between 0 and 1000000, got -1"),
     ("nodemanager", "parallel", [1], "expected object, got array"),
     ("nodemanager", "suicide_threshold", 0, "must be between 1 and 1000000, got 0"),
@@ -334,6 +341,12 @@ BAD_VALUES = [
     ("engine", "env", {"A=B": "1"}, None),
     ("engine", "env", "A=1", 'expected object, got string "A=1"'),
     ("engine", "kv_connector", "", None),
+    ("engine", "kv_transfer_config", [], "expected object, got array"),
+    ("engine", "kv_transfer_config", {"kv_role": "kv_both"}, None),
+    ("engine", "kv_transfer_config", {"kv_connector": ""}, None),
+    ("engine", "kv_transfer_config", {"": 1}, None),
+    ("engine", "cpu_kvcache_space_gib", -1, "must be between 0 and 1048576, got -1"),
+    ("engine", "cpu_kvcache_space_gib", 1.5, "expected integer, got number 1.5"),
     ("controller", "max_message_bytes", 1023, "must be between 1024 and 2147483647, got 1023"),
     ("coordinator", "log_format", "text", "must be one of 'kv', 'json', got \"text\""),
     ("nodemanager", "host", "", None),
@@ -398,6 +411,19 @@ GOOD_VALUES = [
     ("nodemanager", "engine_stop_grace_s", 0),
     ("engine", "args", {"max-model-len": 4096, "enforce-eager": True, "compilation-config": {"level": 3}}),
     ("engine", "env", {"HF_HUB_OFFLINE": "1"}),
+    ("nodemanager", "device_env", "cpu"),
+    ("nodemanager", "cpu_cores", [4, 5, 0]),
+    ("nodemanager", "cpu_cores", []),
+    ("engine", "kv_transfer_config", {"kv_buffer_device": "cpu", "kv_port": 14579}),
+    (
+        "engine",
+        "kv_transfer_config",
+        {
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector"}]},
+        },
+    ),
+    ("engine", "cpu_kvcache_space_gib", 40),
 ]
 
 
@@ -405,6 +431,42 @@ GOOD_VALUES = [
 def test_good_values(tmp_path: Path, section: str, key: str, value: Any) -> None:
     path = write(tmp_path, {section: {key: value}})
     assert load_config(path, env={})[section][key] == value
+
+
+def test_cpu_cores_are_stored_as_a_list_in_the_order_given(tmp_path: Path) -> None:
+    def cores(value: Any) -> Any:
+        return load_config(write(tmp_path, {"nodemanager": {"cpu_cores": value}}), env={})["nodemanager"][
+            "cpu_cores"
+        ]
+
+    assert cores("0-3,6") == [0, 1, 2, 3, 6]
+    assert cores(" 8-9, 0 ") == [8, 9, 0]
+    assert cores("") == []
+    assert cores(3) == [3]
+    # From the environment: a cpuset, a lone core, or a JSON array (what `motor up` writes).
+    for raw, expected in (("0-3", [0, 1, 2, 3]), ("3", [3]), ("[2, 0]", [2, 0]), ("0,2", [0, 2])):
+        env = {"MOTOR_NODEMANAGER_CPU_CORES": raw}
+        assert load_config(env=env)["nodemanager"]["cpu_cores"] == expected, raw
+
+
+def test_kv_transfer_config_refuses_motors_own_fields(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        {"engine": {"kv_transfer_config": {"kv_buffer_device": "cpu", "kv_role": "kv_both"}}},
+    )
+    assert errors_of(path) == [
+        f"{path}: engine.kv_transfer_config.kv_role: set by Motor from the node's role "
+        "(kv_producer for prefill, kv_consumer for decode); remove it"
+    ]
+    path = write(tmp_path, {"engine": {"kv_transfer_config": {"engine_id": "x"}}})
+    assert errors_of(path) == [
+        f"{path}: engine.kv_transfer_config.engine_id: set by Motor to the instance id "
+        "(the same on every engine of an instance); remove it"
+    ]
+    path = write(tmp_path, {"engine": {"kv_transfer_config": {"kv_connector": 3}}})
+    assert errors_of(path) == [
+        f"{path}: engine.kv_transfer_config.kv_connector: expected a non-empty string, got integer 3"
+    ]
 
 
 def test_parallel_fills_missing_sizes(tmp_path: Path) -> None:
@@ -644,6 +706,19 @@ def test_config_check_reports_every_mistake(tmp_path: Path) -> None:
     assert result.stderr.splitlines() == [
         f"{path}: controller.portt: unknown key; did you mean 'port'?",
         f"{path}: coordinator.decode_polcy: unknown key; did you mean 'decode_policy'?",
+    ]
+
+
+def test_config_check_names_a_kv_transfer_field_motor_sets(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        {"engine": {"kv_transfer_config": {"kv_connector_extra_config": {"a": 1}, "engine_id": "e"}}},
+    )
+    result = run_motor("config", "check", path)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.splitlines() == [
+        f"{path}: engine.kv_transfer_config.engine_id: set by Motor to the instance id "
+        "(the same on every engine of an instance); remove it"
     ]
 
 

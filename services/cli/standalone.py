@@ -5,13 +5,15 @@ identifies it: ``0x40000000 | (crc32("<role>|<host>:<port>|…") & 0x3FFFFFFF)``
 by (host, port), host lower-cased and not resolved. The same engines give the same id whatever
 order they are named in, from any machine, and bit 30 keeps these ids apart from the
 Controller's, which count up from 1. The job name is ``<model>-<role>-<host>-<port>`` of the
-first endpoint in that order, and endpoints are numbered 0.. in that order.
+first endpoint in that order (the model as :func:`model_stem` makes it a job name: a path's last
+component), and endpoints are numbered 0.. in that order.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -98,9 +100,31 @@ def derive_id(role: str, endpoints: Iterable[tuple[str, int]]) -> int:
     return STANDALONE_BIT | (zlib.crc32(key.encode()) & _LOW_BITS)
 
 
+# What the Controller accepts as a job name (services/controller/validation.py, JOB_NAME):
+# letters, digits, '.', '_', '-', starting with a letter or digit, at most 128 characters.
+JOB_NAME_MAX = 128
+_NOT_IN_JOB_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def model_stem(model: str) -> str:
+    """The model as the first part of a job name: a path's last component (an ``org/name`` id's
+    name), every run of other characters than letters, digits, '.', '_' and '-' as one '-',
+    starting with a letter or digit; "model" when nothing is left."""
+    last = model.rstrip("/").rsplit("/", 1)[-1]
+    return _NOT_IN_JOB_NAME.sub("-", last).lstrip("._-") or "model"
+
+
+def job_name_of(model: str, *parts: object) -> str:
+    """``<model stem>-<part>-…``, cut to what a job name may hold: the stem is shortened first,
+    so the parts that tell jobs of one model apart stay whole."""
+    tail = "".join("-" + _NOT_IN_JOB_NAME.sub("-", str(p)) for p in parts)
+    room = max(1, JOB_NAME_MAX - len(tail))
+    return (model_stem(model)[:room] + tail)[:JOB_NAME_MAX]
+
+
 def job_name(model: str, spec: InstanceSpec) -> str:
     first = spec.endpoints[0]
-    return f"{model}-{spec.role}-{first.host}-{first.port}"
+    return job_name_of(model, spec.role, first.host, first.port)
 
 
 def build(

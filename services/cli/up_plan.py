@@ -14,12 +14,16 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from services.cli.standalone import job_name_of
 from services.common import retry
-from services.common.config import Config
+from services.common.config import Config, NodeManagerConfig
+from services.common.config.checks import parse_port_range
 from services.common.config.loader import WILDCARDS
+from services.nodemanager import devices
 
 # /metrics of Controller i (+ i) and of NodeManager i (+ i), where the configuration leaves it off.
 CONTROLLER_METRICS_PORT, NODEMANAGER_METRICS_PORT = 9100, 9300
@@ -77,9 +81,12 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
 
 
-def plan(args: argparse.Namespace, cfg: Config, state: Path, etcd: str = "etcd") -> Plan:
+def plan(
+    args: argparse.Namespace, cfg: Config, state: Path, etcd: str = "etcd", cores: Sequence[int] | None = None
+) -> Plan:
     """Every child of ``motor up ARGS`` on ``cfg``, with state under ``state``; ``etcd`` is the
-    binary run under ``--ha``."""
+    binary run under ``--ha``. ``cores``: the CPU cores the engines share (default
+    ``nodemanager.cpu_cores``, else every core this process may run on)."""
     off = args.port_offset
     base = [sys.executable, "-m", "services.cli"]
     config = ["--config", args.config] if args.config else []
@@ -129,7 +136,7 @@ def plan(args: argparse.Namespace, cfg: Config, state: Path, etcd: str = "etcd")
         etcd_child,
         controllers,
         coordinator,
-        _nodemanagers(args, cfg, state, env, [*base, "nodemanager", *config], target),
+        _nodemanagers(args, cfg, state, env, [*base, "nodemanager", *config], target, cores),
         controller_addrs,
         coordinator_addr,
         endpoint,
@@ -170,7 +177,13 @@ def _coordinator_env(cfg: Config, target: str) -> dict[str, str]:
 
 
 def _nodemanagers(
-    args: argparse.Namespace, cfg: Config, state: Path, env: dict[str, str], argv: list[str], target: str
+    args: argparse.Namespace,
+    cfg: Config,
+    state: Path,
+    env: dict[str, str],
+    argv: list[str],
+    target: str,
+    cores: Sequence[int] | None,
 ) -> list[Child]:
     """One NodeManager per instance, in the order prefill, decode, union."""
     off, nm_cfg = args.port_offset, cfg.nodemanager
@@ -180,6 +193,8 @@ def _nodemanagers(
         nm_env["MOTOR_NODEMANAGER_PARALLEL"] = json.dumps(asdict(replace(nm_cfg.parallel, dp=dp)))
     engine_base = nm_cfg.ports[0] + off
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["union"] * args.union
+    machine = devices.node_cores(nm_cfg.cpu_cores if cores is None else cores)
+    node_cores = nodemanager_cores(machine, len(roles), dp)
     seen: dict[str, int] = {}
     nodes = []
     for i, role in enumerate(roles):
@@ -200,13 +215,17 @@ def _nodemanagers(
                 dict(
                     nm_env,
                     MOTOR_NODEMANAGER_CONTROLLER=target,
-                    MOTOR_NODEMANAGER_JOB_NAME=f"{args.model}-{role}-{n}",
+                    # A model given as a path names its job by its last component.
+                    MOTOR_NODEMANAGER_JOB_NAME=job_name_of(args.model, role, n),
                     MOTOR_NODEMANAGER_ROLE=role,
                     MOTOR_NODEMANAGER_MODEL=args.model,
                     MOTOR_NODEMANAGER_ENGINE_TYPE=args.engine_type,
                     MOTOR_NODEMANAGER_SIM_PROTOCOL=args.sim_protocol,
                     MOTOR_NODEMANAGER_PORTS=ports,
                     MOTOR_NODEMANAGER_STATE_DIR=str(state_dir),
+                    # Read on the CPU platform only (harmless elsewhere, so always set).
+                    MOTOR_NODEMANAGER_CPU_CORES=json.dumps(node_cores[i]),
+                    MOTOR_NODEMANAGER_UCX_PORT_RANGE=ucx_port_range(first, dp, len(roles) * dp, nm_cfg, off),
                     # Engine output is prefixed [engine-<k>] by the NodeManager itself.
                     MOTOR_UP_ENGINE_INDEX=str(first),
                 ),
@@ -214,3 +233,42 @@ def _nodemanagers(
             )
         )
     return nodes
+
+
+def nodemanager_cores(cores: Sequence[int], nodes: int, dp: int) -> list[list[int]]:
+    """The cores of each of ``nodes`` NodeManagers of ``dp`` engines: ``cores`` split over every
+    engine of the cluster in engine order (devices.split_cores: contiguous, round-robin when
+    there are fewer cores than engines), each NodeManager's engines' slices together, in order.
+    Each NodeManager splits its list between its engines the same way, so every engine gets
+    the slice this split gave it: without this, every NodeManager of one machine would bind its
+    engines to the same cores (they all default to the machine's)."""
+    slices = devices.split_cores(cores, nodes * dp)
+    out = []
+    for i in range(nodes):
+        mine = [c for s in slices[i * dp : (i + 1) * dp] for c in s]
+        out.append(list(dict.fromkeys(mine)))  # engines sharing a core: it is listed once
+    return out
+
+
+# Where the UCX listeners of `motor up`'s engines go (the transport of vLLM's NIXL connector):
+# 18000 + off is clear of every other port `motor up` gives (services, engines at 10000 + 2k
+# and their + 2000, + 4000, + 6000 ports) for the first thousand engines.
+UCX_PORTS_BASE = 18000
+UCX_PORTS_PER_WORKER = 16  # UCX takes 5 per vLLM worker process; the rest is headroom
+
+
+def ucx_port_range(first: int, dp: int, engines: int, nm_cfg: NodeManagerConfig, off: int) -> str:
+    """The UCX ports of the NodeManager running engines ``first`` .. ``first + dp - 1`` of
+    ``engines``: its engines' windows, which it splits back into the same ones
+    (launch.ucx_window). By default each engine's window is 16 ports per worker process
+    (tp * pp), engine k's from 18000 + k * width; a configured `nodemanager.ucx_port_range` is
+    the machine's, split evenly over every engine of the cluster. Both move with --port-offset."""
+    configured = parse_port_range(nm_cfg.ucx_port_range)
+    if configured is None:
+        width = UCX_PORTS_PER_WORKER * max(nm_cfg.parallel.tp, 1) * max(nm_cfg.parallel.pp, 1)
+        low = UCX_PORTS_BASE
+    else:
+        width = (configured[1] - configured[0] + 1) // max(engines, 1)
+        low = configured[0]
+    start = low + off + first * width
+    return f"{start}-{start + dp * width - 1}"

@@ -91,6 +91,27 @@ class ProcInfo:
     start_ticks: int
 
 
+def pin(pid: int, cores: Iterable[int]) -> bool:
+    """Confine every thread of ``pid`` to ``cores`` (Linux); the threads and processes it starts
+    later inherit that. Called right after a spawn, while the process is still starting, so no
+    thread escapes. False where affinity cannot be set (not Linux, the process gone, cores not
+    ours to give)."""
+    setaffinity = getattr(os, "sched_setaffinity", None)
+    if setaffinity is None:
+        return False
+    wanted = set(cores)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    try:
+        for tid in tids:
+            setaffinity(tid, wanted)
+    except OSError:
+        return False
+    return True
+
+
 def proc_info(pid: int) -> ProcInfo | None:
     """Fields of /proc/<pid>/stat (None when the process is gone or /proc is missing)."""
     try:

@@ -2,9 +2,15 @@
 
 Status: INITIAL until the process runs, WAIT_TO_START until ``/health`` answers 200 and
 ``/v1/models`` lists the model (probed every 0.1 s until then), then NORMAL. Headless engines
-have no HTTP server and are NORMAL while alive. ``max_probe_failures`` consecutive failures make
-an endpoint ABNORMAL, but only once it was NORMAL or its start-up window is over (a model may
-take minutes to load).
+have no HTTP server and are NORMAL while alive. Once an endpoint was NORMAL,
+``max_probe_failures`` consecutive failures make it ABNORMAL, and ``engine_hang_timeout_s`` of
+that gets it killed. Until it first is, failures do not count (a model may take minutes to load),
+but only within its start-up window (``engine_startup_timeout_s``): an engine not healthy by its
+end is killed the same way, with one warning quoting its last output lines. Either kill is then
+reported as a death, which the Controller answers with a relaunch.
+
+The engine's stdout and stderr always come through us (engine_output.py): on to our stdout, and
+the last lines kept for GetStatus.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from motor.v1 import common_pb2
 
 from services.common import enums, log, procgroup, tasks
 from services.common.config import NodeManagerConfig
-from services.nodemanager.engine_output import LINE_LIMIT, STDOUT, pump
+from services.nodemanager import devices, launch
+from services.nodemanager.engine_output import LINE_LIMIT, STDOUT, Tail, pump
 from services.nodemanager.launch import EndpointSpec, LaunchParams, kv_events_ports
 
 # How long a stopped engine's last lines may take to reach our stdout before we go on.
 _DRAIN_S = 1.0
 STARTUP_PROBE_S = 0.1
 _EXIT_POLL_S = 0.05
+# The start-up timeout's warning quotes the engine's last lines, this many characters at most.
+_WARN_OUTPUT_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,28 @@ class Engine:
         self._exited = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._pump: asyncio.Task[None] | None = None
+        self.tail = Tail()  # its last output lines (GetStatus, the start-up timeout's warning)
 
     # --- reporting ---------------------------------------------------------------------------
 
     def in_startup_window(self) -> bool:
         return not self.ever_normal and time.monotonic() - self.started_at < self.timing.startup_timeout_s
+
+    def startup_elapsed(self) -> float | None:
+        """Seconds since its process started, while it runs and has not been healthy yet."""
+        if not self.alive or self.status != enums.EP_WAIT:
+            return None
+        return time.monotonic() - self.started_at
+
+    def status_proto(self, status: enums.EndpointStatus | None = None) -> common_pb2.Endpoint:
+        """:meth:`to_proto` and what an operator needs while it starts (GetStatus only: the
+        elapsed time changes with every call and the lines are long; heartbeats stay small)."""
+        ep = self.to_proto(status)
+        elapsed = self.startup_elapsed()
+        if elapsed is not None and ep.status == enums.EP_WAIT:
+            ep.startup_elapsed.FromNanoseconds(int(elapsed * 1e9))
+        ep.last_output_lines.extend(self.tail.lines())
+        return ep
 
     def to_proto(self, status: enums.EndpointStatus | None = None) -> common_pb2.Endpoint:
         return common_pb2.Endpoint(
@@ -132,23 +158,26 @@ class Engine:
     # --- process -----------------------------------------------------------------------------
 
     async def spawn(self, argv: list[str], env: dict[str, str], log_prefix: bytes | None = None) -> int:
-        """Start the engine in a new session (its own process group). Its stdout/stderr are ours
-        (whoever runs us sees the engine's logs), or, with ``log_prefix``, piped through us with
-        every line prefixed (``motor up`` shows ``[engine-<k>] ``)."""
-        out = asyncio.subprocess.PIPE if log_prefix is not None else None
+        """Start the engine in a new session (its own process group). Its stdout and stderr are
+        piped through us to our stdout (whoever runs us sees the engine's logs), every line with
+        ``log_prefix`` when given (``motor up`` shows ``[engine-<k>] ``), and the last lines kept
+        in ``self.tail``."""
         proc = await asyncio.create_subprocess_exec(
             *argv,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT if out is not None else None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             limit=LINE_LIMIT,
         )
-        if log_prefix is not None and proc.stdout is not None:
+        if proc.stdout is not None:
             # Not in self._tasks: it drains to EOF even after the leader exits.
-            self._pump = tasks.start(f"engine-{self.spec.id}-log", pump(proc.stdout, log_prefix, STDOUT))
+            self._pump = tasks.start(
+                f"engine-{self.spec.id}-log", pump(proc.stdout, log_prefix or b"", STDOUT, self.tail)
+            )
         self.reaper.watch(proc.pid)
+        self._pin(proc.pid)
         self._proc = proc
         self.pid = self.last_pid = proc.pid
         self.alive = True
@@ -163,6 +192,16 @@ class Engine:
             self._set(enums.EP_WAIT)
             self._tasks.append(tasks.spawn(f"engine-{self.spec.id}-probe", self._probe_loop))
         return proc.pid
+
+    def _pin(self, pid: int) -> None:
+        """CPU platform: the whole engine, every thread and process it starts, on its own cores.
+        The OpenMP binding variable places only the compute threads; the rest (vLLM's API server
+        and EngineCore, NIXL's progress thread, which polls without sleeping) would otherwise
+        run anywhere, and on a small machine they starved the engines they shared cores with:
+        a six-token request took 25 s instead of 0.3 s with three engines on two cores."""
+        cores = launch.pinned_cores(self.params, self.spec)
+        if cores and not procgroup.pin(pid, cores):
+            log.warn("engine_not_pinned", endpoint_id=self.spec.id, pid=pid, cores=devices.cpuset(cores))
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         rc = await _leader_exit(proc)
@@ -241,20 +280,41 @@ class Engine:
             self.abnormal_since = None
             self._set(enums.EP_NORMAL)
             return
-        if not (self.ever_normal or now - self.started_at >= self.timing.startup_timeout_s):
+        if self._hung:
+            return  # being killed already: its exit watcher reports it
+        if not self.ever_normal:
+            waited = now - self.started_at
+            if waited >= self.timing.startup_timeout_s:
+                self._startup_timed_out(waited, why)
             return  # still loading: failures do not count in the start-up window
         self.failures += 1
         if self.status != enums.EP_ABNORMAL:
             if self.failures >= self.timing.max_failures:
                 self.abnormal_since = now
                 self._set(enums.EP_ABNORMAL)
-                if self.ever_normal:
-                    self.hooks.engine_unhealthy(self, why)
+                self.hooks.engine_unhealthy(self, why)
             return
         since = self.abnormal_since or now
-        if self.ever_normal and now - since >= self.timing.hang_timeout_s:
+        if now - since >= self.timing.hang_timeout_s:
             log.error("engine_hung", endpoint_id=self.spec.id, pid=self.pid, abnormal_s=round(now - since, 1))
             self.kill_now(f"hung: ABNORMAL for {now - since:.0f}s ({why})")
+
+    def _startup_timed_out(self, waited: float, why: str) -> None:
+        """Never healthy within its start-up window: a real engine stuck loading (or waiting for
+        a peer that never comes) does not recover by itself. Killed like a hung one, so its
+        death report makes the Controller relaunch it; the one warning says what it last wrote."""
+        last = "\n".join(self.tail.lines())[-_WARN_OUTPUT_CHARS:]
+        log.warn(
+            "engine_startup_timeout",
+            endpoint_id=self.spec.id,
+            port=self.spec.port,
+            pid=self.pid,
+            waited_s=round(waited, 1),
+            timeout_s=self.timing.startup_timeout_s,
+            probe=why,
+            last_output=last,
+        )
+        self.kill_now(f"not healthy within {self.timing.startup_timeout_s:g}s of start-up ({why})")
 
     async def _probe(self) -> tuple[bool, str]:
         host = self.spec.host

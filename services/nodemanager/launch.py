@@ -20,7 +20,8 @@ from motor.v1 import nodemanager_pb2
 
 from services.common import enums, telemetry
 from services.common.config import EngineConfig, NodeManagerConfig
-from services.nodemanager import kv_events
+from services.common.config.checks import parse_port_range
+from services.nodemanager import devices, kv_events
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Ports an engine uses besides its business port P (see docs/operations.md, "Ports"): P + 1 is
@@ -34,6 +35,12 @@ RENDEZVOUS_OFFSET = 6000  # torch.distributed rendezvous of a multi-node instanc
 KV_EVENTS_OFFSET = 2000
 # An engine's service.name in its spans (unless OTEL_SERVICE_NAME says otherwise): <this>-<role>.
 TRACE_SERVICE_NAMES = {"vllm": "vllm", "sglang": "sglang", "sim": "motor-sim"}
+# CPU platform: where each engine reads the cores its OpenMP threads bind to (the simulated
+# engine takes vLLM's and ignores it), and vLLM's KV cache size in GiB.
+VLLM_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+SGLANG_CPU_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+VLLM_CPU_KVCACHE = "VLLM_CPU_KVCACHE_SPACE"
+UCX_PORTS = "UCX_TCP_PORT_RANGE"
 
 
 class LaunchError(Exception):
@@ -78,10 +85,17 @@ class LaunchParams:
     heads: tuple[Head, ...] = ()
     sim_protocol: str = "vllm"
     kv_connector: str = "NixlConnector"
+    # engine.kv_transfer_config: more --kv-transfer-config fields (never kv_role or engine_id).
+    kv_transfer: Mapping[str, Any] = field(default_factory=dict)
     dp_group: bool = True  # vLLM: the ranks form one data-parallel group
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
-    device_env: str = "CUDA_VISIBLE_DEVICES"
+    device_env: str = "CUDA_VISIBLE_DEVICES"  # or devices.CPU: the CPU platform
+    # CPU platform: the cores this node's engines share, in the order they are split.
+    cpu_cores: tuple[int, ...] = ()
+    cpu_kvcache_space_gib: int = 0  # vLLM: VLLM_CPU_KVCACHE_SPACE; 0 = not set
+    # nodemanager.ucx_port_range: (low, high) of the node's engines' UCX listeners; None = unset.
+    ucx_ports: tuple[int, int] | None = None
     # The NodeManager's OTLP endpoint: the engines export their request spans there ("" = off).
     otlp_traces_endpoint: str = ""
 
@@ -93,6 +107,10 @@ class LaunchParams:
     @property
     def disaggregated(self) -> bool:
         return self.role in KV_ROLES
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device_env == devices.CPU
 
 
 def pd_protocol(engine_type: str, sim_protocol: str) -> enums.PdProtocol:
@@ -108,6 +126,8 @@ def params_for(
 ) -> LaunchParams:
     """What a start command means on this node (``device_env`` already resolved from auto)."""
     par = nm.parallel
+    # Asked here, not at start-up only: cheap (one syscall), and it follows a changed affinity.
+    cores = devices.node_cores(nm.cpu_cores) if device_env == devices.CPU else ()
     heads = req.heads or sorted((e for e in req.endpoints if not e.headless), key=lambda e: e.id)
     return LaunchParams(
         engine_type=nm.engine_type,
@@ -123,10 +143,14 @@ def params_for(
         heads=tuple(Head(h.host, h.port) for h in heads),
         sim_protocol=nm.sim_protocol,
         kv_connector=engine.kv_connector,
+        kv_transfer=dict(engine.kv_transfer_config),
         dp_group=engine.data_parallel_group,
         args=dict(engine.args),
         env=dict(engine.env),
         device_env=device_env,
+        cpu_cores=cores,
+        cpu_kvcache_space_gib=engine.cpu_kvcache_space_gib,
+        ucx_ports=parse_port_range(nm.ucx_port_range),
         otlp_traces_endpoint=telemetry.endpoint(),
     )
 
@@ -239,14 +263,16 @@ def _scalar(value: Any) -> str:
 
 
 def kv_transfer_config(params: LaunchParams) -> str:
-    return json.dumps(
-        {
-            "kv_connector": params.kv_connector,
-            "kv_role": KV_ROLES[params.role],
-            "engine_id": str(params.instance_id),
-        },
-        separators=(",", ":"),
-    )
+    """Motor's fields, then engine.kv_transfer_config's sorted by key (so the flag is the same
+    whatever order the configuration wrote them in). Its ``kv_connector`` replaces ours in
+    place; the config check refuses ``kv_role`` and ``engine_id``, which stay ours anyway."""
+    theirs = {k: params.kv_transfer[k] for k in sorted(params.kv_transfer)}
+    ours = {
+        "kv_connector": theirs.pop("kv_connector", params.kv_connector),
+        "kv_role": KV_ROLES[params.role],
+        "engine_id": str(params.instance_id),
+    }
+    return json.dumps(ours | {k: v for k, v in theirs.items() if k not in ours}, separators=(",", ":"))
 
 
 def _serving(params: LaunchParams, ep: EndpointSpec) -> list[str]:
@@ -292,7 +318,8 @@ def _vllm_flags(params: LaunchParams, ep: EndpointSpec) -> list[str]:
         ]
     if ep.headless:
         flags.append("--headless")
-    if params.disaggregated:
+    # An operator's own kv_transfer_config in engine.args replaces ours (one flag, not two).
+    if params.disaggregated and "kv_transfer_config" not in params.args:
         flags += ["--kv-transfer-config", kv_transfer_config(params)]
     return flags
 
@@ -324,6 +351,9 @@ def _sglang_args(params: LaunchParams, ep: EndpointSpec) -> list[str]:
             "--disaggregation-bootstrap-port",
             str(own_head.port + 1),
         ]
+    # Without an accelerator SGLang stops at start-up unless told its device.
+    if params.on_cpu and "device" not in params.args:
+        args += ["--device", "cpu"]
     return args
 
 
@@ -363,8 +393,8 @@ def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
 def build_env(
     params: LaunchParams, ep: EndpointSpec, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The engine's environment: ours, then ``engine.env``, the device slice, VLLM_HOST_IP and
-    (vLLM) the NIXL side channel.
+    """The engine's environment: ours, then ``engine.env``, the device slice (or on the CPU
+    platform its cores), VLLM_HOST_IP and (vLLM) the NIXL side channel.
 
     vLLM's NIXL connector listens on VLLM_NIXL_SIDE_CHANNEL_PORT + its DP rank and tells the
     other side to pull KV from VLLM_NIXL_SIDE_CHANNEL_HOST; the default (localhost:5600) would
@@ -372,10 +402,17 @@ def build_env(
     the rank makes the port vLLM listens on exactly :func:`side_channel_port`."""
     env = dict(os.environ if base is None else base)
     env.update(params.env)
-    if ep.device_ids:
+    if params.on_cpu:
+        _bind_cores(params, ep, env)
+    elif ep.device_ids:
         env[params.device_env] = ",".join(str(d) for d in ep.device_ids)
     else:
         env.pop(params.device_env, None)
+    if params.cpu_kvcache_space_gib and params.engine_type != "sglang" and VLLM_CPU_KVCACHE not in params.env:
+        env[VLLM_CPU_KVCACHE] = str(params.cpu_kvcache_space_gib)
+    window = ucx_window(params, ep)
+    if window and UCX_PORTS not in params.env:
+        env[UCX_PORTS] = window
     env["VLLM_HOST_IP"] = ep.host
     if not params.sglang_style:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ep.host
@@ -386,6 +423,67 @@ def build_env(
     if params.otlp_traces_endpoint:
         _name_in_traces(params, ep, env)
     return env
+
+
+def engine_cores(params: LaunchParams, ep: EndpointSpec) -> tuple[int, ...]:
+    """CPU platform: the cores of this endpoint's engine, its slice of the node's cores by its
+    place among the node's endpoints (its DP rank; the node runs one engine per rank)."""
+    slices = devices.split_cores(params.cpu_cores, params.dp)
+    return slices[dp_rank(params, ep) % len(slices)] if slices else ()
+
+
+def cpu_bind(params: LaunchParams, ep: EndpointSpec) -> str:
+    """The engine's OpenMP core binding ("" = none): its cores as a cpuset (``0-3``) when it
+    runs one worker. vLLM and SGLang read one entry per worker, separated by ``|`` and indexed
+    by the worker's rank (vLLM: tp * pp entries; SGLang: tp), so a larger engine's cores are
+    split between the workers on this node, and a rank on another node of a multi-node engine
+    finds its share at its index modulo the workers per node."""
+    cores = engine_cores(params, ep)
+    if not cores:
+        return ""
+    workers = params.tp * params.pp
+    local = max(1, workers // params.nnodes)
+    entries = workers
+    if params.engine_type == "sglang":
+        entries, local = params.tp, min(local, params.tp)
+    shares = devices.split_cores(cores, local)
+    return "|".join(devices.cpuset(shares[i % local]) for i in range(entries))
+
+
+def ucx_window(params: LaunchParams, ep: EndpointSpec) -> str:
+    """The engine's ``UCX_TCP_PORT_RANGE`` ("" = none): its equal share of the node's
+    ``ucx_port_range`` by its place among the node's endpoints (its DP rank), so no two
+    engines of a node share a port. A range narrower than the node's engines gives none."""
+    if params.ucx_ports is None:
+        return ""
+    low, high = params.ucx_ports
+    width = (high - low + 1) // max(params.dp, 1)
+    if width < 1:
+        return ""
+    start = low + dp_rank(params, ep) % max(params.dp, 1) * width
+    return f"{start}-{start + width - 1}"
+
+
+def pinned_cores(params: LaunchParams, ep: EndpointSpec) -> tuple[int, ...]:
+    """CPU platform: the cores the NodeManager confines the whole engine process group to (its
+    slice); none off the CPU platform or when the operator binds the engine's threads
+    themselves (their binding variable in engine.env), whose choice is theirs."""
+    if not params.on_cpu:
+        return ()
+    var = SGLANG_CPU_BIND if params.engine_type == "sglang" else VLLM_CPU_BIND
+    return () if var in params.env else engine_cores(params, ep)
+
+
+def _bind_cores(params: LaunchParams, ep: EndpointSpec, env: dict[str, str]) -> None:
+    """CPU platform: no device variable (a CPU build must not see a stale CUDA one) and the
+    engine's own cores; an engine.env binding of the operator's is kept (``auto`` is vLLM's
+    NUMA-based choice, the same cores for every engine of a host: the second one then hangs
+    in start-up, which is why Motor binds)."""
+    env.pop(devices.CUDA, None)
+    var = SGLANG_CPU_BIND if params.engine_type == "sglang" else VLLM_CPU_BIND
+    bind = cpu_bind(params, ep)
+    if bind and var not in params.env:
+        env[var] = bind
 
 
 def _name_in_traces(params: LaunchParams, ep: EndpointSpec, env: dict[str, str]) -> None:

@@ -13,7 +13,7 @@ import asyncio
 from motor.v1 import nodemanager_pb2
 
 from services.common import log, procgroup, tasks
-from services.common.config import Config
+from services.common.config import Config, NodeManagerConfig
 from services.common.metrics_http import MetricsServer
 from services.common.server import MotorServer
 from services.common.service_main import service_main
@@ -56,6 +56,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     # A look at /dev and PATH: off the loop, once, before any engine starts.
     sup.device_env, why = await asyncio.to_thread(devices.resolve, c.device_env)
     log.event("device_env", variable=sup.device_env, configured=c.device_env, reason=why)
+    if sup.device_env == devices.CPU:
+        log_cpu_cores(c)
     servicer = NodeManagerService(sup, request_exit)
     server = MotorServer(
         "nodemanager",
@@ -122,6 +124,14 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     if link is not None:
         await link.close()
     return rc
+
+
+def log_cpu_cores(c: NodeManagerConfig) -> None:
+    """CPU platform: the cores this node's engines share, and each engine's (by DP rank; the
+    launch binds them so, see launch.cpu_bind), ``;`` between engines: ``engines=0-1;2-3``."""
+    cores = devices.node_cores(c.cpu_cores)
+    engines = ";".join(devices.cpuset(s) for s in devices.split_cores(cores, c.parallel.dp))
+    log.event("cpu_cores", cores=devices.cpuset(cores), configured=bool(c.cpu_cores), engines=engines)
 
 
 def main(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from google.rpc import error_details_pb2
 from motor.v1 import common_pb2, nodemanager_pb2
 
 from services.common import errors
+from services.nodemanager import devices
 from tests.nodemanager.conftest import nm_config
 from tests.poll import until
 from tests.ports import port_free, reserved_pair
@@ -157,8 +158,11 @@ async def test_headless_endpoint_is_normal_while_alive(tmp_path: Path, start_nm)
     assert strict.ready and relaxed.ready
     line = await nm.wait_line("service=engine-sim event=headless")  # the engine was told --headless
     assert line.startswith("[engine-3] ts=")
-    # No accelerator here: device_env "auto" chose CUDA's variable, and said so once.
-    await nm.wait_line("event=device_env variable=CUDA_VISIBLE_DEVICES configured=auto")
+    # No accelerator here: device_env "auto" chose the CPU platform, and said so once, with the
+    # cores its engines share (all this process may run on: nothing configured).
+    await nm.wait_line("event=device_env variable=cpu configured=auto")
+    cores = devices.cpuset(devices.available_cores())
+    await nm.wait_line(f"event=cpu_cores cores={cores} configured=false engines={cores}")
 
 
 async def test_leader_death_seen_while_a_group_member_holds_the_log_pipe(tmp_path: Path, start_nm) -> None:

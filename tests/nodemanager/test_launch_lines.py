@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from motor.v1 import common_pb2
 
 from tests.nodemanager.conftest import nm_config
@@ -148,3 +149,83 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
     (ep,) = status.endpoints
     assert (ep.port, ep.bootstrap_port) == (port, port + 1)
     assert (ep.kv_events_port, ep.kv_events_replay_port) == (plus(port, 2000), plus(port, 2001))
+
+
+async def test_vllm_on_the_cpu_platform(tmp_path: Path, start_nm) -> None:
+    # Each engine binds its own cores; the cores, the KV cache size and the connector's extra
+    # fields reach the engine as a real vLLM CPU build would read them.
+    write_vllm(tmp_path / "bin")
+    rec_dir = tmp_path / "records"
+    rec_dir.mkdir()
+    ports = [reserved_pair(), reserved_pair()]
+    cfg = nm_config(
+        tmp_path,
+        ports,
+        role="prefill",
+        engine_type="vllm",
+        model="/models/m1",
+        served_model_name="",
+        device_env="cpu",
+        cpu_cores="2-5",
+        engine={"kv_transfer_config": {"kv_buffer_device": "cpu"}, "cpu_kvcache_space_gib": 6},
+    )
+    env = {
+        "STANDIN_RECORDS": str(rec_dir),
+        "PATH": prepend_path(tmp_path / "bin", os.environ.get("PATH")),
+        "CUDA_VISIBLE_DEVICES": "0",  # stale: a CPU build must not see it
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",  # every engine of the host on the same cores: replaced
+    }
+    nm = await start_nm(cfg, env=env)
+    await nm.wait_line("event=cpu_cores cores=2-5 configured=true engines=2-3;4-5")
+    endpoints = [common_pb2.Endpoint(id=i, host="127.0.0.1", port=p) for i, p in enumerate(ports)]
+    pids = [e.pid for e in (await nm.start_engines(instance_id=31, endpoints=endpoints)).endpoints]
+    status = await nm.wait_ready()
+    got = await until(lambda: len(list(rec_dir.glob("*.json"))) == 2 and read_records(rec_dir), 10)
+    recs = [got[p] for p in pids]
+    assert [r["env"]["VLLM_CPU_OMP_THREADS_BIND"] for r in recs] == ["2-3", "4-5"]
+    for rec in recs:
+        assert "CUDA_VISIBLE_DEVICES" not in rec["env"]
+        assert rec["env"]["VLLM_CPU_KVCACHE_SPACE"] == "6"
+        argv = rec["argv"]
+        assert argv[argv.index("--served-model-name") + 1] == "/models/m1"
+        assert argv.count("--kv-transfer-config") == 1
+        assert argv[argv.index("--kv-transfer-config") + 1] == (
+            '{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"31","kv_buffer_device":"cpu"}'
+        )
+    assert [list(e.device_ids) for e in status.endpoints] == [[], []]  # cores are not devices
+
+
+def _allowed_cores(pid: int) -> str:
+    """The cores a process may run on, as the kernel lists them (``0-1``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+@pytest.mark.skipif(
+    len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs two cores to give out"
+)
+async def test_each_cpu_engine_runs_whole_on_its_own_cores(tmp_path: Path, start_nm) -> None:
+    # Not only the OpenMP threads the binding variable places: every thread and child process
+    # of the engine (what NIXL and vLLM's own processes start) is confined to its slice.
+    write_vllm(tmp_path / "bin")
+    rec_dir = tmp_path / "records"
+    rec_dir.mkdir()
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    ports = [reserved_pair(), reserved_pair()]
+    cfg = nm_config(
+        tmp_path,
+        ports,
+        role="decode",
+        engine_type="vllm",
+        model="m",
+        device_env="cpu",
+        cpu_cores=[first, second],
+    )
+    env = {"STANDIN_RECORDS": str(rec_dir), "PATH": prepend_path(tmp_path / "bin", os.environ.get("PATH"))}
+    nm = await start_nm(cfg, env=env)
+    endpoints = [common_pb2.Endpoint(id=i, host="127.0.0.1", port=p) for i, p in enumerate(ports)]
+    pids = [e.pid for e in (await nm.start_engines(instance_id=32, endpoints=endpoints)).endpoints]
+    await nm.wait_ready()
+    assert [_allowed_cores(p) for p in pids] == [str(first), str(second)]

@@ -325,3 +325,110 @@ STORE = choice("sqlite", "etcd")
 HOST = text(r"\S+", "a host name or address")
 URL = text(r"(?:https?://\S+)?", 'an http:// or https:// URL or ""')
 VARIABLE = text(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name", "an environment variable name")
+# nodemanager.device_env: "cpu" is the CPU platform, not a variable (no engine reads one so named).
+DEVICE_ENV = text(
+    r"[A-Za-z_][A-Za-z0-9_]*", "a variable name", "`auto`, `cpu`, or an environment variable name"
+)
+# Core numbers far beyond any machine (Linux builds for at most 8192): a typo, not a core.
+MAX_CORE = 65535
+_CPUSET_PART = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")
+
+
+def parse_cpuset(text: str) -> list[int]:
+    """The cores of a cpuset list (``0-3,6``), in the order written; ValueError says what is
+    wrong. "" is no core."""
+    cores: list[int] = []
+    for part in text.split(",") if text.strip() else []:
+        match = _CPUSET_PART.fullmatch(part.strip())
+        if not match:
+            raise ValueError(f'expected a cpuset such as "0-3,6", got {short(text)}')
+        lo = int(match.group(1))
+        hi = int(match.group(2) or lo)
+        if hi < lo or hi > MAX_CORE:
+            raise ValueError(f"core range {short(part.strip())} must run upwards from 0 to {MAX_CORE}")
+        cores += range(lo, hi + 1)
+    return cores
+
+
+def _cpu_cores(value: Any) -> Result:
+    # A string is a cpuset ("0-3,6", also what MOTOR_NODEMANAGER_CPU_CORES=0-3 gives), a lone
+    # integer one core (MOTOR_NODEMANAGER_CPU_CORES=3 parses as JSON 3). Stored as the list.
+    if isinstance(value, str):
+        try:
+            cores = parse_cpuset(value)
+        except ValueError as exc:
+            return value, [("", str(exc))]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        cores = [value]
+    elif isinstance(value, list):
+        cores = value
+    else:
+        return _expected('an array of core numbers or a cpuset string such as "0-3,6"', value)
+    for i, core in enumerate(cores):
+        problems = integer(0, MAX_CORE)(core)[1]
+        if problems:
+            return value, [(f"[{i}]" if isinstance(value, list) else "", problems[0][1])]
+    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    if repeated:
+        return value, [("", f"must name each core once, got {', '.join(map(str, repeated[:5]))} again")]
+    return list(cores), []
+
+
+CPU_CORES = Check(
+    f'array of distinct core numbers (0 to {MAX_CORE}) or a cpuset string such as "0-3,6"',
+    _cpu_cores,
+)
+# engine.kv_transfer_config: fields Motor sets per engine and nobody may override.
+KV_TRANSFER_OWN = {
+    "kv_role": "set by Motor from the node's role (kv_producer for prefill, kv_consumer for decode)",
+    "engine_id": "set by Motor to the instance id (the same on every engine of an instance)",
+}
+
+
+def _kv_transfer_config(value: Any) -> Result:
+    # Passed to vLLM as JSON inside one argv element: keys and strings must not hold a NUL.
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    for key, item in value.items():
+        if key in KV_TRANSFER_OWN:
+            return value, [(f".{key}", f"{KV_TRANSFER_OWN[key]}; remove it")]
+        if not isinstance(key, str) or not key or "\0" in key:
+            return value, [("", f"field names must be non-empty and without NUL, got {short(key)}")]
+        if _holds_nul(item):
+            return value, [(f".{display_name(key)}", _NUL)]
+    connector = value.get("kv_connector")
+    if "kv_connector" in value and (not isinstance(connector, str) or not connector):
+        return value, [(".kv_connector", f"expected a non-empty string, got {describe(connector)}")]
+    return value, []
+
+
+KV_TRANSFER_CONFIG = Check(
+    "object (any JSON values but kv_role and engine_id)",
+    _kv_transfer_config,
+)
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """``LOW-HIGH`` as (LOW, HIGH); None for ""; ValueError says what is wrong."""
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d{1,5})-(\d{1,5})", text)
+    if not match:
+        raise ValueError(f'expected "LOW-HIGH" such as "18000-18063" or "", got {short(text)}')
+    lo, hi = int(match.group(1)), int(match.group(2))
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"ports must run upwards from 1 to 65535, got {short(text)}")
+    return lo, hi
+
+
+def _port_range(value: Any) -> Result:
+    if not isinstance(value, str):
+        return _expected('string "LOW-HIGH" or ""', value)
+    try:
+        parse_port_range(value)
+    except ValueError as exc:
+        return value, [("", str(exc))]
+    return value, []
+
+
+PORT_RANGE = Check('"LOW-HIGH" (1 to 65535) or ""', _port_range)

@@ -300,11 +300,31 @@ class NodeManagerConfig(ServerConfig):
     65535 is subtracted instead."""
     device_count: int = setting(0, c.integer(0, 4096))
     """Accelerators on this node, split evenly between its engines."""
-    device_env: str = setting("auto", c.VARIABLE)
-    """Environment variable that gives each engine its slice of devices. `auto`: chosen at
-    start-up, `CUDA_VISIBLE_DEVICES` when `nvidia-smi` is on PATH or `/dev/nvidia0` exists,
-    `ASCEND_RT_VISIBLE_DEVICES` when `/dev/davinci<N>` exists, else `CUDA_VISIBLE_DEVICES`
-    (logged as `event=device_env`)."""
+    device_env: str = setting("auto", c.DEVICE_ENV)
+    """Environment variable that gives each engine its slice of devices, or `cpu`: the CPU
+    platform, where each engine gets its own share of `cpu_cores` instead (and no device
+    variable). `auto`: chosen at start-up, `CUDA_VISIBLE_DEVICES` when `nvidia-smi` is on PATH
+    or `/dev/nvidia0` exists, `ASCEND_RT_VISIBLE_DEVICES` when `/dev/davinci<N>` exists, else
+    `cpu` (logged as `event=device_env`)."""
+    cpu_cores: tuple[int, ...] = setting((), c.CPU_CORES)
+    """CPU platform: the cores this node's engines may use, in order (`[0, 1, 2, 3]` or
+    `"0-3"`); empty = every core the NodeManager may run on (its affinity). They are split
+    into contiguous, equal slices (the first ones one core larger when it does not divide), one
+    per engine in endpoint id order; with fewer cores than engines, each engine gets one core
+    and they share them round-robin. An engine's slice goes to vLLM as
+    `VLLM_CPU_OMP_THREADS_BIND` and to SGLang as `SGLANG_CPU_OMP_THREADS_BIND` (split further
+    between its tensor/pipeline-parallel workers); logged as `event=cpu_cores`. `motor up` sets
+    it for each NodeManager to its engines' share of the machine."""
+    ucx_port_range: str = setting("", c.PORT_RANGE)
+    """TCP ports the UCX listeners of this node's engines (the transport of vLLM's NIXL KV
+    connector) may take, `"LOW-HIGH"`: split into equal windows, one per engine in endpoint id
+    order, each passed as `UCX_TCP_PORT_RANGE`, so engines never take each other's or Motor's
+    ports and a firewall can open exactly these. "" = none set (the kernel picks free ones).
+    UCX takes one port per worker thread per network device (vLLM's NIXL: 5 per worker process)
+    and waits for a free one for as long as it takes, so leave room. `motor up` gives engine k
+    the 16 * tp * pp ports from 18000 + k * 16 * tp * pp, or, when this is set, splits it over
+    every engine of the cluster (both moved by --port-offset). An engine.env
+    `UCX_TCP_PORT_RANGE` is kept."""
     node_rank: int = setting(0, c.integer(0, 1_000_000))
     """This node's rank in a multi-node instance (0 .. nnodes-1); rank 0 serves requests, the
     others run headless."""
@@ -323,7 +343,9 @@ class NodeManagerConfig(ServerConfig):
     max_probe_failures: int = setting(2, c.COUNT)
     """Consecutive failed probes after which a once-healthy engine is ABNORMAL."""
     engine_startup_timeout_s: float = setting(1800, c.DURATION)
-    """Start-up window: probe failures do not count while a model loads."""
+    """Start-up window: probe failures do not count while a model loads. An engine not healthy by
+    its end is named in one `engine_startup_timeout` warning (pid, seconds waited, its last
+    output lines), killed and reported dead, so the Controller relaunches it like a hung one."""
     engine_hang_timeout_s: float = setting(30, c.DURATION)
     """An engine ABNORMAL this long is killed and reported dead."""
     engine_stop_grace_s: float = setting(10, c.seconds(0, c.WEEK))  # 0: kill at once
@@ -351,11 +373,28 @@ class EngineConfig(ServerConfig):
     args: Mapping[str, Any] = setting({}, c.JSON_OBJECT)
     """Extra engine flags, sorted by key: `"max_model_len": 4096` → `--max-model-len 4096`;
     true → a bare flag; false/null → omitted; a list repeats the flag; an object is passed as
-    compact JSON."""
+    compact JSON. A `kv_transfer_config` or `kv_events_config` here replaces Motor's flag whole
+    (its `kv_role` and `engine_id` are then yours to set); `kv_transfer_config` below adds
+    fields to Motor's instead."""
     kv_connector: str = setting("NixlConnector", c.NONEMPTY)
-    """vLLM KV connector named in `--kv-transfer-config` of prefill and decode engines."""
+    """vLLM KV connector named in `--kv-transfer-config` of prefill and decode engines (unless
+    `kv_transfer_config` names one)."""
+    kv_transfer_config: Mapping[str, Any] = setting({}, c.KV_TRANSFER_CONFIG)
+    """vLLM: more fields of the `--kv-transfer-config` of prefill and decode engines, added to
+    Motor's `kv_connector`, `kv_role` and `engine_id` after them (sorted by key; objects inside
+    are passed as written): `{"kv_buffer_device": "cpu"}`,
+    `{"kv_connector_extra_config": {…}}`. A `kv_connector` here wins over the key above (a
+    `MultiConnector` with its `connectors` in `kv_connector_extra_config`); `kv_role` and
+    `engine_id` are Motor's and refused. SGLang engines do not take this flag."""
     env: Mapping[str, str] = setting({}, c.ENVIRONMENT)
-    """Extra environment variables of every engine (values are never logged)."""
+    """Extra environment variables of every engine (values are never logged). Motor's own
+    variables are set after these, except `VLLM_CPU_OMP_THREADS_BIND`,
+    `SGLANG_CPU_OMP_THREADS_BIND` and `VLLM_CPU_KVCACHE_SPACE`: set here, they are kept."""
+    cpu_kvcache_space_gib: int = setting(0, c.integer(0, 1 << 20))
+    """vLLM CPU builds: GiB of memory for each engine's KV cache, passed to every vLLM engine
+    as `VLLM_CPU_KVCACHE_SPACE` (other builds ignore it); 0 = not set (vLLM's default, 4 GiB).
+    SGLang has no such variable: it sizes its cache from `mem_fraction_static` or
+    `max_total_tokens` in `args`."""
     data_parallel_group: bool = setting(True, c.BOOLEAN)
     """vLLM: the DP ranks of an instance form one vLLM data-parallel group (a shared DP master,
     `--data-parallel-rank`), which mixture-of-experts models need. false: every rank is an
