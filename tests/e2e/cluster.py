@@ -46,7 +46,8 @@ class Cluster:
     ports, moved by --port-offset, so it cannot take port 0). ``nodes`` (NodeManagers) and ``dp``
     (engines of each) must match what ``args`` ask for: they are not parsed here. ``env`` is added
     to the environment of ``motor up``, which every component and engine inherits (PATH,
-    PYTHONPATH). ``ha``: ``motor up --ha`` (etcd and two Controllers)."""
+    PYTHONPATH). ``ha``: ``motor up --ha`` (etcd and two Controllers). ``extra_ports``: more
+    default ports to keep free at the same offset (a real engine's side channel, say)."""
 
     def __init__(
         self,
@@ -56,9 +57,10 @@ class Cluster:
         dp: int = 1,
         env: dict[str, str] | None = None,
         ha: bool = False,
+        extra_ports: list[int] | None = None,
     ) -> None:
         self.nodes, self.dp = nodes, dp
-        self.ports = reserve(up_ports(nodes, dp, ha))
+        self.ports = reserve(up_ports(nodes, dp, ha) + (extra_ports or []))
         self.off = self.ports.shift
         self.state = tmp / "state"
         ha_args = ["--ha"] if ha else []

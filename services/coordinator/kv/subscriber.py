@@ -232,20 +232,21 @@ class Subscription(Generic[K]):
         truncated = False
         while True:
             frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)
-            seq = _seq(frames[1]) if len(frames) == 3 else None
-            if seq is None:
+            parts = _replayed(frames)
+            seq = _seq(parts[0]) if parts is not None else None
+            if parts is None or seq is None:
                 self._unreadable(f"a replay message of {len(frames)} frames")
                 self._close_dealer()  # the rest of this answer would be read as the next one
                 truncated = True
                 break
-            if frames[1] == wire.SEQ_END:
+            if parts[0] == wire.SEQ_END:
                 break
             if seq <= self.last_seq:
                 continue
             if seq > self.last_seq + 1:
                 truncated = True  # the engine's buffer no longer reaches back to it
                 self._lose("gap")
-            self._deliver(seq, frames[2])
+            self._deliver(seq, parts[1])
             await self._breathe()
         if need is not None and self.last_seq < need:
             truncated = True
@@ -262,3 +263,14 @@ class Subscription(Generic[K]):
         if self._dealer is not None:
             self._dealer.close(linger=0)
             self._dealer = None
+
+
+def _replayed(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """(sequence number, payload) of one replay answer, as a DEALER receives it: vLLM releases
+    differ in whether the topic is repeated before the number (``["", topic, seq, payload]``,
+    vLLM 0.32's CPU build among them, or ``["", seq, payload]``); None for anything else."""
+    if len(frames) == 4 and not frames[0]:
+        return frames[2], frames[3]
+    if len(frames) == 3 and not frames[0]:
+        return frames[1], frames[2]
+    return None

@@ -1,0 +1,129 @@
+"""KV-aware routing on real engines: two real vLLM engines publishing their own KV cache events
+(ZMQ, BlockStored with token ids), the Coordinator tokenizing prompts with the real Llama 3
+tokenizer and chat template.
+
+`motor up --engine-type vllm --model <tiny model path> --union 2` with ``decode_policy =
+kv_aware`` (the policy that chooses union instances): each request goes whole to the engine the
+index its events feed chooses. Not two prefill engines and a decode engine: three vLLM engines
+with NIXL on this machine's two cores do not work, because NIXL keeps one core busy per engine
+polling for transfers (the decode engine's first pull then stalled until its health probes
+failed), and a Coordinator with prefill instances only is not routable. The prefill side of
+`kv_aware` reads the same index through the same code; test_vllm_pd.py tests the hand-off.
+Precision sampling runs here too: its shadow requests go to a real engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.metrics import scrape
+from tests.poll import wait_until
+from tests.real.engines import TINY_MODEL, RealCluster, chat, client, unavailable, unique
+
+WHY = unavailable()
+pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(WHY), reason=WHY), pytest.mark.timeout(600)]
+
+MODEL = str(TINY_MODEL)
+ENGINES = (0, 1)
+START_S = 420.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    c = RealCluster(
+        tmp_path_factory.mktemp("real-kv"),
+        prefill=0,
+        decode=0,
+        union=2,
+        decode_policy="kv_aware",
+        precision_check_enabled=True,
+        precision_interval_s=1,
+        # The tiny model's answers are noise: samples are judged, but never raise an alarm that
+        # would take an instance out of routing.
+        precision_issue_threshold=1_000_000,
+    )
+    try:
+        c.wait_ready(START_S)
+        c.wait_all_active(START_S)
+        yield c
+    finally:
+        c.cleanup()
+        c.keep_log()
+
+
+def long_chat(seed: str) -> list[Any]:
+    """A conversation whose system prompt runs to many KV blocks (hundreds of tokens)."""
+    system = f"{seed} " + " ".join(f"Rule {i}: answer with care and cite section {i}." for i in range(60))
+    return [{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]
+
+
+def test_a_repeated_prefix_goes_to_the_engine_holding_it(cluster: RealCluster) -> None:
+    """The engines' own KV events reach the Coordinator's index, and a conversation coming back
+    goes to the engine that holds its prefix: that engine's prefix cache is hit, the other's is
+    not. The Coordinator matches blocks only if it tokenized the prompt exactly as
+    vLLM did (the real tokenizer and chat template)."""
+    api = client(cluster)
+    coordinator = f"{cluster.base_url}/metrics"
+    block_size = cluster.engine_block_size(0)
+    for round_ in range(3):  # three conversations: a holder picked by chance every time is 1 in 8
+        messages = long_chat(uuid.uuid4().hex)
+        blocks = scrape(coordinator).value("motor_coordinator_kv_index_blocks")
+        first = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+        assert first.usage is not None
+        # Every full block of this prompt is new (it starts with a fresh id): wait until the
+        # index holds them all, not merely until some event arrived (the previous round's last
+        # request may still be publishing).
+        new = first.usage.prompt_tokens // block_size
+        wait_until(
+            lambda blocks=blocks, new=new: (
+                scrape(coordinator).value("motor_coordinator_kv_index_blocks") >= blocks + new
+            ),
+            30,
+            f"the {new} blocks of the conversation in the Coordinator's index",
+        )
+        hits = {k: cluster.engine_counter(k, "vllm:prefix_cache_hits_total") for k in ENGINES}
+        cached = scrape(coordinator).value("motor_coordinator_kv_cached_prompt_tokens_total", role="union")
+        again = [*messages, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "And?"}]
+        api.chat.completions.create(model=MODEL, messages=again, max_tokens=2, temperature=0)
+        grown = {k: cluster.engine_counter(k, "vllm:prefix_cache_hits_total") - hits[k] for k in ENGINES}
+        assert sorted(grown.values())[0] == 0 and sorted(grown.values())[1] > 0, (round_, grown)
+        # The Coordinator counted the prefix as cached where it sent the request (its workers
+        # publish their counts to /metrics a moment later). At most what the engine hit: the
+        # precision sampler's shadow requests hit the engine's cache too, unrouted.
+        hit = max(grown.values())
+
+        def counted(cached: float = cached) -> float:
+            return (
+                scrape(coordinator).value("motor_coordinator_kv_cached_prompt_tokens_total", role="union")
+                - cached
+            )
+
+        wait_until(lambda: counted() > 0, 10, "cached tokens counted by the Coordinator")
+        assert counted() <= hit, round_
+
+
+def test_precision_samples_are_judged_on_real_engines(cluster: RealCluster) -> None:
+    """The precision sampler's shadow requests (with logprobs) are accepted by the real engines
+    and their answers parsed into a verdict (normal or anomalous: the tiny model's answers are
+    noise, so which one is not asserted)."""
+    api = client(cluster)
+    coordinator = f"{cluster.base_url}/metrics"
+
+    def judged() -> float:
+        m = scrape(coordinator)
+        return m.value("motor_coordinator_precision_samples_total", result="normal") + m.value(
+            "motor_coordinator_precision_samples_total", result="anomalous"
+        )
+
+    errors = scrape(coordinator).value("motor_coordinator_precision_samples_total", result="error")
+
+    def sample_taken() -> bool:
+        api.chat.completions.create(model=MODEL, messages=chat(unique()), max_tokens=4)
+        return judged() > 0
+
+    wait_until(sample_taken, 60, "a judged precision sample", every=1.0)
+    assert scrape(coordinator).value("motor_coordinator_precision_samples_total", result="error") == errors
