@@ -20,6 +20,10 @@ Then the Controller (bench/loadgen/controller_failover.py): `motor up --ha` (etc
 Controllers), 10 SIGKILLs of the leader, timing the new leader and the NodeManagers' re-attach.
 It needs etcd; without it the report says so and the rest runs.
 
+Last, real engines (bench/loadgen/real_failover.py): vLLM's CPU build serving a tiny model, the
+decode engine SIGKILLed 3 times, detection and the relaunch's overhead over the engine's own
+start. It needs `make real-engines`; without it the report says so.
+
     python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,controller] [--out DIR]
     python -m bench failover   # everything, into bench/results
 """
@@ -44,16 +48,18 @@ from pathlib import Path
 import grpc
 from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
-from bench.loadgen import controller_failover
+from bench.loadgen import controller_failover, real_failover
 from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.harness import machine, publish
 from bench.loadgen.up import CONTROLLER, NM, Up
 from services.cli.up import HEALTHY_RUN_S
+from tools import real_engines
 
 RESULTS = Path(__file__).parent / "results"
 REPORT = "failover.md"
 KINDS = ("engine", "nodemanager")  # the instance faults; "controller" is the third part
-PARTS = (*KINDS, "controller")
+PARTS = (*KINDS, "controller", "real")  # real: real vLLM engines (make real-engines)
+REAL_ROUNDS = 3  # each waits for a real engine to load: tens of seconds
 DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
 ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
 DECODE = common_pb2.ROLE_DECODE
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv or [])  # `python -m bench failover` runs the defaults: everything
     kinds = [k for k in KINDS if k in args.only]
     lines = [
-        "# Failover under load (motor up --prefill 1 --decode 2, simulated engines)",
+        "# Failover under load",
         "",
         f"{time.strftime('%Y-%m-%d')}, {machine()}, {args.rounds} kills of each kind per mode, one client "
         "sending non-streaming requests back to back",
@@ -268,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         *([] if args.only == list(PARTS) else [f"Parts run: {', '.join(args.only)} (--only).", ""]),
     ]
     if kinds:
+        lines += [
+            "## Simulated engines: engine and NodeManager SIGKILLs (motor up --prefill 1 --decode 2)",
+            "",
+            "Engine: the simulated engine (`motor engine-sim`, every latency at zero).",
+            "",
+        ]
         engine_s = engine_start_s()
         modes = ("relaunch on", "relaunch off")
         results = {mode: run_mode(mode == "relaunch on", args.rounds, kinds) for mode in modes}
@@ -275,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if "controller" in args.only:
         ran = controller_failover.run(args.rounds) if controller_failover.available() else None
         lines += controller_failover.section(ran)
+    if "real" in args.only:
+        why = real_engines.unavailable()  # one line, said in the report
+        real = None if why else real_failover.run(min(args.rounds, REAL_ROUNDS))
+        lines += real_failover.section(real, why)
     return publish(args.out / REPORT, "\n".join(lines))
 
 

@@ -41,7 +41,7 @@ from bench.loadgen.up import CONTROLLER, CONTROLLER_1, CONTROLLER_1_METRICS, CON
 from services.cli.up import HEALTHY_RUN_S
 from services.common.config import ControllerConfig
 
-TITLE = "Controller failover (motor up --ha)"
+TITLE = "Controller failover (motor up --ha, simulated engines)"
 NODEMANAGERS = 3
 SERVICE = "motor.v1.Controller"
 LEASE_S = ControllerConfig().leader_lease_s

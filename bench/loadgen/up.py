@@ -31,12 +31,22 @@ OFFSETS = range(10_000, 20_000, 10)
 
 class Up:
     """``motor up ARGS`` running on a free offset: ``ready_s`` is spawn → READY of the launch
-    that got there; every child's log is in ``log``."""
+    that got there; every child's log is in ``log``. ``env`` is added to its environment;
+    ``offsets`` are the ones tried (real engines use more ports, so fewer offsets fit)."""
 
-    def __init__(self, args: list[str], workdir: Path, ready_within_s: float = 120.0, tries: int = 4) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        workdir: Path,
+        ready_within_s: float = 120.0,
+        tries: int = 4,
+        env: dict[str, str] | None = None,
+        offsets: range = OFFSETS,
+    ) -> None:
         self.args = args
+        self.env = env or {}
         for attempt in range(tries):
-            self.offset = random.choice(OFFSETS)
+            self.offset = random.choice(offsets)
             self.log = workdir / f"up-{attempt}.log"
             try:
                 self.ready_s = self._launch(workdir / f"state-{attempt}", ready_within_s)
@@ -55,7 +65,7 @@ class Up:
         t0 = time.perf_counter()
         with self.log.open("wb") as err:
             self.popen = subprocess.Popen(
-                argv, cwd=REPO, env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                argv, cwd=REPO, env=clean_env(**self.env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=err, start_new_session=True,
             )  # fmt: skip
         first: queue.Queue[tuple[bytes, float]] = queue.Queue()

@@ -3,16 +3,19 @@
 
 `make real-engines` installs vLLM for this machine's CPU into ``.engines/vllm`` and writes a tiny
 model with the real Llama 3 tokenizer and chat template to ``.engines/tiny-llama3``
-(tools/real_engines/). Where that could not be done, the tests skip with the one line saying why.
+(tools/real_engines/, which also holds the cluster configuration). Where that could not be done,
+the tests skip with the one line saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,42 +25,9 @@ from services.cli.up_plan import UCX_PORTS_BASE, UCX_PORTS_PER_WORKER
 from services.nodemanager.launch import SIDE_CHANNEL_OFFSET
 from tests.e2e.cluster import ENGINE, NM, Cluster
 from tests.poll import wait_until
+from tools.real_engines import TINY_MODEL, VLLM_BIN, cluster_config, unavailable
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINES = ROOT / ".engines"
-VLLM_BIN = ENGINES / "vllm" / "bin"
-TINY_MODEL = ENGINES / "tiny-llama3"
-
-
-def unavailable() -> str:
-    """Why real engines cannot run here; "" when they can."""
-    note = ENGINES / "unavailable"
-    if note.is_file():
-        return f"real engines unavailable: {note.read_text().strip()}"
-    if not (ENGINES / "vllm" / ".installed").is_file() or not (TINY_MODEL / ".made").is_file():
-        return "real engines not installed: run `make real-engines` (or `make test-real`)"
-    return ""
-
-
-def config(**coordinator: Any) -> dict[str, Any]:
-    """What every real-engine cluster runs with.
-
-    - the engines serve the tiny model in eager mode (no graph capture: seconds, not minutes,
-      to start) with a small KV cache (1 GiB holds two million of its tokens);
-    - NIXL moves KV through host memory (``kv_buffer_device: cpu``, what a CPU engine has);
-    - UCX, NIXL's transport, uses only the loopback device: tests reach nothing but 127.0.0.0/8;
-    - nothing is ever fetched from a model hub."""
-    return {
-        "engine": {
-            "args": {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 2048},
-            "env": {"HF_HUB_OFFLINE": "1", "UCX_NET_DEVICES": "lo"},
-            "kv_transfer_config": {"kv_buffer_device": "cpu"},
-            "cpu_kvcache_space_gib": 1,
-        },
-        # A real engine takes tens of seconds to load; a relaunch waits for it.
-        "nodemanager": {"engine_startup_timeout_s": 600},
-        "coordinator": coordinator,
-    }
+__all__ = ["TINY_MODEL", "unavailable"]  # re-exported for the test modules
 
 
 class RealCluster(Cluster):
@@ -67,7 +37,7 @@ class RealCluster(Cluster):
 
     def __init__(self, tmp: Path, prefill: int, decode: int, union: int = 0, **coordinator: Any) -> None:
         cfg = tmp / "motor.json"
-        cfg.write_text(json.dumps(config(**coordinator)))
+        cfg.write_text(json.dumps(cluster_config(**coordinator)))
         engines = prefill + decode + union
         # Besides what `motor up`'s tests always keep free: each engine's NIXL side channel and
         # the window its UCX listeners take ports from (tp = pp = 1).
@@ -159,3 +129,15 @@ def chat(text: str) -> list[Any]:
 def unique(words: int = 12) -> str:
     """A prompt no engine has seen (so no cache can answer for it)."""
     return f"{uuid.uuid4().hex} " + " ".join(f"word{i}" for i in range(words))
+
+
+@contextlib.contextmanager
+def running(c: RealCluster, start_s: float) -> Iterator[RealCluster]:
+    """``c`` with every instance ACTIVE; stopped, and its output kept, however the tests end."""
+    try:
+        c.wait_ready(start_s)
+        c.wait_all_active(start_s)
+        yield c
+    finally:
+        c.cleanup()
+        c.keep_log()

@@ -22,7 +22,7 @@ import pytest
 
 from tests.metrics import scrape
 from tests.poll import wait_until
-from tests.real.engines import TINY_MODEL, RealCluster, chat, client, unavailable, unique
+from tests.real.engines import TINY_MODEL, RealCluster, chat, client, running, unavailable, unique
 
 WHY = unavailable()
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(WHY), reason=WHY), pytest.mark.timeout(600)]
@@ -46,13 +46,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         # would take an instance out of routing.
         precision_issue_threshold=1_000_000,
     )
-    try:
-        c.wait_ready(START_S)
-        c.wait_all_active(START_S)
+    with running(c, START_S):
         yield c
-    finally:
-        c.cleanup()
-        c.keep_log()
 
 
 def long_chat(seed: str) -> list[Any]:

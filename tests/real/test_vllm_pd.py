@@ -25,7 +25,16 @@ import pytest
 from tests.e2e.cluster import CONTROLLER, COORDINATOR
 from tests.poll import wait_until
 from tests.procs import group_gone
-from tests.real.engines import TINY_MODEL, RealCluster, chat, client, engine_client, unavailable, unique
+from tests.real.engines import (
+    TINY_MODEL,
+    RealCluster,
+    chat,
+    client,
+    engine_client,
+    running,
+    unavailable,
+    unique,
+)
 
 WHY = unavailable()
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(WHY), reason=WHY), pytest.mark.timeout(600)]
@@ -43,13 +52,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
         prefill=1,
         decode=1,
     )
-    try:
-        c.wait_ready(START_S)
-        c.wait_all_active(START_S)
+    with running(c, START_S):
         yield c
-    finally:
-        c.cleanup()
-        c.keep_log()
 
 
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
