@@ -241,15 +241,19 @@ class Cluster:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), interval)
-            if self.stopping.is_set() or self.ready:
+            if self.stopping.is_set():
                 return
+            if self.ready:
+                break
             nodes = [c for c in self.plan.nodes if c.proc is not None]
             answers = await asyncio.gather(*(self._node_status(c, key) for c in nodes))
             lines = [line for c, got in zip(nodes, answers, strict=True) for line in self._progress(c, got)]
             if self.ready:  # READY came while we asked: nothing is waited for any more
-                return
+                break
             for line in lines or ["motor up: every engine is ready; waiting for the Coordinator to route"]:
                 print(line, file=sys.stderr, flush=True)
+        # Said once, so whoever watches the reports knows none will follow.
+        log.event("progress_done", reason="ready")
 
     async def _node_status(
         self, child: Child, key: str | None

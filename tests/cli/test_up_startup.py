@@ -142,7 +142,8 @@ def test_motor_up_and_motor_status_show_an_engine_loading_until_it_is_ready(
         urllib.request.urlopen(urllib.request.Request(f"{c.engine_url(0)}/sim/ready", b""), timeout=5)
         c.wait_ready()
         ready_at = time.monotonic()
-        time.sleep(5 * PROGRESS_S)  # room for a report that should not come
+        # The reports stop with READY: the next time one would have been due, motor up says so.
+        c.proc.wait_line("event=progress_done reason=ready", 30)
         assert not c.proc.lines_since(ready_at, "motor up: waiting for")
     finally:
         c.stop()
