@@ -443,6 +443,8 @@ def test_cpu_cores_are_stored_as_a_list_in_the_order_given(tmp_path: Path) -> No
     assert cores(" 8-9, 0 ") == [8, 9, 0]
     assert cores("") == []
     assert cores(3) == [3]
+    # The widest cpuset there is loads at once (its repeats are counted in one pass).
+    assert cores("0-65535") == list(range(65536))
     # From the environment: a cpuset, a lone core, or a JSON array (what `motor up` writes).
     for raw, expected in (("0-3", [0, 1, 2, 3]), ("3", [3]), ("[2, 0]", [2, 0]), ("0,2", [0, 2])):
         env = {"MOTOR_NODEMANAGER_CPU_CORES": raw}

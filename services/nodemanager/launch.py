@@ -468,10 +468,14 @@ def pinned_cores(params: LaunchParams, ep: EndpointSpec) -> tuple[int, ...]:
     """CPU platform: the cores the NodeManager confines the whole engine process group to (its
     slice); none off the CPU platform or when the operator binds the engine's threads
     themselves (their binding variable in engine.env), whose choice is theirs."""
-    if not params.on_cpu:
+    if not params.on_cpu or _bind_var(params) in params.env:
         return ()
-    var = SGLANG_CPU_BIND if params.engine_type == "sglang" else VLLM_CPU_BIND
-    return () if var in params.env else engine_cores(params, ep)
+    return engine_cores(params, ep)
+
+
+def _bind_var(params: LaunchParams) -> str:
+    """The variable the engine reads its OpenMP core binding from."""
+    return SGLANG_CPU_BIND if params.engine_type == "sglang" else VLLM_CPU_BIND
 
 
 def _bind_cores(params: LaunchParams, ep: EndpointSpec, env: dict[str, str]) -> None:
@@ -480,7 +484,7 @@ def _bind_cores(params: LaunchParams, ep: EndpointSpec, env: dict[str, str]) -> 
     NUMA-based choice, the same cores for every engine of a host: the second one then hangs
     in start-up, which is why Motor binds)."""
     env.pop(devices.CUDA, None)
-    var = SGLANG_CPU_BIND if params.engine_type == "sglang" else VLLM_CPU_BIND
+    var = _bind_var(params)
     bind = cpu_bind(params, ep)
     if bind and var not in params.env:
         env[var] = bind

@@ -25,9 +25,7 @@ from services.cli.up_plan import UCX_PORTS_BASE, UCX_PORTS_PER_WORKER
 from services.nodemanager.launch import SIDE_CHANNEL_OFFSET
 from tests.e2e.cluster import ENGINE, NM, Cluster
 from tests.poll import wait_until
-from tools.real_engines import TINY_MODEL, VLLM_BIN, cluster_config, unavailable
-
-__all__ = ["TINY_MODEL", "unavailable"]  # re-exported for the test modules
+from tools.real_engines import TINY_MODEL, VLLM_BIN, cluster_config
 
 
 class RealCluster(Cluster):

@@ -22,7 +22,8 @@ import pytest
 
 from tests.metrics import scrape
 from tests.poll import wait_until
-from tests.real.engines import TINY_MODEL, RealCluster, chat, client, running, unavailable, unique
+from tests.real.engines import RealCluster, chat, client, running, unique
+from tools.real_engines import TINY_MODEL, unavailable
 
 WHY = unavailable()
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(WHY), reason=WHY), pytest.mark.timeout(600)]

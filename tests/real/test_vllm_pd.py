@@ -25,16 +25,8 @@ import pytest
 from tests.e2e.cluster import CONTROLLER, COORDINATOR
 from tests.poll import wait_until
 from tests.procs import group_gone
-from tests.real.engines import (
-    TINY_MODEL,
-    RealCluster,
-    chat,
-    client,
-    engine_client,
-    running,
-    unavailable,
-    unique,
-)
+from tests.real.engines import RealCluster, chat, client, engine_client, running, unique
+from tools.real_engines import TINY_MODEL, unavailable
 
 WHY = unavailable()
 pytestmark = [pytest.mark.real, pytest.mark.skipif(bool(WHY), reason=WHY), pytest.mark.timeout(600)]

@@ -8,6 +8,7 @@ accepts (``spec``), which is what docs/configuration.md lists as a key's type an
 
 from __future__ import annotations
 
+import collections
 import difflib
 import json
 import re
@@ -368,7 +369,8 @@ def _cpu_cores(value: Any) -> Result:
         problems = integer(0, MAX_CORE)(core)[1]
         if problems:
             return value, [(f"[{i}]" if isinstance(value, list) else "", problems[0][1])]
-    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    # Counted once: a cpuset such as "0-65535" is 65,536 cores, and list.count per core is quadratic.
+    repeated = sorted(c for c, n in collections.Counter(cores).items() if n > 1)
     if repeated:
         return value, [("", f"must name each core once, got {', '.join(map(str, repeated[:5]))} again")]
     return list(cores), []
