@@ -139,7 +139,7 @@ async def amain() -> int:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         engine = await Proc.start(
-            "engine", ["-m", "services.cli", "engine-sim", "--port", "0"], Path(tmp) / "engine.log"
+            "engine", ["-m", "motor_mesh.cli", "engine-sim", "--port", "0"], Path(tmp) / "engine.log"
         )
         try:
             url = f"http://{(await engine.listening(30))['http']}/v1/chat/completions"

@@ -46,13 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 from bench.loadgen import controller_failover, real_failover
 from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.harness import machine, publish
 from bench.loadgen.up import CONTROLLER, NM, Up
-from services.cli.up import HEALTHY_RUN_S
+from motor_mesh.cli.up import HEALTHY_RUN_S
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tools import real_engines
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,7 +81,7 @@ def engine_start_s(runs: int = 5) -> float:
     for _ in range(runs):
         start = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "engine-sim", "serve", "motor-sim", "--port", "0"],
+            [sys.executable, "-m", "motor_mesh.cli", "engine-sim", "serve", "motor-sim", "--port", "0"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -186,8 +186,8 @@ async def overhead_run(policy: str, capacity: int) -> Overhead:
         up = Up(["--prefill", "1", "--decode", "1", "--config", str(cfg)], Path(tmp))
         try:
             await _serving(up, policy, prefills=1)
-            workers = await asyncio.to_thread(session_pids, up.pid, "services.coordinator.worker")
-            management = await asyncio.to_thread(session_pids, up.pid, "services.cli coordinator")
+            workers = await asyncio.to_thread(session_pids, up.pid, "motor_mesh.coordinator.worker")
+            management = await asyncio.to_thread(session_pids, up.pid, "motor_mesh.cli coordinator")
             diffs = []
             async with aiohttp.ClientSession() as s:
                 # Every answer known and every connection warm; over the measuring session's

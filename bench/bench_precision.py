@@ -27,9 +27,9 @@ from pathlib import Path
 
 import aiohttp
 import grpc
-from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from bench.loadgen.harness import Proc, entry, machine, percentile, publish, system_cpu, wait_quiet
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 RESULTS = Path(__file__).parent / "results" / "precision.md"
 TARGET = 1.02
@@ -71,7 +71,7 @@ async def engines(tmp: Path) -> tuple[list[Proc], list[int]]:
             f"engine-{role}",
             [
                 "-m",
-                "services.cli",
+                "motor_mesh.cli",
                 "engine-sim",
                 "serve",
                 MODEL,
@@ -138,7 +138,9 @@ async def one_run(mode: str, ports: list[int], args: argparse.Namespace, tmp: Pa
         )
     )
     coord = await Proc.start(
-        "coordinator", ["-m", "services.cli", "coordinator", "--config", str(cfg)], tmp / f"c-{mode}-{n}.log"
+        "coordinator",
+        ["-m", "motor_mesh.cli", "coordinator", "--config", str(cfg)],
+        tmp / f"c-{mode}-{n}.log",
     )
     try:
         where = await coord.listening()

@@ -31,11 +31,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from bench.loadgen.fakenm import FakeNodeManagers
 from bench.loadgen.harness import Proc, clean_env, entry, machine, percentile, publish, system_cpu
 from bench.loadgen.node import ABNORMAL, NORMAL, FakeNode, NodeSpec, Stats
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 RESULTS = Path(__file__).parent / "results" / "propagation.md"
 TARGET_MS = 100.0
@@ -80,7 +80,7 @@ class Watcher:
 async def start_mesh(tmp: Path) -> tuple[Proc, Proc, str, str]:
     coord = await Proc.start(
         "coordinator",
-        ["-m", "services.cli", "coordinator", "--port", "0", "--http-port", "0"],
+        ["-m", "motor_mesh.cli", "coordinator", "--port", "0", "--http-port", "0"],
         tmp / "coordinator.log",
     )
     coord_addr = (await coord.listening())["grpc"]
@@ -91,7 +91,7 @@ async def start_mesh(tmp: Path) -> tuple[Proc, Proc, str, str]:
         # No periodic full Set in the middle of the measurement.
         MOTOR_CONTROLLER_COORDINATOR_SET_SYNC_INTERVAL_S="3600",
     )
-    argv = ["-m", "services.cli", "controller", "--port", "0"]
+    argv = ["-m", "motor_mesh.cli", "controller", "--port", "0"]
     ctrl = await Proc.start("controller", argv, tmp / "controller.log", env=env)
     return coord, ctrl, coord_addr, (await ctrl.listening())["grpc"]
 

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from motor.v1 import controller_pb2_grpc
 
 from bench.loadgen import etcd_proc
 from bench.loadgen.etcd_proc import Etcd
@@ -63,7 +62,8 @@ from bench.loadgen.scale_report import (
     not_run,
     render,
 )
-from services.common.config.sections import ControllerConfig
+from motor_mesh.common.config.sections import ControllerConfig
+from motor_mesh.gen.motor.v1 import controller_pb2_grpc
 
 RESULTS_DIR = Path(__file__).parent / "results"
 REPORT_NAME = "scale.md"
@@ -187,7 +187,7 @@ async def _controller(
             MOTOR_CONTROLLER_ETCD_ENDPOINTS=json.dumps([etcd.endpoint]),
             MOTOR_CONTROLLER_ETCD_PREFIX=f"/bench-scale/{uuid.uuid4().hex}",
         )
-    argv = ["-m", "services.cli", "controller", "--port", "0"]
+    argv = ["-m", "motor_mesh.cli", "controller", "--port", "0"]
     ctrl = await Proc.start("controller", argv, tmp / log, cpus=CONTROLLER_CPU, env=env)
     fleets: list[Proc] = []
     channel = None

@@ -32,8 +32,8 @@ from typing import Any
 from bench.loadgen.coordinator_restart import RestartRound, measure_restarts
 from bench.loadgen.harness import entry, machine, percentile, publish
 from bench.loadgen.table_sets import INSTANCES, MODELS, STAGE_RUNS, SetRound, measure_sets
-from services.cli.up import HEALTHY_RUN_S
-from services.controller.coordinator_watch import RETRY
+from motor_mesh.cli.up import HEALTHY_RUN_S
+from motor_mesh.controller.coordinator_watch import RETRY
 
 RESULTS = Path(__file__).parent / "results" / "table.md"
 SET_TARGET_MS = 200.0
@@ -119,7 +119,7 @@ def render_sets(r: dict[str, Any], sets: int) -> list[str]:
         + (f", {statistics.median(gc_ms):.0f} ms median, {max(gc_ms):.0f} ms worst" if gc_ms else "")
         + ". Every Set builds a new table and routing view of all 1,000 instances (messages, "
         "targets, endpoints) and drops the old ones, so full collections keep coming and each "
-        "walks everything live; the Coordinator does not use `services.common.gcpolicy` "
+        "walks everything live; the Coordinator does not use `motor_mesh.common.gcpolicy` "
         "(only the Controller does). Background CPU (other users' processes) during the timed Sets: "
         f"{r['background']:.0f}%.",
         "",

@@ -103,7 +103,7 @@ async def start_before(pf_url: str, de_url: str, tmp: Path) -> tuple[Proc, str]:
     services, pb, tracing = (await _run(sys.executable, "-c", _WHERE, env=clean_env(**env))).split()
     if not (services.startswith(f"{tree}/") and pb.startswith(f"{tree}/") and tracing == "None"):
         raise RuntimeError(f"the copy of {BEFORE_TRACING[:12]} is not what Python imports: {services} {pb}")
-    return await start_motor(pf_url, de_url, tmp, env=env, tag="-before")
+    return await start_motor(pf_url, de_url, tmp, env=env, tag="-before", package="services")
 
 
 async def run_tracing(

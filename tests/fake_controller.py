@@ -20,10 +20,10 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
-from services.common import enums, errors
-from services.common.rpc import service_handler
+from motor_mesh.common import enums, errors
+from motor_mesh.common.rpc import service_handler
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
 

@@ -30,7 +30,7 @@ class Exited(Exception):
 
 
 def motor_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "motor_mesh.cli", *args]
 
 
 def _matcher(test: LineTest) -> Callable[[str], Any]:
@@ -138,7 +138,7 @@ class Proc:
             return await until(lambda: self._seen(match, start), within, self._what(test))
 
     def _what(self, test: LineTest) -> str:
-        motor = self.args[1:3] == ["-m", "services.cli"]
+        motor = self.args[1:3] == ["-m", "motor_mesh.cli"]
         who = " ".join(["motor", *self.args[3:4]] if motor else [Path(self.args[0]).name])
         return f"line {getattr(test, 'pattern', test)!r} from {who} (pid {self.pid})"
 

@@ -24,7 +24,9 @@ with open(_path + ".tmp", "w") as f:
 os.replace(_path + ".tmp", _path)
 """
 # `vllm serve MODEL ...` / `python -m sglang.launch_server ...` -> `motor engine-sim ...`
-BECOME_SIM = 'os.execv(sys.executable, [sys.executable, "-m", "services.cli", "engine-sim", *sys.argv[1:]])\n'
+BECOME_SIM = (
+    'os.execv(sys.executable, [sys.executable, "-m", "motor_mesh.cli", "engine-sim", *sys.argv[1:]])\n'
+)
 
 
 def write_vllm(bin_dir: Path) -> Path:

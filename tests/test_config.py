@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.cli import config_cmd
-from services.common.config import DEFAULTS, SECTIONS, ConfigError, load_config, read_key_file
+from motor_mesh.cli import config_cmd
+from motor_mesh.common.config import DEFAULTS, SECTIONS, ConfigError, load_config, read_key_file
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "deploy" / "config.sample.json"
@@ -691,7 +691,7 @@ def test_missing_key_file_and_directory(tmp_path: Path) -> None:
 def run_motor(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOTOR_")}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "motor_mesh.cli", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

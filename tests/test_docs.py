@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from services.common.config import DEFAULTS, reference
-from services.common.config.sections import SECTION_TYPES, docs
+from motor_mesh.common.config import DEFAULTS, reference
+from motor_mesh.common.config.sections import SECTION_TYPES, docs
 from tests.procs import ROOT
 
 # Design notes that live outside the repository: a reader who cloned only the repository cannot

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.gcpolicy import GcGuard
+from motor_mesh.common.gcpolicy import GcGuard
 
 
 @pytest.fixture

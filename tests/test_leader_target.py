@@ -9,12 +9,12 @@ import logging
 
 import grpc
 import pytest
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
-from services.common.config import load
-from services.common.errors import RpcFailure
-from services.common.leader_target import ControllerTarget, addresses_of, first_address
-from services.coordinator.precision.reporter import AlarmReporter, service_ip
+from motor_mesh.common.config import load
+from motor_mesh.common.errors import RpcFailure
+from motor_mesh.common.leader_target import ControllerTarget, addresses_of, first_address
+from motor_mesh.coordinator.precision.reporter import AlarmReporter, service_ip
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 from tests.fake_controller import FakeController, controllers
 from tests.poll import until
 from tests.ports import reserved_port

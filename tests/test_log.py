@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from services.common import log
+from motor_mesh.common import log
 
 # A job name that tries to end the line, repaint the terminal red and forge an event.
 FORGED = "\r\x1b[31mFAKE event=ok\n"

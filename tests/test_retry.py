@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from motor.v1 import controller_pb2, controller_pb2_grpc
 
-from services.common import errors, retry, rpc
-from services.common.retry import Backoff, RetryPolicy
+from motor_mesh.common import errors, retry, rpc
+from motor_mesh.common.retry import Backoff, RetryPolicy
+from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 
 DEFAULT_POLICY = RetryPolicy()  # the classifier every call site starts from
 

@@ -12,14 +12,14 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2
 
-from services.common import errors
-from services.common.channel import open_channel
-from services.common.config import ConfigError, ControllerConfig, load
-from services.common.server import MotorServer
-from services.controller import validation as controller_validation
-from services.coordinator import validation as coordinator_validation
+from motor_mesh.common import errors
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import ConfigError, ControllerConfig, load
+from motor_mesh.common.server import MotorServer
+from motor_mesh.controller import validation as controller_validation
+from motor_mesh.coordinator import validation as coordinator_validation
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2
 from tests.ports import reserved_port
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.common import scratch
+from motor_mesh.common import scratch
 from tests.procs import Proc
 
 PREFIX = "motor-test-"

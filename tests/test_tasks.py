@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from services.common import tasks
-from services.common.retry import Backoff
+from motor_mesh.common import tasks
+from motor_mesh.common.retry import Backoff
 from tests.poll import until
 
 

@@ -23,12 +23,12 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import channel as channel_module
-from services.common import server as common_server
-from services.common.channel import ClientTLS, open_channel
-from services.common.config import ServerConfig, load
-from services.common.server import MotorServer
-from services.coordinator.runtime import Coordinator
+from motor_mesh.common import channel as channel_module
+from motor_mesh.common import server as common_server
+from motor_mesh.common.channel import ClientTLS, open_channel
+from motor_mesh.common.config import ServerConfig, load
+from motor_mesh.common.server import MotorServer
+from motor_mesh.coordinator.runtime import Coordinator
 from tests.ports import reserved_pair
 from tests.procs import ROOT, Proc
 from tests.test_runtime import CONTROLLER, StubController
@@ -151,8 +151,8 @@ _HEALTH_CHECK = """
 import asyncio, sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from services.common.channel import open_channel
-from services.common.config import ServerConfig
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import ServerConfig
 
 async def main() -> None:
     tls = ServerConfig(tls_cert_file=sys.argv[2], tls_key_file=sys.argv[3])

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 from bench.loadgen.etcd_proc import NOT_INSTALLED, etcd_binary
 from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.up import CONTROLLER, CONTROLLER_1, CONTROLLER_1_METRICS, CONTROLLER_METRICS, Up, gone
-from services.cli.up import HEALTHY_RUN_S
-from services.common.config import ControllerConfig
+from motor_mesh.cli.up import HEALTHY_RUN_S
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 TITLE = "Controller failover (motor up --ha, simulated engines)"
 NODEMANAGERS = 3

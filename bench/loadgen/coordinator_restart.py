@@ -18,9 +18,15 @@ from typing import Any
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
 from bench.loadgen.up import CONTROLLER, COORDINATOR, Up, gone
+from motor_mesh.gen.motor.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 ROUTABLE = (common_pb2.INSTANCE_STATUS_ACTIVE, common_pb2.INSTANCE_STATUS_PAUSED)

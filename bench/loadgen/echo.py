@@ -21,9 +21,9 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from motor.v1 import controller_pb2 as pb
 
 from bench.loadgen.harness import rpc_handlers
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 STATS_WINDOW_S = 10.0
 

@@ -8,10 +8,10 @@ server answers both at once, so assembly completes without any engine.
 from __future__ import annotations
 
 import grpc
-from motor.v1 import nodemanager_pb2
 
 from bench.loadgen.harness import rpc_handlers
 from bench.loadgen.node import FakeNode
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
 
 
 class FakeNodeManagers:

@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2_grpc
 
 from bench.loadgen.fakenm import FakeNodeManagers
 from bench.loadgen.node import FakeNode, NodeSpec, Stats
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2_grpc
 
 ROLES = (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE)
 

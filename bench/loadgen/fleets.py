@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from motor.v1 import common_pb2, controller_pb2
-
 from bench.loadgen.harness import Proc
 from bench.loadgen.scale_report import CHANNELS_PER_GENERATOR, GENERATORS, INTERVAL_S, LOAD_CPU
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 
 async def start_fleets(tmp: Path, target: str, n: int, tag: str, assume_started: bool) -> list[Proc]:

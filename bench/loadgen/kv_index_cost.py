@@ -39,17 +39,17 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from bench.loadgen.harness import percentile
-from services.common.enums import ENGINE_SIM, PREFILL
-from services.common.tokenizer import Builtin
-from services.coordinator.bodies import loads
-from services.coordinator.kv import speedups, wire
-from services.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
-from services.coordinator.kv.metrics import KvMetrics
-from services.coordinator.kv.policy import IndexView, KvAware
-from services.coordinator.kv.prompt import Tokens
-from services.coordinator.kv.routing import prompt_reader
-from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, capacity_for
-from services.coordinator.tally import Tallies
+from motor_mesh.common.enums import ENGINE_SIM, PREFILL
+from motor_mesh.common.tokenizer import Builtin
+from motor_mesh.coordinator.bodies import loads
+from motor_mesh.coordinator.kv import speedups, wire
+from motor_mesh.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
+from motor_mesh.coordinator.kv.metrics import KvMetrics
+from motor_mesh.coordinator.kv.policy import IndexView, KvAware
+from motor_mesh.coordinator.kv.prompt import Tokens
+from motor_mesh.coordinator.kv.routing import prompt_reader
+from motor_mesh.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, capacity_for
+from motor_mesh.coordinator.tally import Tallies
 
 BLOCK = 16
 ENDPOINTS = 4

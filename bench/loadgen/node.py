@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2
+
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 NORMAL = common_pb2.ENDPOINT_STATUS_NORMAL
 ABNORMAL = common_pb2.ENDPOINT_STATUS_ABNORMAL

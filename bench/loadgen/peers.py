@@ -73,7 +73,7 @@ async def on_free_ports(launch: Callable[[int], Awaitable[T]], tries: int = 4) -
 
 async def engine(name: str, model_dir: Path, tmp: Path, extra: list[str]) -> tuple[Proc, str, str | None]:
     """A zero-latency sim engine; returns it, its base URL and its SGLang bootstrap port if any."""
-    args = ["-m", "services.cli", "engine-sim", "serve", str(model_dir), "--served-model-name", MODEL]
+    args = ["-m", "motor_mesh.cli", "engine-sim", "serve", str(model_dir), "--served-model-name", MODEL]
     proc = await Proc.start(name, [*args, "--port", "0", *extra], tmp / f"{name}.log")
     where = await proc.listening()
     boot = where.get("bootstrap")

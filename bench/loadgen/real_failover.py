@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 from bench.loadgen.harness import clean_env
 from bench.loadgen.up import CONTROLLER, Up
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tools.real_engines import CLUSTER_CONFIG, TINY_MODEL, VLLM_BIN
 
 TITLE = "Real engines: a vLLM decode engine SIGKILLed (motor up --engine-type vllm, tiny model)"

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from motor.v1 import coordinator_pb2_grpc
 
 from bench.bench_precision import table
 from bench.loadgen import peers, profile, wrk
 from bench.loadgen.harness import Proc, clean_env, system_cpu, wait_quiet
+from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 
 
 def body(stream: bool) -> dict[str, object]:
@@ -104,14 +104,21 @@ async def measure_cell(
 
 
 async def start_motor(
-    prefill: str, decode: str, tmp: Path, workers: int = 0, env: dict[str, str] | None = None, tag: str = ""
+    prefill: str,
+    decode: str,
+    tmp: Path,
+    workers: int = 0,
+    env: dict[str, str] | None = None,
+    tag: str = "",
+    package: str = "motor_mesh",
 ) -> tuple[Proc, str]:
-    """``env``: variables besides a clean environment (``tag`` names its config and log)."""
+    """``env``: variables besides a clean environment (``tag`` names its config and log);
+    ``package``: the import name of the Motor being run (an old commit's is ``services``)."""
     cfg = tmp / f"coordinator-{workers}{tag}.json"
     cfg.write_text(json.dumps({"coordinator": {"workers": workers}}))
     coord = await Proc.start(
         "coordinator",
-        ["-m", "services.cli", "coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0"],
+        ["-m", f"{package}.cli", "coordinator", "--config", str(cfg), "--port", "0", "--http-port", "0"],
         tmp / f"coordinator-{workers}{tag}.log",
         env=clean_env(**env) if env else None,
     )

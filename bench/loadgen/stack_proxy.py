@@ -13,7 +13,7 @@ Stacks:
 - ``aiohttp``: aiohttp.web + one shared aiohttp.ClientSession (TCPConnector limit=0), stdlib
   json, the default asyncio loop (Motor's inference port before the change).
 - ``aiohttp-uvloop``: the same on uvloop.
-- ``protocols``: services.common.httpserver.HttpServer + services.common.httpclient.Pool, stdlib
+- ``protocols``: motor_mesh.common.httpserver.HttpServer + motor_mesh.common.httpclient.Pool, stdlib
   json, the default asyncio loop.
 - ``protocols-uvloop``: the same on uvloop.
 - ``protocols-uvloop-orjson``: the same with orjson (what Motor runs).
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from services.coordinator.bodies import KV, PREFILL_KV  # the prefill leg Motor sends
+from motor_mesh.coordinator.bodies import KV, PREFILL_KV  # the prefill leg Motor sends
 
 STACKS = ("aiohttp", "aiohttp-uvloop", "protocols", "protocols-uvloop", "protocols-uvloop-orjson")
 PATH = "/v1/chat/completions"
@@ -142,9 +142,9 @@ async def serve_aiohttp(host: str, port: int, prefill: str, decode: str, codec: 
 
 
 async def serve_protocols(host: str, port: int, prefill: str, decode: str, codec: Codec) -> None:
-    from services.common.httpclient import Pool
-    from services.common.httpmessages import Request, Responder, route_table
-    from services.common.httpserver import HttpServer
+    from motor_mesh.common.httpclient import Pool
+    from motor_mesh.common.httpmessages import Request, Responder, route_table
+    from motor_mesh.common.httpserver import HttpServer
 
     pool = Pool(connect_timeout_s=5.0)
     p, d = urlsplit(prefill), urlsplit(decode)

@@ -16,12 +16,12 @@ from typing import Any
 
 import aiohttp
 import grpc
-from motor.v1 import common_pb2, coordinator_pb2
 
 from bench.loadgen.harness import Proc, system_cpu, wait_quiet
-from services.coordinator import validation
-from services.coordinator.routes import build_view
-from services.coordinator.table import RoutingTable
+from motor_mesh.coordinator import validation
+from motor_mesh.coordinator.routes import build_view
+from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2
 
 INSTANCES = 1000
 MODELS = 4
@@ -115,7 +115,7 @@ async def measure_sets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     raw = [s.SerializeToString() for s in sets]
     coord = await Proc.start(
         "coordinator",
-        ["-m", "services.cli", "coordinator", "--port", "0", "--http-port", "0"],
+        ["-m", "motor_mesh.cli", "coordinator", "--port", "0", "--http-port", "0"],
         tmp / "coordinator.log",
     )
     try:

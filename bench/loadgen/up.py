@@ -60,7 +60,7 @@ class Up:
         raise RuntimeError(f"motor up found a port taken at {tries} offsets in a row")
 
     def _launch(self, state: Path, ready_within_s: float) -> float:
-        argv = [sys.executable, "-m", "services.cli", "up", *self.args]
+        argv = [sys.executable, "-m", "motor_mesh.cli", "up", *self.args]
         argv += ["--port-offset", str(self.offset), "--state-dir", str(state)]
         t0 = time.perf_counter()
         with self.log.open("wb") as err:

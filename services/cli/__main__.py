@@ -1,5 +1,5 @@
 import sys
 
-from services.cli.main import main
+from motor_mesh.cli.main import main
 
 sys.exit(main())

@@ -10,13 +10,13 @@ import sys
 from datetime import UTC
 
 import grpc
-from motor.v1 import alarm_pb2, controller_pb2
 
-from services.cli import client
-from services.cli.views import as_dict, parser, print_table, run, short_enum
-from services.common.errors import RpcFailure
-from services.common.leader_target import ControllerTarget, moves_on
-from services.common.retry import TERMINAL_CODES, Backoff
+from motor_mesh.cli import client
+from motor_mesh.cli.views import as_dict, parser, print_table, run, short_enum
+from motor_mesh.common.errors import RpcFailure
+from motor_mesh.common.leader_target import ControllerTarget, moves_on
+from motor_mesh.common.retry import TERMINAL_CODES, Backoff
+from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2
 
 # Alarms per ListAlarms call (the server's maximum).
 PAGE_SIZE = 1000

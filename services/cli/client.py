@@ -2,7 +2,7 @@
 talk to them, the channel they open, and the one line printed when a call fails.
 
 ``--controller`` takes one Controller, several (comma-separated) or ``dns:///NAME:PORT``: every
-call goes to the leader among them (:class:`~services.common.leader_target.ControllerTarget`).
+call goes to the leader among them (:class:`~motor_mesh.common.leader_target.ControllerTarget`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import argparse
 
 import grpc
 
-from services.common import errors
-from services.common.channel import ClientTLS, open_channel
-from services.common.config import read_key_file
-from services.common.leader_target import NOT_LEADER, ControllerTarget
+from motor_mesh.common import errors
+from motor_mesh.common.channel import ClientTLS, open_channel
+from motor_mesh.common.config import read_key_file
+from motor_mesh.common.leader_target import NOT_LEADER, ControllerTarget
 
 
 def addresses(text: str) -> list[str]:

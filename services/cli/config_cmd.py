@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common.config import SECTIONS, ConfigError, load_config
+from motor_mesh.common.config import SECTIONS, ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from services.cli.standalone import EndpointSpec, InputError
+from motor_mesh.cli.standalone import EndpointSpec, InputError
 
 MAX_CHECK_S = 5.0
 

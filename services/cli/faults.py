@@ -12,10 +12,10 @@ import json
 import sys
 
 import grpc
-from motor.v1 import controller_pb2
 
-from services.cli import client
-from services.common.config import ConfigError
+from motor_mesh.cli import client
+from motor_mesh.common.config import ConfigError
+from motor_mesh.gen.motor.v1 import controller_pb2
 
 LEVELS = tuple(f"L{n}" for n in range(1, 7))
 

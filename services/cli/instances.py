@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from typing import Literal
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2
 
-from services.cli import client
-from services.cli.views import (
+from motor_mesh.cli import client
+from motor_mesh.cli.views import (
     INSTANCE_HEADER,
     aligned,
     as_dict,
@@ -31,8 +30,9 @@ from services.cli.views import (
     print_table,
     run,
 )
-from services.common.leader_target import ControllerTarget
-from services.common.retry import TERMINAL_CODES, Backoff
+from motor_mesh.common.leader_target import ControllerTarget
+from motor_mesh.common.retry import TERMINAL_CODES, Backoff
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 # Polling again after a failed ListInstances: from 0.2 s, doubling up to 5 s.
 RETRY = (0.2, 5.0)

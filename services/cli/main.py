@@ -11,23 +11,23 @@ import sys
 from importlib import metadata
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("services.cli.up", "run a whole local cluster (Controller, Coordinator, NodeManagers, engines)"),
-    "controller": ("services.controller.main", "run the Controller in the foreground"),
-    "coordinator": ("services.coordinator.main", "run the Coordinator in the foreground"),
-    "nodemanager": ("services.nodemanager.main", "run a NodeManager in the foreground"),
-    "engine-sim": ("services.simengine.cli", "run the simulated engine"),
-    "register": ("services.cli.register", "standalone mode: set/add/del/list Coordinator instances"),
+    "up": ("motor_mesh.cli.up", "run a whole local cluster (Controller, Coordinator, NodeManagers, engines)"),
+    "controller": ("motor_mesh.controller.main", "run the Controller in the foreground"),
+    "coordinator": ("motor_mesh.coordinator.main", "run the Coordinator in the foreground"),
+    "nodemanager": ("motor_mesh.nodemanager.main", "run a NodeManager in the foreground"),
+    "engine-sim": ("motor_mesh.simengine.cli", "run the simulated engine"),
+    "register": ("motor_mesh.cli.register", "standalone mode: set/add/del/list Coordinator instances"),
     "instances": (
-        "services.cli.instances",
+        "motor_mesh.cli.instances",
         "list the Controller's instances, or follow their changes (--watch)",
     ),
-    "alarms": ("services.cli.alarms", "list or watch alarms from the Controller"),
+    "alarms": ("motor_mesh.cli.alarms", "list or watch alarms from the Controller"),
     "status": (
-        "services.cli.status",
+        "motor_mesh.cli.status",
         "the cluster on one screen: Controller, Coordinators, NodeManagers, engines",
     ),
-    "faults": ("services.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
-    "config": ("services.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
+    "faults": ("motor_mesh.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
+    "config": ("motor_mesh.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
 }
 
 

@@ -21,15 +21,15 @@ from typing import Protocol
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from services.cli import client, engine_check
-from services.cli import standalone as sa
-from services.cli import table_checks as checks
-from services.cli.views import instance_rows, print_table
-from services.common import enums
-from services.common.config import ConfigError
-from services.coordinator import validation
+from motor_mesh.cli import client, engine_check
+from motor_mesh.cli import standalone as sa
+from motor_mesh.cli import table_checks as checks
+from motor_mesh.cli.views import instance_rows, print_table
+from motor_mesh.common import enums
+from motor_mesh.common.config import ConfigError
+from motor_mesh.coordinator import validation
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROG = "motor register"
 ROLES = ("prefill", "decode", "union")

@@ -21,9 +21,9 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor
-from motor.v1 import common_pb2, coordinator_pb2
 
-from services.common import enums
+from motor_mesh.common import enums
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2
 
 STANDALONE_BIT = 0x40000000
 _LOW_BITS = 0x3FFFFFFF

@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import (
+
+from motor_mesh.cli import client, status_table
+from motor_mesh.cli.alarms import list_alarms
+from motor_mesh.cli.status_table import UNREACHABLE
+from motor_mesh.cli.views import run, short_enum
+from motor_mesh.common import enums
+from motor_mesh.gen.motor.v1 import (
     alarm_pb2,
     common_pb2,
     controller_pb2,
@@ -30,12 +36,6 @@ from motor.v1 import (
     nodemanager_pb2,
     nodemanager_pb2_grpc,
 )
-
-from services.cli import client, status_table
-from services.cli.alarms import list_alarms
-from services.cli.status_table import UNREACHABLE
-from services.cli.views import run, short_enum
-from services.common import enums
 
 T = TypeVar("T")
 # Live statuses, in lifecycle order: the keys of every role's counts.

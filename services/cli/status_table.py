@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from services.cli.views import table_lines
+from motor_mesh.cli.views import table_lines
 
 WIDTH = 100
 UNREACHABLE = "UNREACHABLE"

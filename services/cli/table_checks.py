@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from motor.v1 import common_pb2, coordinator_pb2
-
-from services.cli import standalone as sa
-from services.common import enums
+from motor_mesh.cli import standalone as sa
+from motor_mesh.common import enums
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2
 
 Held = dict[int, common_pb2.Instance]
 

@@ -55,20 +55,20 @@ from pathlib import Path
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, nodemanager_pb2, nodemanager_pb2_grpc
 
-from services.cli.status_table import clip, duration
-from services.cli.up_args import parse
-from services.cli.up_output import error_line, pump
-from services.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
-from services.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
-from services.common import enums, log, tasks
-from services.common.channel import open_channel
-from services.common.config import Config, ConfigError, ServerConfig, load, read_key_file
-from services.common.config.loader import WILDCARDS
-from services.common.procgroup import Reaper, become_subreaper
-from services.common.signals import STDIN_GUARD_ENV, install_stop_signals
-from services.nodemanager.statefile import StateFile, kill_recorded_engines
+from motor_mesh.cli.status_table import clip, duration
+from motor_mesh.cli.up_args import parse
+from motor_mesh.cli.up_output import error_line, pump
+from motor_mesh.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
+from motor_mesh.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
+from motor_mesh.common import enums, log, tasks
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import Config, ConfigError, ServerConfig, load, read_key_file
+from motor_mesh.common.config.loader import WILDCARDS
+from motor_mesh.common.procgroup import Reaper, become_subreaper
+from motor_mesh.common.signals import STDIN_GUARD_ENV, install_stop_signals
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2, nodemanager_pb2_grpc
+from motor_mesh.nodemanager.statefile import StateFile, kill_recorded_engines
 
 # A child that ran this long was healthy: its next restart waits the shortest delay again.
 HEALTHY_RUN_S = 30.0

@@ -11,8 +11,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from services.common import log
-from services.common.lines import read_lines
+from motor_mesh.common import log
+from motor_mesh.common.lines import read_lines
 
 # Lines of a Python traceback that say nothing alone; its last line ("ValueError: ...") does.
 _TRACEBACK_HEADS = (

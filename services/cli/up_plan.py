@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from services.cli.standalone import job_name_of
-from services.common import retry
-from services.common.config import Config, NodeManagerConfig
-from services.common.config.checks import parse_port_range
-from services.common.config.loader import WILDCARDS
-from services.nodemanager import devices
+from motor_mesh.cli.standalone import job_name_of
+from motor_mesh.common import retry
+from motor_mesh.common.config import Config, NodeManagerConfig
+from motor_mesh.common.config.checks import parse_port_range
+from motor_mesh.common.config.loader import WILDCARDS
+from motor_mesh.nodemanager import devices
 
 # /metrics of Controller i (+ i) and of NodeManager i (+ i), where the configuration leaves it off.
 CONTROLLER_METRICS_PORT, NODEMANAGER_METRICS_PORT = 9100, 9300
@@ -88,7 +88,7 @@ def plan(
     binary run under ``--ha``. ``cores``: the CPU cores the engines share (default
     ``nodemanager.cpu_cores``, else every core this process may run on)."""
     off = args.port_offset
-    base = [sys.executable, "-m", "services.cli"]
+    base = [sys.executable, "-m", "motor_mesh.cli"]
     config = ["--config", args.config] if args.config else []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ctl, co = cfg.controller, cfg.coordinator

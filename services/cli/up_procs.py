@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from services.common import log
-from services.common.procgroup import ProcInfo, all_procs
+from motor_mesh.common import log
+from motor_mesh.common.procgroup import ProcInfo, all_procs
 
 
 def descendants(root: int) -> list[ProcInfo]:

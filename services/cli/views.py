@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
-from motor.v1 import common_pb2
 
-from services.cli import client
-from services.common import enums
-from services.common.config import ConfigError
+from motor_mesh.cli import client
+from motor_mesh.common import enums
+from motor_mesh.common.config import ConfigError
+from motor_mesh.gen.motor.v1 import common_pb2
 
 if TYPE_CHECKING:
     from google.protobuf.internal.enum_type_wrapper import _EnumTypeWrapper

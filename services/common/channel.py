@@ -20,9 +20,9 @@ from typing import Any
 
 import grpc
 
-from services.common import log, telemetry
-from services.common.config import ServerConfig
-from services.common.interceptors import KEY_METADATA
+from motor_mesh.common import log, telemetry
+from motor_mesh.common.config import ServerConfig
+from motor_mesh.common.interceptors import KEY_METADATA
 
 DEFAULT_TIMEOUT_S = 5.0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 
 Role: TypeAlias = common_pb2.Role.ValueType
 EngineType: TypeAlias = common_pb2.EngineType.ValueType

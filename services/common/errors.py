@@ -1,5 +1,5 @@
 """Rich gRPC errors (google.rpc details) raised by handlers and turned into statuses by the
-method wrapper in ``services.common.rpc``.
+method wrapper in ``motor_mesh.common.rpc``.
 
 Handlers ``raise`` a :class:`MotorError` built by the helpers below instead of calling
 ``context.abort`` themselves, so the same code runs under tests without a gRPC context and every

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 
-from services.common import log
-from services.common.config import CoordinatorConfig, ServerConfig
+from motor_mesh.common import log
+from motor_mesh.common.config import CoordinatorConfig, ServerConfig
 
 
 def is_loopback(host: str) -> bool:

@@ -19,7 +19,7 @@ import gc
 import time
 from typing import Any
 
-from services.common import log
+from motor_mesh.common import log
 
 GROWTH = 1.25
 MIN_STEP = 64

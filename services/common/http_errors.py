@@ -2,7 +2,7 @@
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``: OpenAI clients (the
 ``openai`` SDK among them) read it from any status. Handlers ``raise OpenAIError(...)`` (or one
-of the builders below); :mod:`services.common.httpserver` answers it with :meth:`OpenAIError.body`,
+of the builders below); :mod:`motor_mesh.common.httpserver` answers it with :meth:`OpenAIError.body`,
 gives its own refusals (unknown route, wrong method, body too large, malformed HTTP) the same
 shape, and answers anything else 500 with :data:`INTERNAL_MESSAGE`, never the exception's text,
 which may hold addresses, paths or secrets: the traceback goes to the server's log instead.

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import httptools
 
-from services.common import log
+from motor_mesh.common import log
 
 PAUSE_AT_BYTES = 1 << 20  # buffered upstream bytes the consumer has not taken yet
 MAX_IDLE_PER_ENDPOINT = 256

@@ -1,5 +1,5 @@
 """What an HTTP handler sees: the :class:`Request`, the :class:`Responder` it answers with, and
-a route table. The connection machinery is in :mod:`services.common.httpserver`."""
+a route table. The connection machinery is in :mod:`motor_mesh.common.httpserver`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Protocol
 
-from services.common.http_errors import OpenAIError, invalid_request
+from motor_mesh.common.http_errors import OpenAIError, invalid_request
 
 
 class Wire(Protocol):

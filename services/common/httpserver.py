@@ -22,9 +22,9 @@ from typing import cast
 
 import httptools
 
-from services.common import log
-from services.common.http_errors import OpenAIError, internal_error, invalid_request
-from services.common.httpmessages import Handler, Request, Responder
+from motor_mesh.common import log
+from motor_mesh.common.http_errors import OpenAIError, internal_error, invalid_request
+from motor_mesh.common.httpmessages import Handler, Request, Responder
 
 MAX_HEADER_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 75.0  # keep-alive connections with nothing in flight (nginx's default)

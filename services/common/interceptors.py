@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from services.common import log
+from motor_mesh.common import log
 
 KEY_METADATA = "x-motor-management-key"
 # The pushing Controller's leader term (etcd store): Coordinators refuse an older one.

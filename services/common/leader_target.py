@@ -27,12 +27,12 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from motor.v1 import controller_pb2_grpc
 
-from services.common import dns, log, retry
-from services.common.channel import ClientTLS, open_channel
-from services.common.config import ServerConfig
-from services.common.errors import RpcFailure
+from motor_mesh.common import dns, log, retry
+from motor_mesh.common.channel import ClientTLS, open_channel
+from motor_mesh.common.config import ServerConfig
+from motor_mesh.common.errors import RpcFailure
+from motor_mesh.gen.motor.v1 import controller_pb2_grpc
 
 NOT_LEADER = "NOT_LEADER"
 # Failures that say "not the leader, or not there". Any other code is an answer of the leader.

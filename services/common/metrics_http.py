@@ -13,7 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from services.common import log
+from motor_mesh.common import log
 
 PATH = "/metrics"
 # In-flight scrapes get this long to finish when the service stops.

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common import log
+from motor_mesh.common import log
 
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.05

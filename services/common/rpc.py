@@ -26,7 +26,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from services.common import errors, log
+from motor_mesh.common import errors, log
 
 Validator = Callable[[Any], list[tuple[str, str]]]
 

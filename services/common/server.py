@@ -2,7 +2,7 @@
 
 Health (``""`` plus each served service), reflection, keepalive policy, ``so_reuseport = 0``,
 message-size limits, raw-bytes method wrappers, interceptors (tracing, access log, management key),
-optional TLS/mTLS, the exposure warning (:mod:`services.common.exposure`), the
+optional TLS/mTLS, the exposure warning (:mod:`motor_mesh.common.exposure`), the
 ``event=listening`` line, and the graceful stop sequence (SIGTERM/SIGINT; a second one forces
 the exit at once).
 """
@@ -21,11 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from services.common import exposure, log, telemetry
-from services.common.config import ConfigError, ServerConfig, read_key_file, read_private_file
-from services.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
-from services.common.rpc import service_handler
-from services.common.signals import STDIN_GUARD_ENV, install_stop_signals, stop_when_stdin_closes
+from motor_mesh.common import exposure, log, telemetry
+from motor_mesh.common.config import ConfigError, ServerConfig, read_key_file, read_private_file
+from motor_mesh.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
+from motor_mesh.common.rpc import service_handler
+from motor_mesh.common.signals import STDIN_GUARD_ENV, install_stop_signals, stop_when_stdin_closes
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

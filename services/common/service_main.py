@@ -3,7 +3,7 @@
 Parses ``--config`` and the few flags that override config keys, loads the configuration
 (printing every error and exiting 1 before anything binds), sets up logging, then runs the
 service's ``serve(cfg, stop)`` coroutine until SIGTERM/SIGINT (a second one exits at once, and
-under ``motor up`` stdin closing stops it too: :func:`services.common.server.run`).
+under ``motor up`` stdin closing stops it too: :func:`motor_mesh.common.server.run`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.common import log
-from services.common.config import Config, ConfigError, load
-from services.common.server import run
+from motor_mesh.common import log
+from motor_mesh.common.config import Config, ConfigError, load
+from motor_mesh.common.server import run
 
 Serve = Callable[[Config, Any], Awaitable[int]]
 

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from services.common import log
+from motor_mesh.common import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # What a forced exit must not leave behind (on_forced_exit).

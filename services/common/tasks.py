@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from services.common import log
-from services.common.retry import Backoff
+from motor_mesh.common import log
+from motor_mesh.common.retry import Backoff
 
 # A run that lasted this long was healthy: the next failure starts the backoff from scratch.
 HEALTHY_RUN_S = 30.0

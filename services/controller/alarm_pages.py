@@ -11,7 +11,7 @@ import base64
 import binascii
 import json
 
-from motor.v1 import controller_pb2 as pb
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 from .alarms import AlarmStore
 

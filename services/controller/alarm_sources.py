@@ -30,10 +30,8 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-from motor.v1 import alarm_pb2
-
-from services.common import log
-from services.common.enums import (
+from motor_mesh.common import log
+from motor_mesh.common.enums import (
     ACTIVE,
     DELETED,
     INACTIVE,
@@ -43,6 +41,7 @@ from services.common.enums import (
     Role,
     status_name,
 )
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .alarms import ALARM, COORDINATOR_FAULT, INSTANCE_FAULT, AlarmStore, clear_of, now_timestamp
 from .instances import InstanceTable

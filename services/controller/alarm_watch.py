@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
-from motor.v1 import alarm_pb2
 
-from services.common import errors
+from motor_mesh.common import errors
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .alarms import KEEP_HISTORY, AlarmStore
 

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from google.protobuf import timestamp_pb2
-from motor.v1 import alarm_pb2
 
-from services.common import log, tasks
+from motor_mesh.common import log, tasks
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .db import StateWriteError
 from .state_store import StateStore

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import aiohttp
-from motor.v1 import alarm_pb2
 
-from services.common import log, tasks
-from services.common.retry import Backoff
+from motor_mesh.common import log, tasks
+from motor_mesh.common.retry import Backoff
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .alarms import dedupe_key
 

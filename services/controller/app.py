@@ -23,11 +23,11 @@ import fcntl
 import os
 from pathlib import Path
 
-from services.common import log
-from services.common.config import ControllerConfig, read_key_file
-from services.common.gcpolicy import GcGuard
-from services.common.retry import Backoff
-from services.common.tasks import spawn
+from motor_mesh.common import log
+from motor_mesh.common.config import ControllerConfig, read_key_file
+from motor_mesh.common.gcpolicy import GcGuard
+from motor_mesh.common.retry import Backoff
+from motor_mesh.common.tasks import spawn
 
 from .alarm_sources import COORDINATOR_ALARM_AFTER_S, CoordinatorAlarms, InstanceAlarms
 from .alarm_watch import AlarmWatchHub

@@ -13,8 +13,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from services.common import log
-from services.common.config import ControllerConfig
+from motor_mesh.common import log
+from motor_mesh.common.config import ControllerConfig
 
 from . import assembly
 from . import state_machine as sm

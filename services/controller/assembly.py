@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from motor.v1 import common_pb2, nodemanager_pb2
-
-from services.common.enums import EP_INITIAL, PD_SGLANG
+from motor_mesh.common.enums import EP_INITIAL, PD_SGLANG
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
 
 from .model import Instance, JobSpec, Member
 

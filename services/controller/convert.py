@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from motor.v1 import common_pb2, controller_pb2
-
-from services.common import enums
-from services.common.enums import InstanceStatus
+from motor_mesh.common import enums
+from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 from .model import Instance, JobSpec, Member, Pending
 

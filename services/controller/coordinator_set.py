@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from services.common import log
-from services.common.dns import resolve, split_entry
-from services.common.tasks import cancel_quietly, spawn
+from motor_mesh.common import log
+from motor_mesh.common.dns import resolve, split_entry
+from motor_mesh.common.tasks import cancel_quietly, spawn
 
 RESOLVE_S = 5.0
 

@@ -23,9 +23,9 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import log
-from services.common.retry import Backoff
-from services.common.tasks import cancel_quietly, cancelled_from_outside, spawn
+from motor_mesh.common import log
+from motor_mesh.common.retry import Backoff
+from motor_mesh.common.tasks import cancel_quietly, cancelled_from_outside, spawn
 
 COORDINATOR_SERVICE = "motor.v1.Coordinator"
 RETRY = (0.05, 0.25)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from google.rpc import error_details_pb2
 
-from services.common import errors, log
+from motor_mesh.common import errors, log
 
 T = TypeVar("T")
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
-from etcd.etcdserverpb import rpc_pb2, rpc_pb2_grpc
-from etcd.etcdserverpb.rpc_pb2_grpc import KVStub, LeaseStub, WatchStub
-from etcd.mvccpb import kv_pb2
 
-from services.common import log
-from services.common.config import ConfigError, read_private_file
-from services.common.retry import Backoff, RetryPolicy
-from services.common.server import MAX_TLS_FILE_BYTES, read_public_file
+from motor_mesh.common import log
+from motor_mesh.common.config import ConfigError, read_private_file
+from motor_mesh.common.retry import Backoff, RetryPolicy
+from motor_mesh.common.server import MAX_TLS_FILE_BYTES, read_public_file
+from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2, rpc_pb2_grpc
+from motor_mesh.gen.etcd.etcdserverpb.rpc_pb2_grpc import KVStub, LeaseStub, WatchStub
+from motor_mesh.gen.etcd.mvccpb import kv_pb2
 
 T = TypeVar("T")
 # Status codes that say "this endpoint did not answer": the next one is tried.

@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
-from motor.v1 import alarm_pb2
 
-from services.common.enums import InstanceStatus
+from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .convert import instance_from_row, instance_row, pending_from_row, pending_row
 from .db import StateCorrupt

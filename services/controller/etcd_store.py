@@ -29,11 +29,11 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 import grpc
-from etcd.etcdserverpb import rpc_pb2
-from motor.v1 import alarm_pb2
 
-from services.common import log
-from services.common.enums import DELETED, InstanceStatus
+from motor_mesh.common import log
+from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from . import etcd_layout as lay
 from .db import StateWriteError

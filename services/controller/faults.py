@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
-from motor.v1 import controller_pb2 as pb
 
-from services.common import enums, log, tasks
-from services.common.config import ControllerConfig
-from services.common.retry import Backoff
+from motor_mesh.common import enums, log, tasks
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.common.retry import Backoff
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 from .db import StateWriteError
 from .instances import InstanceTable

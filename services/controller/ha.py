@@ -21,21 +21,20 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from motor.v1 import controller_pb2
-
-from services.common import log
-from services.common.config import ControllerConfig
-from services.common.metrics_http import MetricsServer
-from services.common.server import MotorServer
-from services.common.tasks import cancel_quietly, spawn
-from services.controller import metrics
-from services.controller.app import Controller
-from services.controller.db import StateCorrupt
-from services.controller.etcd_client import EtcdClient, EtcdUnavailable
-from services.controller.etcd_store import EtcdStore
-from services.controller.leadership import Leadership
-from services.controller.main import start_listeners
-from services.controller.standby import LeaderGate
+from motor_mesh.common import log
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.common.metrics_http import MetricsServer
+from motor_mesh.common.server import MotorServer
+from motor_mesh.common.tasks import cancel_quietly, spawn
+from motor_mesh.controller import metrics
+from motor_mesh.controller.app import Controller
+from motor_mesh.controller.db import StateCorrupt
+from motor_mesh.controller.etcd_client import EtcdClient, EtcdUnavailable
+from motor_mesh.controller.etcd_store import EtcdStore
+from motor_mesh.controller.leadership import Leadership
+from motor_mesh.controller.main import start_listeners
+from motor_mesh.controller.standby import LeaderGate
+from motor_mesh.gen.motor.v1 import controller_pb2
 
 # The exit status of a leader that lost its lease: not a crash, a step-down.
 LOST_LEADERSHIP_EXIT = 3

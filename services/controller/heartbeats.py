@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 
 import grpc
-from motor.v1 import common_pb2
-from motor.v1 import controller_pb2 as pb
 
-from services.common import errors, log
-from services.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER, enum_name
-from services.common.gcpolicy import GcGuard
-from services.common.latency import LatencyHistogram
-from services.common.rpc import BidiStream
+from motor_mesh.common import errors, log
+from motor_mesh.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, REREGISTER, enum_name
+from motor_mesh.common.gcpolicy import GcGuard
+from motor_mesh.common.latency import LatencyHistogram
+from motor_mesh.common.rpc import BidiStream
+from motor_mesh.gen.motor.v1 import common_pb2
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 from .instances import InstanceTable
 from .model import Instance, Member, Session, observe_kv_ports

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common import errors, log, retry
-from services.common.config import ControllerConfig
+from motor_mesh.common import errors, log, retry
+from motor_mesh.common.config import ControllerConfig
 
 from . import assembly
 from . import state_machine as sm

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from services.common import log
-from services.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
+from motor_mesh.common import log
+from motor_mesh.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
 
 from .db import StateWriteError
 from .model import Instance

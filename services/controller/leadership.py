@@ -32,11 +32,11 @@ import math
 import time
 
 import grpc
-from etcd.etcdserverpb import rpc_pb2
 
-from services.common import log
-from services.common.interceptors import LEADER_TERM_METADATA
-from services.common.retry import Backoff
+from motor_mesh.common import log
+from motor_mesh.common.interceptors import LEADER_TERM_METADATA
+from motor_mesh.common.retry import Backoff
+from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
 
 from .etcd_client import EtcdClient, EtcdUnavailable, cmp_create, op_get, op_put
 from .state_store import NotLeader

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from services.common import log
+from motor_mesh.common import log
 
 
 class LiveClock:

@@ -5,22 +5,21 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from motor.v1 import controller_pb2
-
-from services.common.config import Config
-from services.common.metrics_http import MetricsServer
-from services.common.server import MotorServer
-from services.common.service_main import service_main
-from services.controller import metrics
-from services.controller.app import Controller
-from services.controller.db import StateCorrupt
+from motor_mesh.common.config import Config
+from motor_mesh.common.metrics_http import MetricsServer
+from motor_mesh.common.server import MotorServer
+from motor_mesh.common.service_main import service_main
+from motor_mesh.controller import metrics
+from motor_mesh.controller.app import Controller
+from motor_mesh.controller.db import StateCorrupt
+from motor_mesh.gen.motor.v1 import controller_pb2
 
 
 async def serve(cfg: Config, stop: asyncio.Event) -> int:
     c = cfg.controller
     if c.store == "etcd":
         # Imported here: the SQLite deployment never loads the etcd client.
-        from services.controller.ha import serve_ha
+        from motor_mesh.controller.ha import serve_ha
 
         return await serve_ha(c, stop)
     try:

@@ -16,18 +16,18 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from motor.v1 import alarm_pb2, common_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
-from services.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
+from motor_mesh.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 
 if TYPE_CHECKING:
-    from services.controller.app import Controller
-    from services.controller.ha import Lead
-    from services.controller.leadership import Leadership
+    from motor_mesh.controller.app import Controller
+    from motor_mesh.controller.ha import Lead
+    from motor_mesh.controller.leadership import Leadership
 
 P = "motor_controller_"
 # Every live status (DELETED instances are history, not counted) of every role, so a dashboard

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from motor.v1 import common_pb2
-
-from services.common.enums import InstanceStatus
+from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.gen.motor.v1 import common_pb2
 
 
 def observe_kv_ports(ep: common_pb2.Endpoint, reported: common_pb2.Endpoint) -> None:

@@ -11,10 +11,10 @@ import asyncio
 from collections import OrderedDict
 
 import grpc
-from motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
 
-from services.common.channel import open_channel
-from services.common.config import ServerConfig
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import ServerConfig
+from motor_mesh.gen.motor.v1 import nodemanager_pb2, nodemanager_pb2_grpc
 
 PROBE_TIMEOUT_S = 3.0
 PROBE_ATTEMPTS = 2

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Iterable
 
-from services.common import log
+from motor_mesh.common import log
 
 from .model import Member, Pending
 from .sessions import SessionTable

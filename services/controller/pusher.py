@@ -30,14 +30,14 @@ from typing import NoReturn, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-from services.common import log, tasks
-from services.common.channel import open_channel
-from services.common.config import ServerConfig
-from services.common.enums import PAUSED, InstanceStatus
-from services.common.retry import Backoff
-from services.common.tasks import cancelled_from_outside
+from motor_mesh.common import log, tasks
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import ServerConfig
+from motor_mesh.common.enums import PAUSED, InstanceStatus
+from motor_mesh.common.retry import Backoff
+from motor_mesh.common.tasks import cancelled_from_outside
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import state_machine as sm
 from .convert import identity_pb, instance_pb

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from services.common import log
-from services.common.retry import Backoff
-from services.common.tasks import cancelled_from_outside, spawn
+from motor_mesh.common import log
+from motor_mesh.common.retry import Backoff
+from motor_mesh.common.tasks import cancelled_from_outside, spawn
 
 from .db import StateWriteError
 from .workqueue import ShutDown, WorkQueue

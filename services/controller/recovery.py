@@ -22,14 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from motor.v1 import alarm_pb2, coordinator_pb2, coordinator_pb2_grpc
-from motor.v1 import controller_pb2 as pb
 
-from services.common import errors, log, tasks
-from services.common.channel import open_channel
-from services.common.config import ControllerConfig
-from services.common.enums import DELETED
-from services.common.retry import Backoff
+from motor_mesh.common import errors, log, tasks
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.common.enums import DELETED
+from motor_mesh.common.retry import Backoff
+from motor_mesh.gen.motor.v1 import alarm_pb2, coordinator_pb2, coordinator_pb2_grpc
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 from .alarm_sources import ON_PURPOSE
 from .alarms import ALARM, PRECISION, AlarmStore, StoredAlarms, clear_of

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 import grpc
-from motor.v1 import controller_pb2 as pb
 
-from services.common import errors, log
-from services.common.config import ControllerConfig
-from services.common.enums import DELETED, InstanceStatus, status_name
+from motor_mesh.common import errors, log
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.common.enums import DELETED, InstanceStatus, status_name
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 from . import assembly, convert
 from .instances import InstanceTable

@@ -6,17 +6,17 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from motor.v1 import controller_pb2 as pb
-from motor.v1 import controller_pb2_grpc
 
-from services.common import errors
-from services.common.rpc import BidiStream
-from services.controller import validation
-from services.controller.alarm_pages import list_page
-from services.controller.convert import instance_pb
+from motor_mesh.common import errors
+from motor_mesh.common.rpc import BidiStream
+from motor_mesh.controller import validation
+from motor_mesh.controller.alarm_pages import list_page
+from motor_mesh.controller.convert import instance_pb
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
+from motor_mesh.gen.motor.v1 import controller_pb2_grpc
 
 if TYPE_CHECKING:
-    from services.controller.app import Controller
+    from motor_mesh.controller.app import Controller
 
 
 class ControllerService(controller_pb2_grpc.ControllerServicer):

@@ -15,11 +15,11 @@ from typing import NoReturn
 
 import grpc
 from google.rpc import error_details_pb2
-from motor.v1 import controller_pb2 as pb
-from motor.v1 import controller_pb2_grpc
 
-from services.common import errors
-from services.common.rpc import BidiStream
+from motor_mesh.common import errors
+from motor_mesh.common.rpc import BidiStream
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
+from motor_mesh.gen.motor.v1 import controller_pb2_grpc
 
 from . import validation
 from .service import ControllerService

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.common.enums import (
+from motor_mesh.common.enums import (
     ACTIVE,
     DELETED,
     EP_ABNORMAL,

@@ -1,7 +1,7 @@
 """What the Controller asks of the place its state lives, whichever backend holds it.
 
-Two backends: :class:`~services.controller.store.Store` (SQLite under ``state_dir``, one
-Controller) and :class:`~services.controller.etcd_store.EtcdStore` (etcd, shared by a leader and
+Two backends: :class:`~motor_mesh.controller.store.Store` (SQLite under ``state_dir``, one
+Controller) and :class:`~motor_mesh.controller.etcd_store.EtcdStore` (etcd, shared by a leader and
 its standbys). Both keep the same promises:
 
 - the ``load_*`` reads are synchronous and run once, at start-up, before anything is served;
@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from google.rpc import error_details_pb2
-from motor.v1 import alarm_pb2
 
-from services.common import errors
-from services.common.enums import InstanceStatus
+from motor_mesh.common import errors
+from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .db import StateWriteError
 from .model import Instance, Pending
 
 if TYPE_CHECKING:
-    from etcd.etcdserverpb import rpc_pb2
+    from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
 
 # A node's reported faults by code: (level, reason).
 NodeFaults = dict[str, tuple[int, str]]

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError
-from motor.v1 import alarm_pb2
 
-from services.common.enums import DELETED, InstanceStatus
+from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.gen.motor.v1 import alarm_pb2
 
 from .convert import instance_from_row, instance_row, pending_from_row, pending_row
 from .db import Writer, move_aside, open_checked

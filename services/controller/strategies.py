@@ -16,10 +16,10 @@ import time
 from typing import Protocol
 
 import grpc
-from motor.v1 import nodemanager_pb2
 
-from services.common import enums, errors, log, tasks
-from services.common.config import ControllerConfig
+from motor_mesh.common import enums, errors, log, tasks
+from motor_mesh.common.config import ControllerConfig
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
 
 from .instances import InstanceTable
 from .model import Instance, observe_kv_ports

@@ -6,10 +6,9 @@ import contextlib
 import ipaddress
 import re
 
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2
-
-from services.common import enums
-from services.common.config.checks import split_problem
+from motor_mesh.common import enums
+from motor_mesh.common.config.checks import split_problem
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 from .alarm_pages import BadToken, decode_token
 from .alarms import PRECISION

@@ -19,7 +19,7 @@ import collections
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-from services.common.retry import Backoff
+from motor_mesh.common.retry import Backoff
 
 K = TypeVar("K", bound=Hashable)
 

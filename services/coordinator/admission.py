@@ -14,7 +14,7 @@ import collections
 import contextlib
 import math
 
-from services.common.http_errors import OpenAIError
+from motor_mesh.common.http_errors import OpenAIError
 
 
 def too_many(limit: int) -> OpenAIError:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from services.common import log
-from services.common.enums import ROLE_NAMES
-from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
-from services.common.tasks import supervise
-from services.coordinator.routes import RoutingView, Upstream
+from motor_mesh.common import log
+from motor_mesh.common.enums import ROLE_NAMES
+from motor_mesh.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
+from motor_mesh.common.tasks import supervise
+from motor_mesh.coordinator.routes import RoutingView, Upstream
 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0

@@ -1,7 +1,7 @@
 """The OpenAI-compatible inference server: the ``/v1`` API, probes and metrics
 (docs/architecture.md, "The flow of a request").
 
-Runs on :mod:`services.common.httpserver`. Errors are :class:`OpenAIError` bodies raised by the
+Runs on :mod:`motor_mesh.common.httpserver`. Errors are :class:`OpenAIError` bodies raised by the
 handlers and answered by the server; while nothing is routable, the API answers 503
 ``no_routable_instance`` with ``Retry-After: 1`` (docs/operations.md, "Health and readiness").
 """
@@ -14,17 +14,17 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from services.common.config import CoordinatorConfig, read_private_file
-from services.common.http_errors import OpenAIError, invalid_request, model_not_found
-from services.common.httpmessages import JSON_CT, Handler, Headers, Request, Responder, route_table
-from services.coordinator.admission import Admission
-from services.coordinator.bodies import BadBody, estimate_tokens, parse_request
-from services.coordinator.metrics import Metrics
-from services.coordinator.pd import Call, Router
-from services.coordinator.routes import RoutingView
+from motor_mesh.common.config import CoordinatorConfig, read_private_file
+from motor_mesh.common.http_errors import OpenAIError, invalid_request, model_not_found
+from motor_mesh.common.httpmessages import JSON_CT, Handler, Headers, Request, Responder, route_table
+from motor_mesh.coordinator.admission import Admission
+from motor_mesh.coordinator.bodies import BadBody, estimate_tokens, parse_request
+from motor_mesh.coordinator.metrics import Metrics
+from motor_mesh.coordinator.pd import Call, Router
+from motor_mesh.coordinator.routes import RoutingView
 
 if TYPE_CHECKING:  # loaded only when tracing is on
-    from services.coordinator.tracing import RequestTrace, RequestTracer
+    from motor_mesh.coordinator.tracing import RequestTrace, RequestTracer
 
 MAX_API_KEYS_BYTES = 1024 * 1024
 OFF_LOOP_BYTES = 1 << 20

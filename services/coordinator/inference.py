@@ -12,21 +12,21 @@ import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from services.common import telemetry
-from services.common.config import ConfigError, CoordinatorConfig
-from services.common.httpserver import HttpServer
-from services.coordinator.admission import Admission
-from services.coordinator.health import Breaker
-from services.coordinator.http_app import ApiKeys, InferenceApp
-from services.coordinator.kv import routing as kv_routing
-from services.coordinator.metrics import Metrics
-from services.coordinator.pd import CompletedSink, Router
-from services.coordinator.policies import Policy, least_load, make_policy
-from services.coordinator.routes import RoutingView, netloc
-from services.coordinator.upstream import Deadlines, Engines
+from motor_mesh.common import telemetry
+from motor_mesh.common.config import ConfigError, CoordinatorConfig
+from motor_mesh.common.httpserver import HttpServer
+from motor_mesh.coordinator.admission import Admission
+from motor_mesh.coordinator.health import Breaker
+from motor_mesh.coordinator.http_app import ApiKeys, InferenceApp
+from motor_mesh.coordinator.kv import routing as kv_routing
+from motor_mesh.coordinator.metrics import Metrics
+from motor_mesh.coordinator.pd import CompletedSink, Router
+from motor_mesh.coordinator.policies import Policy, least_load, make_policy
+from motor_mesh.coordinator.routes import RoutingView, netloc
+from motor_mesh.coordinator.upstream import Deadlines, Engines
 
 if TYPE_CHECKING:
-    from services.coordinator.tracing import RequestTracer
+    from motor_mesh.coordinator.tracing import RequestTracer
 
 HTTP_SHUTDOWN_S = 3.0
 
@@ -68,7 +68,7 @@ def request_tracer() -> RequestTracer | None:
     the process that serves HTTP, so each inference worker sets up its own provider."""
     if not telemetry.enabled():
         return None
-    from services.coordinator.tracing import RequestTracer
+    from motor_mesh.coordinator.tracing import RequestTracer
 
     return RequestTracer(telemetry.hold("coordinator"))
 

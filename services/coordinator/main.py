@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.service_main import service_main
-from services.coordinator.runtime import serve
+from motor_mesh.common.service_main import service_main
+from motor_mesh.coordinator.runtime import serve
 
 
 def main(argv: list[str]) -> int:

@@ -23,9 +23,9 @@ from prometheus_client import (
     values,
 )
 
-from services.common.tasks import supervise
-from services.coordinator.kv.metrics import KvMetrics
-from services.coordinator.tally import CounterTally, HistogramTally, Tallies
+from motor_mesh.common.tasks import supervise
+from motor_mesh.coordinator.kv.metrics import KvMetrics
+from motor_mesh.coordinator.tally import CounterTally, HistogramTally, Tallies
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLUSH_S = 1.0

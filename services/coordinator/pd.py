@@ -18,21 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.common import log
-from services.common.enums import PD_SGLANG, ROLE_NAMES
-from services.common.http_errors import server_error
-from services.common.httpclient import Response
-from services.common.httpmessages import Headers, Responder
-from services.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
-from services.coordinator.policies import Policy
-from services.coordinator.precision.groups import Completed
-from services.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
-from services.coordinator.upstream import Answer, Engines, PhaseTimeout, Unreachable
+from motor_mesh.common import log
+from motor_mesh.common.enums import PD_SGLANG, ROLE_NAMES
+from motor_mesh.common.http_errors import server_error
+from motor_mesh.common.httpclient import Response
+from motor_mesh.common.httpmessages import Headers, Responder
+from motor_mesh.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
+from motor_mesh.coordinator.policies import Policy
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
+from motor_mesh.coordinator.upstream import Answer, Engines, PhaseTimeout, Unreachable
 
 if TYPE_CHECKING:  # loaded only when tracing is on (kv: only with a kv_aware policy)
-    from services.coordinator.kv.prompt import PromptView
-    from services.coordinator.kv.routing import KvRouting
-    from services.coordinator.tracing import RequestTrace
+    from motor_mesh.coordinator.kv.prompt import PromptView
+    from motor_mesh.coordinator.kv.routing import KvRouting
+    from motor_mesh.coordinator.tracing import RequestTrace
 
 CHAT_PATH = "/v1/chat/completions"
 

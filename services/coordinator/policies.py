@@ -15,10 +15,10 @@ from collections.abc import Collection, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
-from services.coordinator.routes import Target
+from motor_mesh.coordinator.routes import Target
 
 if TYPE_CHECKING:
-    from services.coordinator.kv.prompt import PromptView
+    from motor_mesh.coordinator.kv.prompt import PromptView
 
 
 class Policy(Protocol):

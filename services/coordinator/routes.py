@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from motor.v1 import common_pb2
-
-from services.common.enums import DECODE, PD_SGLANG, PD_VLLM, PREFILL, ROLE_NAMES, UNION, pd_protocol_of
-from services.coordinator.table import TableState, identity
+from motor_mesh.common.enums import DECODE, PD_SGLANG, PD_VLLM, PREFILL, ROLE_NAMES, UNION, pd_protocol_of
+from motor_mesh.coordinator.table import TableState, identity
+from motor_mesh.gen.motor.v1 import common_pb2
 
 
 def netloc(host: str, port: int) -> str:

@@ -8,25 +8,24 @@ import asyncio
 import json
 from typing import Any
 
-from motor.v1 import coordinator_pb2
-
-from services.common import errors, exposure, log
-from services.common.config import Config, ConfigError, CoordinatorConfig, read_key_file
-from services.common.enums import ROLE_NAMES
-from services.common.server import MotorServer
-from services.coordinator.health import Breaker
-from services.coordinator.inference import InferenceServer, api_keys, https, make_router
-from services.coordinator.kv import routing as kv_routing
-from services.coordinator.kv.feed import KvFeed
-from services.coordinator.kv.shared import SharedWriter
-from services.coordinator.metrics import Metrics, use_own_process
-from services.coordinator.pd import Router
-from services.coordinator.precision.reporter import AlarmReporter, service_ip
-from services.coordinator.precision.sampler import GroupGone, PrecisionMonitor
-from services.coordinator.routes import RoutingView, build_view
-from services.coordinator.service import CoordinatorService
-from services.coordinator.table import RoutingTable
-from services.coordinator.workers.pool import WorkerPool, WorkersUnavailable, worker_count
+from motor_mesh.common import errors, exposure, log
+from motor_mesh.common.config import Config, ConfigError, CoordinatorConfig, read_key_file
+from motor_mesh.common.enums import ROLE_NAMES
+from motor_mesh.common.server import MotorServer
+from motor_mesh.coordinator.health import Breaker
+from motor_mesh.coordinator.inference import InferenceServer, api_keys, https, make_router
+from motor_mesh.coordinator.kv import routing as kv_routing
+from motor_mesh.coordinator.kv.feed import KvFeed
+from motor_mesh.coordinator.kv.shared import SharedWriter
+from motor_mesh.coordinator.metrics import Metrics, use_own_process
+from motor_mesh.coordinator.pd import Router
+from motor_mesh.coordinator.precision.reporter import AlarmReporter, service_ip
+from motor_mesh.coordinator.precision.sampler import GroupGone, PrecisionMonitor
+from motor_mesh.coordinator.routes import RoutingView, build_view
+from motor_mesh.coordinator.service import CoordinatorService
+from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.coordinator.workers.pool import WorkerPool, WorkersUnavailable, worker_count
+from motor_mesh.gen.motor.v1 import coordinator_pb2
 
 
 def _controller_key(cfg: CoordinatorConfig) -> str | None:

@@ -1,6 +1,6 @@
 """motor.v1.Coordinator servicer (management plane): the routing table over gRPC.
 
-``services.common.rpc`` registers these methods itself (raw-bytes parsing, ``VALIDATORS``, rich
+``motor_mesh.common.rpc`` registers these methods itself (raw-bytes parsing, ``VALIDATORS``, rich
 errors); the generated servicer is the base class for its request and response types.
 """
 
@@ -10,16 +10,16 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
-from motor.v1 import coordinator_pb2 as pb
-from motor.v1 import coordinator_pb2_grpc
 
-from services.common import errors, log
-from services.common.interceptors import LEADER_TERM_METADATA
-from services.coordinator import validation
-from services.coordinator.table import RoutingTable
+from motor_mesh.common import errors, log
+from motor_mesh.common.interceptors import LEADER_TERM_METADATA
+from motor_mesh.coordinator import validation
+from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
+from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 
 if TYPE_CHECKING:
-    from services.coordinator.workers.pool import WorkerPool
+    from motor_mesh.coordinator.workers.pool import WorkerPool
 
 R = TypeVar("R")
 

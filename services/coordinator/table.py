@@ -4,7 +4,7 @@
 Pure data: no I/O, no gRPC context. Every mutation first checks the whole request against the
 current table and only then builds a *new* state, so a refused request changes nothing
 (all-or-nothing) and readers holding the previous state never see a half-applied change.
-Errors are :class:`services.common.errors.MotorError` naming the first bad ``instances[i]``.
+Errors are :class:`motor_mesh.common.errors.MotorError` naming the first bad ``instances[i]``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.rpc import error_details_pb2
-from motor.v1 import common_pb2
 
-from services.common import errors
-from services.common.enums import ACTIVE, PAUSED, ROLE_UNSPECIFIED, STATUS_UNSPECIFIED
+from motor_mesh.common import errors
+from motor_mesh.common.enums import ACTIVE, PAUSED, ROLE_UNSPECIFIED, STATUS_UNSPECIFIED
+from motor_mesh.gen.motor.v1 import common_pb2
 
 Identity = tuple[int, str, frozenset[tuple[str, int]]]
 

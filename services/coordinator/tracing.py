@@ -2,7 +2,7 @@
 when it is recorded, one CLIENT span per leg attempt under it; each engine request carries the
 W3C ``traceparent`` of its leg.
 
-Imported only when tracing is on (:mod:`services.common.telemetry`): with it off the request
+Imported only when tracing is on (:mod:`motor_mesh.common.telemetry`): with it off the request
 path holds ``None`` where a :class:`RequestTracer` would be, checks that once per request (and
 once per leg), and neither OpenTelemetry nor this module is loaded.
 
@@ -19,10 +19,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.common import telemetry
-from services.common.httpmessages import Request
-from services.coordinator.routes import Upstream
-from services.coordinator.upstream import JSON_HEADER
+from motor_mesh.common import telemetry
+from motor_mesh.common.httpmessages import Request
+from motor_mesh.coordinator.routes import Upstream
+from motor_mesh.coordinator.upstream import JSON_HEADER
 
 
 def traceparent(ctx: trace.SpanContext) -> str:

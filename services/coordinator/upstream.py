@@ -14,16 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common import log
-from services.common.http_errors import server_error
-from services.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
-from services.common.httpmessages import JSON_CT, Headers, Responder
-from services.coordinator.bodies import SseFilter, strip_kv
-from services.coordinator.metrics import Metrics
-from services.coordinator.routes import Upstream
+from motor_mesh.common import log
+from motor_mesh.common.http_errors import server_error
+from motor_mesh.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
+from motor_mesh.common.httpmessages import JSON_CT, Headers, Responder
+from motor_mesh.coordinator.bodies import SseFilter, strip_kv
+from motor_mesh.coordinator.metrics import Metrics
+from motor_mesh.coordinator.routes import Upstream
 
 if TYPE_CHECKING:  # loaded only when tracing is on
-    from services.coordinator.tracing import Leg
+    from motor_mesh.coordinator.tracing import Leg
 
 CONNECT_S = 5.0
 SSE_CT = b"text/event-stream"

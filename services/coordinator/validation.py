@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from motor.v1 import common_pb2, coordinator_pb2
-
-from services.common.enums import PD_SGLANG, PREFILL, ROLE_UNSPECIFIED, pd_protocol_of
+from motor_mesh.common.enums import PD_SGLANG, PREFILL, ROLE_UNSPECIFIED, pd_protocol_of
+from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2
 
 _ROLES = frozenset(common_pb2.Role.values()) - {ROLE_UNSPECIFIED}
 _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())

@@ -1,5 +1,5 @@
 """One inference worker of a Coordinator with ``workers > 1`` (started by the management
-process, never by hand): ``python -m services.coordinator.worker --dir D --index I``.
+process, never by hand): ``python -m motor_mesh.coordinator.worker --dir D --index I``.
 
 It takes the table from the management process over ZeroMQ before it listens, serves the
 inference port beside the other workers (``SO_REUSEPORT``), routes with its own in-flight
@@ -17,17 +17,17 @@ import os
 import sys
 import time
 
-from services.common import log
-from services.common.config import ConfigError, load
-from services.common.server import run
-from services.coordinator.inference import InferenceServer, api_keys, https
-from services.coordinator.metrics import MULTIPROC_ENV, Metrics, use_shared_dir
-from services.coordinator.pd import CompletedSink
-from services.coordinator.precision.groups import Completed
-from services.coordinator.routes import RoutingView, build_view
-from services.coordinator.table import TableState
-from services.coordinator.workers.link import WorkerLink
-from services.coordinator.workers.pool import CONFIG_FILE, worker_count
+from motor_mesh.common import log
+from motor_mesh.common.config import ConfigError, load
+from motor_mesh.common.server import run
+from motor_mesh.coordinator.inference import InferenceServer, api_keys, https
+from motor_mesh.coordinator.metrics import MULTIPROC_ENV, Metrics, use_shared_dir
+from motor_mesh.coordinator.pd import CompletedSink
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.routes import RoutingView, build_view
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers.link import WorkerLink
+from motor_mesh.coordinator.workers.pool import CONFIG_FILE, worker_count
 
 
 class ViewHolder:
@@ -118,7 +118,7 @@ async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="services.coordinator.worker")
+    parser = argparse.ArgumentParser(prog="motor_mesh.coordinator.worker")
     parser.add_argument("--dir", required=True)
     parser.add_argument("--index", type=int, required=True)
     args = parser.parse_args(argv)

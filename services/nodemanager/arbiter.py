@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from services.common import enums, log
-from services.nodemanager.engine import Engine
+from motor_mesh.common import enums, log
+from motor_mesh.nodemanager.engine import Engine
 
 
 class Freeze:

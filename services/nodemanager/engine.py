@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
-from motor.v1 import common_pb2
 
-from services.common import enums, log, procgroup, tasks
-from services.common.config import NodeManagerConfig
-from services.nodemanager import devices, launch
-from services.nodemanager.engine_output import LINE_LIMIT, STDOUT, Tail, pump
-from services.nodemanager.launch import EndpointSpec, LaunchParams, kv_events_ports
+from motor_mesh.common import enums, log, procgroup, tasks
+from motor_mesh.common.config import NodeManagerConfig
+from motor_mesh.gen.motor.v1 import common_pb2
+from motor_mesh.nodemanager import devices, launch
+from motor_mesh.nodemanager.engine_output import LINE_LIMIT, STDOUT, Tail, pump
+from motor_mesh.nodemanager.launch import EndpointSpec, LaunchParams, kv_events_ports
 
 # How long a stopped engine's last lines may take to reach our stdout before we go on.
 _DRAIN_S = 1.0

@@ -14,8 +14,8 @@ import select
 import threading
 from collections import deque
 
-from services.common import log
-from services.common.lines import MAX_LINE, read_lines
+from motor_mesh.common import log
+from motor_mesh.common.lines import MAX_LINE, read_lines
 
 # The longest engine output line passed on whole; a longer one is cut to this, with a note.
 LINE_LIMIT = MAX_LINE

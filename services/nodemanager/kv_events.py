@@ -2,7 +2,7 @@
 
 vLLM, SGLang and the simulated engine take the same JSON; each binds the endpoint and replay
 endpoint ports plus its DP rank (vLLM's ``offset_endpoint_port``). Which ports an endpoint gets
-is :func:`services.nodemanager.launch.kv_events_ports`.
+is :func:`motor_mesh.nodemanager.launch.kv_events_ports`.
 """
 
 from __future__ import annotations

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from motor.v1 import nodemanager_pb2
-
-from services.common import enums, telemetry
-from services.common.config import EngineConfig, NodeManagerConfig
-from services.common.config.checks import parse_port_range
-from services.nodemanager import devices, kv_events
+from motor_mesh.common import enums, telemetry
+from motor_mesh.common.config import EngineConfig, NodeManagerConfig
+from motor_mesh.common.config.checks import parse_port_range
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
+from motor_mesh.nodemanager import devices, kv_events
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Ports an engine uses besides its business port P (see docs/operations.md, "Ports"): P + 1 is
@@ -379,7 +378,7 @@ def build_argv(params: LaunchParams, ep: EndpointSpec) -> list[str]:
     elif params.engine_type == "sglang":
         argv = [sys.executable, "-m", "sglang.launch_server", *_sglang_args(params, ep)]
     elif params.engine_type == "sim":
-        argv = [sys.executable, "-m", "services.cli", "engine-sim", "serve", params.model]
+        argv = [sys.executable, "-m", "motor_mesh.cli", "engine-sim", "serve", params.model]
         argv += _vllm_flags(params, ep)
         argv += ["--protocol", "sglang" if params.sglang_style else "vllm"]
         if params.sglang_style:

@@ -9,7 +9,7 @@ status change, an engine event the instant an engine dies; it reconnects after 0
 its instance id (the engines keep running).
 
 Several Controllers (``controller`` lists them, or a ``dns:///`` name stands for them): both
-calls go to the leader (:class:`~services.common.leader_target.ControllerTarget`). A standby's
+calls go to the leader (:class:`~motor_mesh.common.leader_target.ControllerTarget`). A standby's
 NOT_LEADER, a refused connection or a stream gone silent moves the link to the next Controller
 at once, and a round over all of them that found no leader is followed by a short pause (0.2 s
 to 0.5 s, not the backoffs above): a new leader hears from every node well within a heartbeat
@@ -24,13 +24,13 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from motor.v1 import common_pb2, controller_pb2
 
-from services.common import enums, errors, log, retry
-from services.common.config import NodeManagerConfig, read_key_file
-from services.common.leader_target import NOT_LEADER, ControllerTarget, moves_on
-from services.nodemanager import launch
-from services.nodemanager.supervisor import EngineSupervisor
+from motor_mesh.common import enums, errors, log, retry
+from motor_mesh.common.config import NodeManagerConfig, read_key_file
+from motor_mesh.common.leader_target import NOT_LEADER, ControllerTarget, moves_on
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
+from motor_mesh.nodemanager import launch
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
 
 REGISTER_POLICY = retry.policy(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}

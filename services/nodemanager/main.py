@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import asyncio
 
-from motor.v1 import nodemanager_pb2
-
-from services.common import log, procgroup, tasks
-from services.common.config import Config, NodeManagerConfig
-from services.common.metrics_http import MetricsServer
-from services.common.server import MotorServer
-from services.common.service_main import service_main
-from services.common.signals import on_forced_exit
-from services.nodemanager import devices, metrics
-from services.nodemanager.arbiter import SuicideArbiter
-from services.nodemanager.link import ControllerLink, RegistrationRefused
-from services.nodemanager.service import NodeManagerService
-from services.nodemanager.statefile import StateFile, kill_recorded_engines
-from services.nodemanager.supervisor import EngineSupervisor
+from motor_mesh.common import log, procgroup, tasks
+from motor_mesh.common.config import Config, NodeManagerConfig
+from motor_mesh.common.metrics_http import MetricsServer
+from motor_mesh.common.server import MotorServer
+from motor_mesh.common.service_main import service_main
+from motor_mesh.common.signals import on_forced_exit
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
+from motor_mesh.nodemanager import devices, metrics
+from motor_mesh.nodemanager.arbiter import SuicideArbiter
+from motor_mesh.nodemanager.link import ControllerLink, RegistrationRefused
+from motor_mesh.nodemanager.service import NodeManagerService
+from motor_mesh.nodemanager.statefile import StateFile, kill_recorded_engines
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
 
 # On shutdown engines get at most this long after SIGTERM before SIGKILL, whatever
 # engine_stop_grace_s says: a stopping NodeManager must be gone within seconds (motor up stops

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common import enums
-from services.common.enums import endpoint_status_name
-from services.nodemanager.engine_output import STDOUT, Output
-from services.nodemanager.link import ControllerLink
-from services.nodemanager.supervisor import EngineSupervisor
+from motor_mesh.common import enums
+from motor_mesh.common.enums import endpoint_status_name
+from motor_mesh.nodemanager.engine_output import STDOUT, Output
+from motor_mesh.nodemanager.link import ControllerLink
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
 
 P = "motor_nodemanager_"
 # Every endpoint status, so a dashboard or an alert sees 0 rather than no series.

@@ -1,6 +1,6 @@
 """motor.v1.NodeManager servicer: a thin layer over :class:`EngineSupervisor`.
 
-It subclasses the generated servicer for its method types only: ``services.common.rpc`` registers
+It subclasses the generated servicer for its method types only: ``motor_mesh.common.rpc`` registers
 the methods itself (raw-bytes parsing, validators, rich errors).
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
-from motor.v1 import nodemanager_pb2 as pb
-from motor.v1 import nodemanager_pb2_grpc
 
-from services.common import log
-from services.nodemanager import validation
-from services.nodemanager.supervisor import EngineSupervisor
+from motor_mesh.common import log
+from motor_mesh.gen.motor.v1 import nodemanager_pb2 as pb
+from motor_mesh.gen.motor.v1 import nodemanager_pb2_grpc
+from motor_mesh.nodemanager import validation
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
 
 # Stop answers first, then the process exits; this leaves the answer time to leave.
 EXIT_AFTER_STOP_S = 0.3

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.common import log, procgroup
+from motor_mesh.common import log, procgroup
 
 FILE_NAME = "engines.json"
 _KILL_WAIT_S = 10.0

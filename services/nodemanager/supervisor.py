@@ -16,17 +16,17 @@ from typing import Any, Protocol
 
 import aiohttp
 import grpc
-from motor.v1 import common_pb2, controller_pb2
-from motor.v1 import nodemanager_pb2 as pb
 
-from services.common import enums, errors, log, procgroup, tasks
-from services.common.config import EngineConfig, NodeManagerConfig
-from services.common.latency import LatencyHistogram
-from services.nodemanager import launch
-from services.nodemanager.arbiter import Freeze
-from services.nodemanager.engine import Engine, Timing
-from services.nodemanager.launch import LaunchError, LaunchParams
-from services.nodemanager.statefile import EngineRecord, StateFile
+from motor_mesh.common import enums, errors, log, procgroup, tasks
+from motor_mesh.common.config import EngineConfig, NodeManagerConfig
+from motor_mesh.common.latency import LatencyHistogram
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
+from motor_mesh.gen.motor.v1 import nodemanager_pb2 as pb
+from motor_mesh.nodemanager import launch
+from motor_mesh.nodemanager.arbiter import Freeze
+from motor_mesh.nodemanager.engine import Engine, Timing
+from motor_mesh.nodemanager.launch import LaunchError, LaunchParams
+from motor_mesh.nodemanager.statefile import EngineRecord, StateFile
 
 ENGINE_INDEX_ENV = "MOTOR_UP_ENGINE_INDEX"
 # A death report not acked within this long freezes nothing: the Controller is unreachable.

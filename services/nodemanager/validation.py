@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from motor.v1 import common_pb2, nodemanager_pb2
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
 
 
 def start_engines(req: nodemanager_pb2.StartEnginesRequest) -> list[tuple[str, str]]:

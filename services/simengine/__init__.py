@@ -30,7 +30,7 @@ are logged in the listening line (`kv_events=`, `kv_replay=`).
 Tracing: with `--otlp-traces-endpoint URL` (vLLM's flag) or OTEL_EXPORTER_OTLP_ENDPOINT, one
 `llm_request` span per completion request, child of its `traceparent` (docs/tracing.md).
 
-Modules: cli (argv), server (process runtime: uvloop, services.common.httpserver), app (routes),
+Modules: cli (argv), server (process runtime: uvloop, motor_mesh.common.httpserver), app (routes),
 completion (the completion routes), openai_api (bodies), generation (deterministic text), latency,
 faults, pd, metrics, tokens (prompt token ids), prefix_cache, kv_events, tracing (spans, loaded
 only when on), worker (child processes).

@@ -1,4 +1,4 @@
-"""HTTP surface of the simulated engine (business port), on services.common.httpserver."""
+"""HTTP surface of the simulated engine (business port), on motor_mesh.common.httpserver."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ import os
 import time
 from typing import Any
 
-from services.common import log
-from services.common.http_errors import OpenAIError, invalid_request
-from services.common.httpmessages import Handler, Request, Responder, route_table
-from services.common.tokenizer import Builtin, Tokenizer
-from services.simengine import pd
-from services.simengine.completion import Completions, hang
-from services.simengine.config import EngineConfig
-from services.simengine.faults import FaultError, FaultState, parse_fault_body
-from services.simengine.kv_events import Publisher
-from services.simengine.latency import LatencyModel, Slots
-from services.simengine.metrics import Metrics
-from services.simengine.openai_api import MAX_MODEL_LEN, dumps
-from services.simengine.prefix_cache import PrefixCache, seed_key
-from services.simengine.tokens import load_tokenizer
+from motor_mesh.common import log
+from motor_mesh.common.http_errors import OpenAIError, invalid_request
+from motor_mesh.common.httpmessages import Handler, Request, Responder, route_table
+from motor_mesh.common.tokenizer import Builtin, Tokenizer
+from motor_mesh.simengine import pd
+from motor_mesh.simengine.completion import Completions, hang
+from motor_mesh.simengine.config import EngineConfig
+from motor_mesh.simengine.faults import FaultError, FaultState, parse_fault_body
+from motor_mesh.simengine.kv_events import Publisher
+from motor_mesh.simengine.latency import LatencyModel, Slots
+from motor_mesh.simengine.metrics import Metrics
+from motor_mesh.simengine.openai_api import MAX_MODEL_LEN, dumps
+from motor_mesh.simengine.prefix_cache import PrefixCache, seed_key
+from motor_mesh.simengine.tokens import load_tokenizer
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Nominal KV capacity in sequences when --max-num-seqs is unlimited (only shapes the gauge).

@@ -12,15 +12,15 @@ import json
 import sys
 import uuid
 
-from services.common import log
-from services.simengine.config import (
+from motor_mesh.common import log
+from motor_mesh.simengine.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MODEL,
     DEFAULT_NUM_BLOCKS,
     EngineConfig,
     KvEventsConfig,
 )
-from services.simengine.faults import MODES
+from motor_mesh.simengine.faults import MODES
 
 
 def _nonneg_float(text: str) -> float:
@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
     for token in unknown:
         if token.startswith("-") and not _is_number(token):
             log.event("unknown_flag", flag=token.split("=", 1)[0])
-    from services.simengine.server import run  # heavy imports only once argv is valid
+    from motor_mesh.simengine.server import run  # heavy imports only once argv is valid
 
     return run(cfg)
 

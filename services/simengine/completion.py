@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from services.common import log
-from services.common.http_errors import invalid_request, model_not_found, server_error
-from services.common.httpclient import Pool
-from services.common.httpmessages import Request, Responder
-from services.simengine import pd
-from services.simengine.generation import Generated, generate, known_answer, seed_of
-from services.simengine.openai_api import (
+from motor_mesh.common import log
+from motor_mesh.common.http_errors import invalid_request, model_not_found, server_error
+from motor_mesh.common.httpclient import Pool
+from motor_mesh.common.httpmessages import Request, Responder
+from motor_mesh.simengine import pd
+from motor_mesh.simengine.generation import Generated, generate, known_answer, seed_of
+from motor_mesh.simengine.openai_api import (
     Bootstrap,
     ParsedRequest,
     RequestError,
@@ -45,12 +45,12 @@ from services.simengine.openai_api import (
     parse_request,
     stream_chunks,
 )
-from services.simengine.prefix_cache import Chain
-from services.simengine.tokens import prompt_ids
+from motor_mesh.simengine.prefix_cache import Chain
+from motor_mesh.simengine.tokens import prompt_ids
 
 if TYPE_CHECKING:
-    from services.simengine.app import Engine
-    from services.simengine.tracing import EngineTracer, Served
+    from motor_mesh.simengine.app import Engine
+    from motor_mesh.simengine.tracing import EngineTracer, Served
 
 SSE_CT = b"text/event-stream"
 SSE_HEADERS = [("Cache-Control", "no-cache")]

@@ -27,8 +27,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.common import log, tasks
-from services.simengine.config import KvEventsConfig
+from motor_mesh.common import log, tasks
+from motor_mesh.simengine.config import KvEventsConfig
 
 MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from services.simengine.config import EngineConfig
+from motor_mesh.simengine.config import EngineConfig
 
 
 class LatencyModel:

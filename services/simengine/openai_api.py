@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.tokenizer import is_token_ids, message_text, sim_chat_text, token_prompt_text
-from services.simengine.generation import (
+from motor_mesh.common.tokenizer import is_token_ids, message_text, sim_chat_text, token_prompt_text
+from motor_mesh.simengine.generation import (
     Generated,
     chat_logprob_entries,
     chat_logprobs,

@@ -26,9 +26,9 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from services.common.http_errors import invalid_request
-from services.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
-from services.common.httpmessages import Handler, Request, Responder, method_not_allowed, not_found
+from motor_mesh.common.http_errors import invalid_request
+from motor_mesh.common.httpclient import Disconnected, Pool, Refused, UpstreamTimeout
+from motor_mesh.common.httpmessages import Handler, Request, Responder, method_not_allowed, not_found
 
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.simengine import kv_events
+from motor_mesh.simengine import kv_events
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,6 +1,6 @@
 """Process runtime: workers, listeners, signals and shutdown of one simulated engine.
 
-The process runs on uvloop and serves HTTP with services.common.httpserver: with every latency
+The process runs on uvloop and serves HTTP with motor_mesh.common.httpserver: with every latency
 at zero the engine must answer far faster than any router put in front of it.
 """
 
@@ -10,14 +10,14 @@ import asyncio
 import contextlib
 import sys
 
-from services.common import log, telemetry
-from services.common.httpmessages import Handler
-from services.common.httpserver import HttpServer
-from services.common.signals import install_stop_signals
-from services.simengine import app
-from services.simengine.app import Engine
-from services.simengine.config import EngineConfig
-from services.simengine.tokens import load_tokenizer
+from motor_mesh.common import log, telemetry
+from motor_mesh.common.httpmessages import Handler
+from motor_mesh.common.httpserver import HttpServer
+from motor_mesh.common.signals import install_stop_signals
+from motor_mesh.simengine import app
+from motor_mesh.simengine.app import Engine
+from motor_mesh.simengine.config import EngineConfig
+from motor_mesh.simengine.tokens import load_tokenizer
 
 # In-flight requests get this long to finish on SIGTERM; hung ones are then cancelled.
 DRAIN_S = 1.0
@@ -37,7 +37,7 @@ async def start_workers(count: int) -> list[asyncio.subprocess.Process]:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.simengine.worker",
+            "motor_mesh.simengine.worker",
             "--index",
             str(i),
             stdin=asyncio.subprocess.PIPE,
@@ -73,7 +73,7 @@ async def serve(cfg: EngineConfig) -> int:
     engine = Engine(cfg, await asyncio.to_thread(load_tokenizer, cfg))
     tracer = None
     if cfg.otlp_traces_endpoint or telemetry.enabled():
-        from services.simengine.tracing import make_tracer
+        from motor_mesh.simengine.tracing import make_tracer
 
         tracer = engine.completions.tracer = make_tracer(cfg.otlp_traces_endpoint)
     servers: list[HttpServer] = []

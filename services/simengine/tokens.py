@@ -1,17 +1,17 @@
 """Prompt token ids, exactly as a KV-aware router computes them for this engine.
 
 A router that places requests by the blocks an engine reports must turn a prompt into the same
-ids the engine cached it under, so both use services.common.tokenizer the same way: a completion
+ids the engine cached it under, so both use motor_mesh.common.tokenizer the same way: a completion
 prompt's text (token ids read as words) is encoded with the model's special tokens, a chat's
 text (:func:`sim_chat_text`) without them, as vLLM encodes a rendered chat template.
 """
 
 from __future__ import annotations
 
-from services.common import log
-from services.common.tokenizer import Builtin, Tokenizer, load, tokenizer_file
-from services.simengine.config import EngineConfig
-from services.simengine.openai_api import ParsedRequest
+from motor_mesh.common import log
+from motor_mesh.common.tokenizer import Builtin, Tokenizer, load, tokenizer_file
+from motor_mesh.simengine.config import EngineConfig
+from motor_mesh.simengine.openai_api import ParsedRequest
 
 
 def load_tokenizer(cfg: EngineConfig) -> Tokenizer:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.common import telemetry
-from services.common.httpmessages import Request, Responder
+from motor_mesh.common import telemetry
+from motor_mesh.common.httpmessages import Request, Responder
 
 if TYPE_CHECKING:
-    from services.simengine.completion import Plan
+    from motor_mesh.simengine.completion import Plan
 
 DEFAULT_SERVICE_NAME = "motor-sim"
 

@@ -14,7 +14,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="services.simengine.worker")
+    parser = argparse.ArgumentParser(prog="motor_mesh.simengine.worker")
     parser.add_argument("--index", type=int, default=0)
     parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the leader decides when we stop.

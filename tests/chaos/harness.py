@@ -27,9 +27,15 @@ from typing import Any
 import grpc
 import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
-from services.nodemanager.statefile import StateFile
+from motor_mesh.gen.motor.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+)
+from motor_mesh.nodemanager.statefile import StateFile
 from tests.e2e.cluster import CONTROLLER, CONTROLLER_1, COORDINATOR, ENGINE, HTTP, NM, NM_METRICS, up_ports
 from tests.poll import wait_until
 from tests.ports import reserve

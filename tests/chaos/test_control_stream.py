@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from motor.v1 import common_pb2
 
+from motor_mesh.gen.motor.v1 import common_pb2
 from tests.chaos.harness import ACTIVE, CONTROLLER, DELETED, Cluster, Load, by_job, pid_of, scenario
 from tests.chaos.proxy import TcpProxy
 from tests.e2e.cluster import CONTROLLER_METRICS

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from motor.v1 import common_pb2
 
+from motor_mesh.gen.motor.v1 import common_pb2
 from tests.chaos.harness import ACTIVE, COORDINATOR, DELETED, Cluster, Load, by_job, pid_of, scenario
 from tests.poll import wait_until
 from tests.procs import exited

@@ -20,10 +20,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.common import tasks
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.subscriber import Subscription
-from services.coordinator.kv.wire import SEQ_END, Batch, Removed
+from motor_mesh.common import tasks
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.subscriber import Subscription
+from motor_mesh.coordinator.kv.wire import SEQ_END, Batch, Removed
 from tests.chaos.proxy import TcpProxy
 from tests.poll import until
 from tests.procs import SimEngine

@@ -8,8 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from motor.v1 import alarm_pb2, common_pb2
-
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 from tests.fake_controller import FakeController, controllers
 from tests.ports import reserved_port
 from tests.procs import Proc, motor_argv

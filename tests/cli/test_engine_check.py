@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from services.cli.engine_check import instance_model
-from services.cli.standalone import EndpointSpec, InputError
+from motor_mesh.cli.engine_check import instance_model
+from motor_mesh.cli.standalone import EndpointSpec, InputError
 
 
 async def _engine(body: Any, status: int = 200) -> TestServer:

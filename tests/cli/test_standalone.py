@@ -8,11 +8,11 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from motor.v1 import common_pb2
 
-from services.cli import register
-from services.cli import standalone as sa
-from services.cli import table_checks as checks
+from motor_mesh.cli import register
+from motor_mesh.cli import standalone as sa
+from motor_mesh.cli import table_checks as checks
+from motor_mesh.gen.motor.v1 import common_pb2
 
 
 def test_the_documented_example() -> None:

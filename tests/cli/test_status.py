@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2
 
-from services.cli import status, status_table
+from motor_mesh.cli import status, status_table
+from motor_mesh.gen.motor.v1 import common_pb2
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
 from tests.poll import wait_until
 from tests.ports import reserved_port
@@ -121,7 +121,7 @@ def engines(c: Cluster) -> dict[int, list[str]]:
 
 
 def worker_pids(c: Cluster) -> list[int]:
-    return child_pids(c.component_pid("coordinator"), "services.coordinator.worker")
+    return child_pids(c.component_pid("coordinator"), "motor_mesh.coordinator.worker")
 
 
 def test_status_shows_the_controller_the_coordinator_and_every_nodemanager(cluster: Cluster) -> None:

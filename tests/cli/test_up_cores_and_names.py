@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import standalone
-from services.cli.up_args import parse
-from services.cli.up_plan import Plan, nodemanager_cores, plan
-from services.common.config import load
-from services.controller.validation import JOB_NAME
-from services.nodemanager import devices
+from motor_mesh.cli import standalone
+from motor_mesh.cli.up_args import parse
+from motor_mesh.cli.up_plan import Plan, nodemanager_cores, plan
+from motor_mesh.common.config import load
+from motor_mesh.controller.validation import JOB_NAME
+from motor_mesh.nodemanager import devices
 
 
 def planned(tmp_path: Path, *argv: str, cores: list[int] | None = None, config: dict | None = None) -> Plan:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.nodemanager.statefile import StateFile
+from motor_mesh.nodemanager.statefile import StateFile
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, HTTP, Cluster, up_ports
 from tests.poll import wait_until
 from tests.ports import Ports, reserve
@@ -55,7 +55,7 @@ def temporary_state_dir(proc: Proc) -> Path:
 def everything_started(proc: Proc, state: Path) -> tuple[list[int], list[int]]:
     """The pids of ``motor up``'s children and the process groups of the engines (READY)."""
     proc.wait_line(lambda s: s.startswith("READY "), 90)
-    kids = child_pids(proc.pid, "services.cli")
+    kids = child_pids(proc.pid, "motor_mesh.cli")
     assert len(kids) == 4  # Controller, Coordinator, two NodeManagers
     engines = [r.pgid for i in range(2) for r in StateFile(state / f"nm-{i}").read()]
     assert len(engines) == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.nodemanager import devices
+from motor_mesh.nodemanager import devices
 from tests.e2e.cluster import Cluster
 from tests.poll import wait_until
 from tests.standins import prepend_path, read_records, write_vllm

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from services.cli.up_output import error_line, pump
-from services.common.lines import CUT as TRUNCATED
-from services.common.lines import MAX_LINE, LineSplitter
+from motor_mesh.cli.up_output import error_line, pump
+from motor_mesh.common.lines import CUT as TRUNCATED
+from motor_mesh.common.lines import MAX_LINE, LineSplitter
 
 MARK = TRUNCATED % MAX_LINE
 
@@ -70,7 +70,7 @@ async def test_a_child_writing_megabyte_lines_is_never_blocked() -> None:
 
 @pytest.mark.timeout(60)
 async def test_a_failing_consumer_is_logged_once_and_the_pipe_still_drains(capsys) -> None:
-    from services.common import log
+    from motor_mesh.common import log
 
     log.setup("up")
     seen: list[bytes] = []

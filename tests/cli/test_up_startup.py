@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from motor.v1 import common_pb2, nodemanager_pb2
 
-from services.cli import status, status_table, up
-from services.cli.up_args import parse
-from services.common.config import load
+from motor_mesh.cli import status, status_table, up
+from motor_mesh.cli.up_args import parse
+from motor_mesh.common.config import load
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
 from tests.nodemanager.test_engine_startup import hung_vllm
 from tests.procs import motor_argv

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import timestamp_pb2
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
-from services.cli import alarms, instances, views
-from services.common import server
+from motor_mesh.cli import alarms, instances, views
+from motor_mesh.common import server
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 from tests.controller.fakes import running_controller
 
 

@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from services.common import server
+from motor_mesh.common import server
 from tests.controller.fakes import FakeCoordinator, FakeNodeManager
 from tests.etcd import etcd_server  # noqa: F401  (a fixture: found by the tests here)
 

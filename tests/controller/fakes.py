@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from motor.v1 import (
+
+from motor_mesh.common import errors
+from motor_mesh.common.config import ControllerConfig, load
+from motor_mesh.common.rpc import service_handler
+from motor_mesh.common.server import MotorServer
+from motor_mesh.controller.app import Controller
+from motor_mesh.gen.motor.v1 import (
     common_pb2,
     controller_pb2,
     controller_pb2_grpc,
@@ -21,12 +27,6 @@ from motor.v1 import (
     nodemanager_pb2,
     nodemanager_pb2_grpc,
 )
-
-from services.common import errors
-from services.common.config import ControllerConfig, load
-from services.common.rpc import service_handler
-from services.common.server import MotorServer
-from services.controller.app import Controller
 from tests.poll import until
 
 R = TypeVar("R")

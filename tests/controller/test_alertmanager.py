@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 from google.protobuf.timestamp_pb2 import Timestamp
-from motor.v1 import alarm_pb2
 
-from services.common.retry import Backoff
-from services.controller.alarms import dedupe_key
-from services.controller.alertmanager import AlertmanagerSink
+from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.alarms import dedupe_key
+from motor_mesh.controller.alertmanager import AlertmanagerSink
+from motor_mesh.gen.motor.v1 import alarm_pb2
 from tests.poll import until
 from tests.ports import reserved_port
 from tests.procs import Exited, Proc, system_binary

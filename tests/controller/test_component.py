@@ -8,9 +8,9 @@ import gc
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from motor.v1 import common_pb2, controller_pb2
 
-from services.common.errors import details_of
+from motor_mesh.common.errors import details_of
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 from tests.controller.fakes import (
     ABNORMAL,
     ACTIVE,
@@ -193,7 +193,7 @@ async def test_two_coordinators_each_get_the_change(tmp_path, node_managers, coo
 
 
 async def test_heartbeat_stats_are_logged(tmp_path, node_managers, monkeypatch, caplog) -> None:
-    from services.controller import heartbeats
+    from motor_mesh.controller import heartbeats
 
     caplog.set_level("INFO")
     # No window closes until the test says so: the three beats are in one window however slow.
@@ -226,7 +226,7 @@ async def test_heartbeat_stats_are_logged(tmp_path, node_managers, monkeypatch, 
 
 
 async def test_a_lost_observation_is_corrected_by_the_resync(tmp_path, node_managers, monkeypatch) -> None:
-    from services.controller import app
+    from motor_mesh.controller import app
 
     monkeypatch.setattr(app, "RESYNC_S", 0.2)
     nm = await node_managers()

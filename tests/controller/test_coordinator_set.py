@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common import dns
-from services.common.config import ConfigError, load
-from services.controller import coordinator_set
-from services.controller.alarm_sources import COORDINATOR_FAULT
-from services.controller.coordinator_set import CoordinatorSet, resolve
+from motor_mesh.common import dns
+from motor_mesh.common.config import ConfigError, load
+from motor_mesh.controller import coordinator_set
+from motor_mesh.controller.alarm_sources import COORDINATOR_FAULT
+from motor_mesh.controller.coordinator_set import CoordinatorSet, resolve
 from tests.controller.fakes import FakeCoordinator, running_controller
 from tests.poll import until
 

@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from etcd.mvccpb import kv_pb2
 
-from services.common.config import ConfigError
-from services.controller.etcd_client import (
+from motor_mesh.common.config import ConfigError
+from motor_mesh.controller.etcd_client import (
     EtcdClient,
     EtcdCompacted,
     EtcdUnavailable,
@@ -27,6 +26,7 @@ from services.controller.etcd_client import (
     op_put,
     prefix_end,
 )
+from motor_mesh.gen.etcd.mvccpb import kv_pb2
 from tests.chaos.proxy import TcpProxy
 from tests.etcd import EtcdServer, etcdctl
 from tests.poll import until

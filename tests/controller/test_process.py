@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from motor.v1 import controller_pb2, controller_pb2_grpc
 
+from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import ACTIVE, NORMAL, NodeAgent
 from tests.poll import until
 from tests.procs import Proc, motor_argv

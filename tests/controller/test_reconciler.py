@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from services.common.retry import Backoff
-from services.controller.reconciler import Reconciler, Result, Retry, Terminal
-from services.controller.workqueue import WorkQueue
+from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.reconciler import Reconciler, Result, Retry, Terminal
+from motor_mesh.controller.workqueue import WorkQueue
 from tests.poll import until
 
 FAST = Backoff(0.01, 0.04, jitter=0)

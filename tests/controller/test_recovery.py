@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
-from services.controller import recovery
-from services.controller.alarms import INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.controller import recovery
+from motor_mesh.controller.alarms import INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 from tests.controller.fakes import ACTIVE, running_controller
 from tests.poll import until
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller import state_machine as sm
+from motor_mesh.controller import state_machine as sm
 
 N, W, A, P, INI = sm.EP_NORMAL, sm.EP_WAIT, sm.EP_ABNORMAL, sm.EP_PAUSED, sm.EP_INITIAL
 

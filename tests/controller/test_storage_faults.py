@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from motor.v1 import alarm_pb2, controller_pb2
 
-from services.common.errors import details_of
+from motor_mesh.common.errors import details_of
+from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2
 from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller
 from tests.poll import until
 
@@ -196,7 +196,7 @@ def _controller(state_dir: Path) -> subprocess.CompletedProcess[str]:
     cfg = state_dir.parent / "controller.json"
     cfg.write_text(json.dumps({"controller": {"port": 0, "state_dir": str(state_dir), "coordinators": []}}))
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "controller", "--config", str(cfg)],
+        [sys.executable, "-m", "motor_mesh.cli", "controller", "--config", str(cfg)],
         cwd=ROOT,
         capture_output=True,
         text=True,

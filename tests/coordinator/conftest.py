@@ -11,12 +11,18 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
-from motor.v1 import common_pb2 as c
 
-from services.common import server as common_server
-from services.common.config import load
-from services.coordinator.runtime import Coordinator
+from motor_mesh.common import server as common_server
+from motor_mesh.common.config import load
+from motor_mesh.coordinator.runtime import Coordinator
+from motor_mesh.gen.motor.v1 import (
+    alarm_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+)
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.procs import SimEngine
 
 MODEL = "motor-sim"

@@ -15,10 +15,10 @@ import asyncio
 import os
 import signal
 
-from services.common import log
-from services.coordinator.precision.groups import Completed
-from services.coordinator.table import TableState
-from services.coordinator.workers.link import WorkerLink
+from motor_mesh.common import log
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers.link import WorkerLink
 
 
 async def run(sock_dir: str, index: int, load: int) -> int:

@@ -7,17 +7,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from motor.v1 import coordinator_pb2 as pb
 
-from services.common.enums import UNION
-from services.common.http_errors import (
+from motor_mesh.common.enums import UNION
+from motor_mesh.common.http_errors import (
     OpenAIError,
     internal_error,
     invalid_request,
     model_not_found,
     server_error,
 )
-from services.coordinator import http_app
+from motor_mesh.coordinator import http_app
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from tests.coordinator.conftest import MODEL, Running, StartCoordinator, instance
 from tests.http import ERROR_FIELDS, assert_internal_error, json_request
 from tests.ports import reserved_port

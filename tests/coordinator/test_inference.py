@@ -10,10 +10,10 @@ import json
 import aiohttp
 import openai
 import pytest
-from motor.v1 import common_pb2 as c
 from openai import AsyncOpenAI
 
-from services.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import (
     ENGINE_ARGS,
     MODEL,

@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from motor.v1 import common_pb2 as c
 
-from services.common.enums import DECODE, PREFILL, UNION
-from services.coordinator import bodies
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.coordinator import bodies
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL, Running, StartCoordinator, instance, set_table
 from tests.http import ERROR_FIELDS
 from tests.ports import reserved_port

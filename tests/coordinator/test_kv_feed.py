@@ -13,16 +13,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from motor.v1 import common_pb2 as c
 
-from services.common.config import load
-from services.common.enums import PREFILL
-from services.common.tokenizer import Builtin
-from services.coordinator.kv.feed import KvFeed
-from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
-from services.coordinator.metrics import Metrics, use_own_process
-from services.coordinator.routes import DownCount, RoutingView, Target
+from motor_mesh.common.config import load
+from motor_mesh.common.enums import PREFILL
+from motor_mesh.common.tokenizer import Builtin
+from motor_mesh.coordinator.kv.feed import KvFeed
+from motor_mesh.coordinator.kv.hashing import chain
+from motor_mesh.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
+from motor_mesh.coordinator.metrics import Metrics, use_own_process
+from motor_mesh.coordinator.routes import DownCount, RoutingView, Target
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.chaos.test_kv_events_gap import event_ports
 from tests.coordinator.conftest import MODEL
 from tests.coordinator.test_kv_shared import follow

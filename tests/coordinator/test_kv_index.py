@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
+from motor_mesh.coordinator.kv.hashing import chain
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 BS = 4

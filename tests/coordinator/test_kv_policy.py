@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2 as c
 from prometheus_client import generate_latest
 
-from services.common.enums import DECODE, PREFILL, UNION, Role
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.policy import KvAware
-from services.coordinator.kv.prompt import Prompt
-from services.coordinator.kv.shared import SharedReader, SharedWriter
-from services.coordinator.kv.wire import BlockHash, Stored
-from services.coordinator.metrics import Metrics, use_own_process
-from services.coordinator.pd import _endpoint
-from services.coordinator.policies import least_load
-from services.coordinator.routes import DownCount, Target
+from motor_mesh.common.enums import DECODE, PREFILL, UNION, Role
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.policy import KvAware
+from motor_mesh.coordinator.kv.prompt import Prompt
+from motor_mesh.coordinator.kv.shared import SharedReader, SharedWriter
+from motor_mesh.coordinator.kv.wire import BlockHash, Stored
+from motor_mesh.coordinator.metrics import Metrics, use_own_process
+from motor_mesh.coordinator.pd import _endpoint
+from motor_mesh.coordinator.policies import least_load
+from motor_mesh.coordinator.routes import DownCount, Target
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL
 from tests.coordinator.test_kv_shared import follow
 from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
@@ -299,7 +299,7 @@ def test_engines_with_different_block_sizes_are_each_matched_at_their_own() -> N
 def test_a_prefill_of_a_cached_prompt_loads_its_instance_by_what_is_left_to_compute() -> None:
     from types import SimpleNamespace
 
-    from services.coordinator.pd import _prefill_work
+    from motor_mesh.coordinator.pd import _prefill_work
 
     policy, index, _ = make()
     a, b = targets(1, 1)

@@ -21,13 +21,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTok
 from tokenizers import models, pre_tokenizers, processors
 
-from services.common.tokenizer import Builtin, HfTokenizer, Tokenizer, load
-from services.coordinator.kv import prompt as prompt_mod
-from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.prompt import Prompt, Tokens
-from services.simengine.cli import parse
-from services.simengine.openai_api import RequestError, parse_request
-from services.simengine.tokens import load_tokenizer, prompt_ids
+from motor_mesh.common.tokenizer import Builtin, HfTokenizer, Tokenizer, load
+from motor_mesh.coordinator.kv import prompt as prompt_mod
+from motor_mesh.coordinator.kv.hashing import chain
+from motor_mesh.coordinator.kv.prompt import Prompt, Tokens
+from motor_mesh.simengine.cli import parse
+from motor_mesh.simengine.openai_api import RequestError, parse_request
+from motor_mesh.simengine.tokens import load_tokenizer, prompt_ids
 from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 WORDS = ["hello", "world", "the", "cache", "prefix", "système", "東京", "a", "b", "c", "42", "7"]

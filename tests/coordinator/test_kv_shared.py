@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.shared import (
+from motor_mesh.coordinator.kv.hashing import chain
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.shared import (
     MIN_CAPACITY,
     SharedReader,
     SharedWriter,
@@ -21,7 +21,7 @@ from services.coordinator.kv.shared import (
     capacity_for,
     room,
 )
-from services.coordinator.kv.wire import Cleared
+from motor_mesh.coordinator.kv.wire import Cleared
 from tests.coordinator.test_kv_index import BS, Engine, ops, run
 from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 

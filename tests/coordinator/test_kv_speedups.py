@@ -18,11 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.tokenizer import BUILTIN_VOCAB, Builtin, sim_chat_text
-from services.coordinator.kv import speedups
-from services.coordinator.kv.hashing import ROOT, chain
-from services.coordinator.kv.prompt import Prompt, Tokens
-from services.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
+from motor_mesh.common.tokenizer import BUILTIN_VOCAB, Builtin, sim_chat_text
+from motor_mesh.coordinator.kv import speedups
+from motor_mesh.coordinator.kv.hashing import ROOT, chain
+from motor_mesh.coordinator.kv.prompt import Prompt, Tokens
+from motor_mesh.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, Table
 
 IMPLEMENTATIONS = ["c", "python"]
 

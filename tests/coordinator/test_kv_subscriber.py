@@ -15,11 +15,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.common import tasks
-from services.coordinator.kv.hashing import chain
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.subscriber import Subscription
-from services.coordinator.kv.wire import SEQ_END, Batch, Cleared, Stored
+from motor_mesh.common import tasks
+from motor_mesh.coordinator.kv.hashing import chain
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.subscriber import Subscription
+from motor_mesh.coordinator.kv.wire import SEQ_END, Batch, Cleared, Stored
 from tests.poll import until
 from tests.vllm_kv_events import KVEventBatch, vllm_stored
 

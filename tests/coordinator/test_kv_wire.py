@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.coordinator.kv import hashing, speedups, wire
-from services.coordinator.kv.wire import Batch, Cleared, Event, Removed, Stored, WireError, decode, encode
+from motor_mesh.coordinator.kv import hashing, speedups, wire
+from motor_mesh.coordinator.kv.wire import Batch, Cleared, Event, Removed, Stored, WireError, decode, encode
 from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 from tests.vllm_kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch, vllm_stored
 
@@ -286,7 +286,7 @@ def test_chain_tells_blocks_and_prefixes_apart() -> None:
 
 
 def test_chain_is_the_same_in_every_process() -> None:
-    code = "from services.coordinator.kv import hashing; print(hashing.chain(list(range(40)), 16))"
+    code = "from motor_mesh.coordinator.kv import hashing; print(hashing.chain(list(range(40)), 16))"
     seen = set()
     for seed in ("0", "1", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

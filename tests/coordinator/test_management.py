@@ -7,12 +7,12 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2 as pb
 
-from services.common.enums import DECODE, PREFILL, UNION
-from services.common.errors import details_of
-from services.coordinator.precision.groups import Completed
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.common.errors import details_of
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.gen.motor.v1 import common_pb2 as c
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from tests.coordinator.conftest import MODEL, Running, StartCoordinator, endpoint, instance
 from tests.ports import reserved_port
 

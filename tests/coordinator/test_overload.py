@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
-from motor.v1 import coordinator_pb2 as pb
 
-from services.common.enums import UNION
+from motor_mesh.common.enums import UNION
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from tests.coordinator.conftest import MODEL, Engine, Running, SpawnEngines, StartCoordinator, instance
 from tests.http import ERROR_FIELDS
 from tests.poll import until

@@ -17,10 +17,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from motor.v1 import common_pb2 as c
 
-from services.common.enums import DECODE, PREFILL
-from services.coordinator.routes import Target
+from motor_mesh.common.enums import DECODE, PREFILL
+from motor_mesh.coordinator.routes import Target
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import (
     ENGINE_ARGS,
     MODEL,

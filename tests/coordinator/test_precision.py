@@ -16,14 +16,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from motor.v1 import alarm_pb2
-from motor.v1 import common_pb2 as c
-from motor.v1 import coordinator_pb2 as pb
 
-from services.common.config import ConfigError
-from services.common.enums import DECODE, PREFILL, UNION
-from services.coordinator.precision import reporter, sampler
-from services.coordinator.precision.groups import Action, Completed, PrecisionGroups, ProbeOutcome
+from motor_mesh.common.config import ConfigError
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.coordinator.precision import reporter, sampler
+from motor_mesh.coordinator.precision.groups import Action, Completed, PrecisionGroups, ProbeOutcome
+from motor_mesh.gen.motor.v1 import alarm_pb2
+from motor_mesh.gen.motor.v1 import common_pb2 as c
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from tests.coordinator.conftest import (
     ENGINE_ARGS,
     MODEL,

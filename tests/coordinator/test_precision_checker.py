@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from services.coordinator.precision import checker
-from services.coordinator.precision.checker import COLLAPSED, CONTROL, REPETITION, REPLACEMENT, check
-from services.simengine.generation import generate, seed_of
-from services.simengine.openai_api import full_response, parse_request
+from motor_mesh.coordinator.precision import checker
+from motor_mesh.coordinator.precision.checker import COLLAPSED, CONTROL, REPETITION, REPLACEMENT, check
+from motor_mesh.simengine.generation import generate, seed_of
+from motor_mesh.simengine.openai_api import full_response, parse_request
 
 # (token, chosen logprob, [(alternative, logprob), ...]) as a healthy 7B instruct model gives
 # them at temperature 0.7: confident almost everywhere, a few genuinely open positions.

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.coordinator.tally import Tallies
+from motor_mesh.coordinator.tally import Tallies
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -13,15 +13,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from motor.v1 import common_pb2 as c
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.common.enums import DECODE, PREFILL
-from services.coordinator import inference
-from services.coordinator.tracing import RequestTracer
+from motor_mesh.common.enums import DECODE, PREFILL
+from motor_mesh.coordinator import inference
+from motor_mesh.coordinator.tracing import RequestTracer
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL, Engine, Running, StartCoordinator, get_text, instance, set_table
 from tests.poll import until
 from tests.ports import reserved_port

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from motor.v1 import common_pb2 as c
-
-from services.common.enums import DECODE, PREFILL, UNION
-from services.coordinator import bodies
-from services.coordinator.health import Breaker
-from services.coordinator.policies import RoundRobin, least_load, power_of_two
-from services.coordinator.routes import DownCount, RoutingView, Target, build_view
-from services.coordinator.table import RoutingTable
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.coordinator import bodies
+from motor_mesh.coordinator.health import Breaker
+from motor_mesh.coordinator.policies import RoundRobin, least_load, power_of_two
+from motor_mesh.coordinator.routes import DownCount, RoutingView, Target, build_view
+from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL, instance
 from tests.simengine.test_sim_pd import PREFILL_KV
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import grpc
-from motor.v1 import coordinator_pb2 as cpb
-from motor.v1 import coordinator_pb2_grpc
 
-from services.common.enums import UNION
+from motor_mesh.common.enums import UNION
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as cpb
+from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 from tests.coordinator.conftest import MODEL, Engine, instance
 from tests.poll import until
 from tests.procs import Proc

@@ -19,14 +19,14 @@ import zmq
 import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from motor.v1 import common_pb2 as c
 
-from services.coordinator.precision.groups import Completed
-from services.coordinator.table import TableState
-from services.coordinator.workers import codec
-from services.coordinator.workers.hub import WorkerHub, WorkersUnavailable
-from services.coordinator.workers.link import WorkerLink
-from services.coordinator.workers.procs import WorkerSupervisor
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers import codec
+from motor_mesh.coordinator.workers.hub import WorkerHub, WorkersUnavailable
+from motor_mesh.coordinator.workers.link import WorkerLink
+from motor_mesh.coordinator.workers.procs import WorkerSupervisor
+from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.poll import until
 from tests.procs import ROOT, exited
 
@@ -364,7 +364,7 @@ async def test_the_socket_directory_must_be_private(sock_dir: str) -> None:
 
 
 def test_the_supervisor_does_not_import_grpc() -> None:
-    code = "import sys, services.coordinator.workers.procs; assert 'grpc' not in sys.modules, 'grpc'"
+    code = "import sys, motor_mesh.coordinator.workers.procs; assert 'grpc' not in sys.modules, 'grpc'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)
 
 

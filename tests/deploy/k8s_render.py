@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from services.common.config import ConfigError, load_config
+from motor_mesh.common.config import ConfigError, load_config
 
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 MOTOR_SERVICES = ("controller", "coordinator", "nodemanager")

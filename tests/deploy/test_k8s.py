@@ -28,14 +28,14 @@ import kubernetes_validate
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
 
-from services.common import metrics_http
-from services.common import server as grpc_server
-from services.common.config import ConfigError, load_config, read_key_file
-from services.coordinator import inference
-from services.coordinator.workers import pool
-from services.nodemanager import main as nodemanager_main
+from motor_mesh.common import metrics_http
+from motor_mesh.common import server as grpc_server
+from motor_mesh.common.config import ConfigError, load_config, read_key_file
+from motor_mesh.coordinator import inference
+from motor_mesh.coordinator.workers import pool
+from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
+from motor_mesh.nodemanager import main as nodemanager_main
 from tests.deploy.k8s_render import (
     Pod,
     config_refusals,

@@ -23,13 +23,13 @@ import kubernetes_validate
 import pytest
 import yaml
 from google.rpc import error_details_pb2
-from motor.v1 import controller_pb2, controller_pb2_grpc
 
-from services.common import server as grpc_server
-from services.common.config import load_config
-from services.common.errors import details_of
-from services.common.interceptors import KEY_METADATA
-from services.controller.ha import ETCD_TIMEOUT_S
+from motor_mesh.common import server as grpc_server
+from motor_mesh.common.config import load_config
+from motor_mesh.common.errors import details_of
+from motor_mesh.common.interceptors import KEY_METADATA
+from motor_mesh.controller.ha import ETCD_TIMEOUT_S
+from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.deploy.k8s_render import Doc, Pod, config_refusals, local_pods, matches, pods_of, quantity, render
 from tests.deploy.test_k8s import HEALTH_NAME, K8S, POD_IP, SECTION, VERSIONS, serving
 from tests.etcd import EtcdServer

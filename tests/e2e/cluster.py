@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from services.nodemanager.statefile import StateFile
+from motor_mesh.nodemanager.statefile import StateFile
 from tests.ports import reserve
 from tests.procs import Proc, child_pids, grpcurl, motor_argv, pids_with
 

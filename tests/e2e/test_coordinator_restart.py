@@ -18,8 +18,8 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 
+from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc, coordinator_pb2, coordinator_pb2_grpc
 from tests.controller.fakes import FRESH, Identity, controller_side, identity
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
 from tests.poll import wait_until

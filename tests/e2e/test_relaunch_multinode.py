@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.nodemanager.statefile import StateFile
+from motor_mesh.nodemanager.statefile import StateFile
 from tests.poll import wait_until
 from tests.ports import reserved_pair
 from tests.procs import Proc, grpcurl, motor_argv

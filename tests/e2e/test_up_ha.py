@@ -16,9 +16,9 @@ import openai
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
-from services.common.errors import details_of
+from motor_mesh.common.errors import details_of
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tests.e2e.cluster import Cluster
 from tests.etcd import NOT_INSTALLED, etcdctl
 from tests.poll import wait_until
@@ -140,7 +140,7 @@ def test_a_new_leader_is_elected_when_the_leader_is_killed(ha: Cluster) -> None:
 
 def test_sigterm_stops_everything_etcd_included(ha: Cluster) -> None:
     (etcd,) = child_pids(ha.proc.pid, "--name=motor-up")
-    children = child_pids(ha.proc.pid, "services.cli")
+    children = child_pids(ha.proc.pid, "motor_mesh.cli")
     assert len(children) == 5  # two Controllers, the Coordinator, two NodeManagers
     assert ha.stop(15) == 0
     assert exited(etcd)

@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
-from motor.v1 import alarm_pb2, common_pb2, controller_pb2, coordinator_pb2, nodemanager_pb2
 
-from services.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.common.enums import DECODE, PREFILL, UNION
+from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2, coordinator_pb2, nodemanager_pb2
 from tests.controller.conftest import quick_stop  # noqa: F401  (autouse: no drain in tests)
 from tests.controller.fakes import ACTIVE, FakeNodeManager, running_controller
 from tests.coordinator.conftest import instance, set_table, start_coordinator  # noqa: F401

@@ -28,9 +28,9 @@ from google.rpc import error_details_pb2 as ed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
 
-from services.common import errors
+from motor_mesh.common import errors
+from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
 from tests.fuzz.protogen import messages, wire_bytes
 
 Code = grpc.StatusCode

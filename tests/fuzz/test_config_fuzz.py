@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.cli import config_cmd
-from services.common.config import DEFAULTS, SECTIONS, ConfigError, from_dicts, load_config
-from services.common.config.sections import SCHEMA, to_json
-from services.nodemanager.launch import extra_args
+from motor_mesh.cli import config_cmd
+from motor_mesh.common.config import DEFAULTS, SECTIONS, ConfigError, from_dicts, load_config
+from motor_mesh.common.config.sections import SCHEMA, to_json
+from motor_mesh.nodemanager.launch import extra_args
 from tests.fuzz.harness import fuzz
 
 KEYS = [(section, key) for section in SECTIONS for key in DEFAULTS[section]]

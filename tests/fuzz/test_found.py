@@ -19,13 +19,13 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2 as ed
-from motor.v1 import common_pb2 as c
-from motor.v1 import controller_pb2 as pb
-from motor.v1 import coordinator_pb2, nodemanager_pb2
 
-from services.common import errors
-from services.common.config import ConfigError, load_config
-from services.common.enums import DECODE, PREFILL
+from motor_mesh.common import errors
+from motor_mesh.common.config import ConfigError, load_config
+from motor_mesh.common.enums import DECODE, PREFILL
+from motor_mesh.gen.motor.v1 import common_pb2 as c
+from motor_mesh.gen.motor.v1 import controller_pb2 as pb
+from motor_mesh.gen.motor.v1 import coordinator_pb2, nodemanager_pb2
 from tests.controller.fakes import FakeNodeManager, Harness, NodeAgent, running_controller
 from tests.coordinator.conftest import StartCoordinator, instance, set_table
 from tests.fuzz.conftest import start_nodemanager

@@ -17,7 +17,7 @@ from grpc._cython import cygrpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.interceptors import KEY_METADATA
+from motor_mesh.common.interceptors import KEY_METADATA
 from tests.coordinator.conftest import StartCoordinator
 from tests.fuzz.harness import SERVICES, fuzz, serving
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from motor.v1 import nodemanager_pb2
 
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
 from tests.fuzz.conftest import start_nodemanager
 from tests.fuzz.harness import (
     FUZZ,

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2, nodemanager_pb2_grpc
 
-from services.common import errors
-from services.common.channel import open_channel
-from services.common.config import load
-from services.common.server import MotorServer
+from motor_mesh.common import errors
+from motor_mesh.common.channel import open_channel
+from motor_mesh.common.config import load
+from motor_mesh.common.server import MotorServer
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2, nodemanager_pb2_grpc
 from tests.poll import until
 from tests.procs import Exited, Proc, motor_argv
 

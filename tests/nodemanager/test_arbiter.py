@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.enums import EP_ABNORMAL, EP_NORMAL, EP_WAIT
-from services.nodemanager.arbiter import Freeze, SuicideArbiter
+from motor_mesh.common.enums import EP_ABNORMAL, EP_NORMAL, EP_WAIT
+from motor_mesh.nodemanager.arbiter import Freeze, SuicideArbiter
 
 
 class Clock:

@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 
-from services.common import errors
+from motor_mesh.common import errors
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 from tests.nodemanager.conftest import ControllerServer, nm_config
 from tests.poll import until
 from tests.ports import port_free, reserved_pair, reserved_port

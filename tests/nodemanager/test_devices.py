@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.nodemanager import devices
+from motor_mesh.nodemanager import devices
 
 
 def test_auto_follows_the_machine(tmp_path: Path) -> None:

@@ -10,8 +10,7 @@ import os
 import urllib.request
 from pathlib import Path
 
-from motor.v1 import common_pb2, controller_pb2
-
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 from tests.nodemanager.conftest import nm_config
 from tests.poll import until
 from tests.ports import reserved_pair

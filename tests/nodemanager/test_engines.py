@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from motor.v1 import common_pb2, nodemanager_pb2
 
-from services.common import errors
-from services.nodemanager import devices
+from motor_mesh.common import errors
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
+from motor_mesh.nodemanager import devices
 from tests.nodemanager.conftest import nm_config
 from tests.poll import until
 from tests.ports import port_free, reserved_pair
@@ -174,7 +174,7 @@ async def test_leader_death_seen_while_a_group_member_holds_the_log_pipe(tmp_pat
         f"#!{sys.executable}\n"
         "import os, subprocess, sys\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "os.execv(sys.executable, [sys.executable, '-m', 'services.cli', 'engine-sim', *sys.argv[1:]])\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'motor_mesh.cli', 'engine-sim', *sys.argv[1:]])\n"
     )
     vllm.chmod(0o755)
     port = reserved_pair()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common import procgroup
-from services.nodemanager.engine_output import LINE_LIMIT, pump
+from motor_mesh.common import procgroup
+from motor_mesh.nodemanager.engine_output import LINE_LIMIT, pump
 from tests.nodemanager.conftest import nm_config
 from tests.nodemanager.test_procgroup import STUBBORN, spawn_group
 from tests.poll import until
@@ -27,7 +27,7 @@ LONG = 200 * 1024
 
 
 class Lines:
-    """Collects what the pump passes on, as :class:`services.nodemanager.engine_output.Output` would."""
+    """Collects what the pump passes on, as :class:`motor_mesh.nodemanager.engine_output.Output` would."""
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []

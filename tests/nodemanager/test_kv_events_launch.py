@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2
 
-from services.nodemanager import launch
-from services.nodemanager.launch import EndpointSpec, Head, LaunchParams
+from motor_mesh.gen.motor.v1 import common_pb2
+from motor_mesh.nodemanager import launch
+from motor_mesh.nodemanager.launch import EndpointSpec, Head, LaunchParams
 from tests.nodemanager.conftest import ControllerServer, nm_config
 from tests.poll import until
 from tests.ports import reserve

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2
 
-from services.nodemanager import launch
-from services.nodemanager.launch import EndpointSpec, Head, LaunchError, LaunchParams
+from motor_mesh.gen.motor.v1 import common_pb2
+from motor_mesh.nodemanager import launch
+from motor_mesh.nodemanager.launch import EndpointSpec, Head, LaunchError, LaunchParams
 
 EP0 = EndpointSpec(id=0, host="10.0.0.5", port=10000)
 EP = EndpointSpec(id=1, host="10.0.0.5", port=10002, device_ids=(2, 3))
@@ -41,7 +41,7 @@ def params(**kw: Any) -> LaunchParams:
 def test_sim_vllm_style_prefill() -> None:
     argv = launch.build_argv(params(), EP)
     assert argv == [
-        sys.executable, "-m", "services.cli", "engine-sim", "serve", "/data/llama",
+        sys.executable, "-m", "motor_mesh.cli", "engine-sim", "serve", "/data/llama",
         "--served-model-name", "llama",
         "--host", "10.0.0.5",
         "--port", "10002",

@@ -8,11 +8,11 @@ import sys
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2, nodemanager_pb2
 
-from services.common.config import ConfigError, from_dicts, load_config
-from services.nodemanager import devices, launch
-from services.nodemanager.launch import EndpointSpec, Head, LaunchParams
+from motor_mesh.common.config import ConfigError, from_dicts, load_config
+from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
+from motor_mesh.nodemanager import devices, launch
+from motor_mesh.nodemanager.launch import EndpointSpec, Head, LaunchParams
 
 HOST = "10.0.0.5"
 EPS = [EndpointSpec(id=k, host=HOST, port=10000 + 2 * k) for k in range(3)]

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import common_pb2
 
+from motor_mesh.gen.motor.v1 import common_pb2
 from tests.nodemanager.conftest import nm_config
 from tests.poll import until
 from tests.ports import reserved_pair

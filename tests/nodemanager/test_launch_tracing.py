@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from motor.v1 import common_pb2
 
+from motor_mesh.gen.motor.v1 import common_pb2
 from tests.e2e.test_tracing import Collector
 from tests.nodemanager.conftest import nm_config
 from tests.nodemanager.test_launch_lines import launch

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from motor.v1 import nodemanager_pb2 as pb
 
-from services.common import server
+from motor_mesh.common import server
+from motor_mesh.gen.motor.v1 import nodemanager_pb2 as pb
 from tests.metrics import Scrape, ascrape, scrape_until
 from tests.nodemanager.conftest import ControllerServer, nm_config
 from tests.ports import reserved_pair, reserved_port

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.common import procgroup
-from services.nodemanager.statefile import EngineRecord, StateFile, kill_recorded_engines
+from motor_mesh.common import procgroup
+from motor_mesh.nodemanager.statefile import EngineRecord, StateFile, kill_recorded_engines
 from tests.poll import wait_until
 from tests.procs import group_alive
 

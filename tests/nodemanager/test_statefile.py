@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.nodemanager import statefile
-from services.nodemanager.statefile import EngineRecord, StateFile, kill_recorded_engines
+from motor_mesh.nodemanager import statefile
+from motor_mesh.nodemanager.statefile import EngineRecord, StateFile, kill_recorded_engines
 from tests.nodemanager.conftest import nm_config
 from tests.nodemanager.test_procgroup import spawn_group
 from tests.ports import reserved_pair

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from motor.v1 import common_pb2
-from motor.v1 import nodemanager_pb2 as pb
 
-from services.common import errors
-from services.common.config import load
-from services.common.procgroup import Reaper
-from services.nodemanager.launch import LaunchError
-from services.nodemanager.statefile import StateFile
-from services.nodemanager.supervisor import EngineSupervisor
+from motor_mesh.common import errors
+from motor_mesh.common.config import load
+from motor_mesh.common.procgroup import Reaper
+from motor_mesh.gen.motor.v1 import common_pb2
+from motor_mesh.gen.motor.v1 import nodemanager_pb2 as pb
+from motor_mesh.nodemanager.launch import LaunchError
+from motor_mesh.nodemanager.statefile import StateFile
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
 from tests.poll import until
 
 RESTART = pb.RestartEnginesRequest(action=pb.RESTART_ACTION_RESTART)

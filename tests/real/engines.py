@@ -21,8 +21,8 @@ from typing import Any
 
 import openai
 
-from services.cli.up_plan import UCX_PORTS_BASE, UCX_PORTS_PER_WORKER
-from services.nodemanager.launch import SIDE_CHANNEL_OFFSET
+from motor_mesh.cli.up_plan import UCX_PORTS_BASE, UCX_PORTS_PER_WORKER
+from motor_mesh.nodemanager.launch import SIDE_CHANNEL_OFFSET
 from tests.e2e.cluster import ENGINE, NM, Cluster
 from tests.poll import wait_until
 from tools.real_engines import TINY_MODEL, VLLM_BIN, cluster_config

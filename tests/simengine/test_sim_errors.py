@@ -12,10 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from services.common.httpserver import HttpServer
-from services.simengine import app as sim_app
-from services.simengine import completion
-from services.simengine.config import EngineConfig
+from motor_mesh.common.httpserver import HttpServer
+from motor_mesh.simengine import app as sim_app
+from motor_mesh.simengine import completion
+from motor_mesh.simengine.config import EngineConfig
 from tests.http import ERROR_FIELDS, assert_internal_error, json_request
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from services.common.tokenizer import Builtin
+from motor_mesh.common.tokenizer import Builtin
 from tests.poll import wait_until
 from tests.ports import reserve
 from tests.procs import SimEngine

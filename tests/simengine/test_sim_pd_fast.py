@@ -18,11 +18,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from services.common.httpserver import HttpServer
-from services.simengine import app as sim_app
-from services.simengine.completion import cut_handoff
-from services.simengine.config import EngineConfig
-from services.simengine.openai_api import dumps
+from motor_mesh.common.httpserver import HttpServer
+from motor_mesh.simengine import app as sim_app
+from motor_mesh.simengine.completion import cut_handoff
+from motor_mesh.simengine.config import EngineConfig
+from motor_mesh.simengine.openai_api import dumps
 from tests.simengine.test_sim_pd import PREFILL_KV
 
 from .conftest import metric

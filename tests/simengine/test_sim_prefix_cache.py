@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from services.common.tokenizer import Builtin
-from services.simengine.cli import parse
-from services.simengine.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
-from services.simengine.openai_api import parse_request
-from services.simengine.prefix_cache import Chain, PrefixCache, make_chain, seed_key
+from motor_mesh.common.tokenizer import Builtin
+from motor_mesh.simengine.cli import parse
+from motor_mesh.simengine.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+from motor_mesh.simengine.openai_api import parse_request
+from motor_mesh.simengine.prefix_cache import Chain, PrefixCache, make_chain, seed_key
 
 from .conftest import metric
 

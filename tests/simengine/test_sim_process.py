@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from services.simengine.cli import parse
+from motor_mesh.simengine.cli import parse
 from tests.poll import wait_until
 from tests.procs import SimEngine, exited
 
@@ -135,7 +135,7 @@ def test_parse_rejects_bad_values(argv: list[str]) -> None:
 
 
 def test_cli_help_and_usage_errors() -> None:
-    from services.simengine.cli import main
+    from motor_mesh.simengine.cli import main
 
     assert main(["--help"]) == 0
     assert main(["--fault", "explode"]) == 2

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from services.common.config import EngineConfig, NodeManagerConfig, load
-from services.controller import assembly, convert
-from services.nodemanager import launch
-from services.nodemanager.link import register_request
+from motor_mesh.common.config import EngineConfig, NodeManagerConfig, load
+from motor_mesh.controller import assembly, convert
+from motor_mesh.nodemanager import launch
+from motor_mesh.nodemanager.link import register_request
 
 # Placeholders by model kind: each engine side swaps in the generated fixture of that kind.
 MODELS = {"moe": "/models/tiny-moe", "dense": "/models/tiny-llama"}

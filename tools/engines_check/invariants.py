@@ -10,7 +10,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from services.nodemanager import launch
+from motor_mesh.nodemanager import launch
 
 from .cases import Launch
 

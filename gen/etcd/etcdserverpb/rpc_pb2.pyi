@@ -14,7 +14,7 @@ protobuf as the rest of Motor (gen/etcd, committed).
 """
 
 from collections import abc as _abc
-from etcd.mvccpb import kv_pb2 as _kv_pb2
+from motor_mesh.gen.etcd.mvccpb import kv_pb2 as _kv_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers

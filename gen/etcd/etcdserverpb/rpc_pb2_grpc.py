@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from etcd.etcdserverpb import rpc_pb2 as etcd_dot_etcdserverpb_dot_rpc__pb2
+from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2 as etcd_dot_etcdserverpb_dot_rpc__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

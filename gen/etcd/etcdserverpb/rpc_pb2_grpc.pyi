@@ -14,7 +14,7 @@ protobuf as the rest of Motor (gen/etcd, committed).
 """
 
 from collections import abc as _abc
-from etcd.etcdserverpb import rpc_pb2 as _rpc_pb2
+from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2 as _rpc_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -29,7 +29,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14motor/v1/alarm
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor.v1.alarm_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor_mesh.gen.motor.v1.alarm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ALARM_ADDITIONALINFOENTRY']._loaded_options = None

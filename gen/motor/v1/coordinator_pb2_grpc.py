@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from motor.v1 import coordinator_pb2 as motor_dot_v1_dot_coordinator__pb2
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as motor_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -9,7 +9,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from motor.v1 import common_pb2 as _common_pb2
+from motor_mesh.gen.motor.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

@@ -5,7 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from motor.v1 import nodemanager_pb2 as _nodemanager_pb2
+from motor_mesh.gen.motor.v1 import nodemanager_pb2 as _nodemanager_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

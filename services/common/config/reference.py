@@ -1,5 +1,5 @@
 """docs/configuration.md, generated from the schema (sections.py): every key with its type and
-range, its default and what it means. ``python -m services.common.config.reference`` prints it;
+range, its default and what it means. ``python -m motor_mesh.common.config.reference`` prints it;
 ``make docs`` writes it, and a test fails when the committed file is stale.
 """
 

@@ -8,21 +8,21 @@
  * flat memory here, or Python's containers without the interpreter's dispatch per item.
  *
  * Each function has a Python reference that defines it and that the tests compare it with:
- *   chat_ids        services.common.tokenizer.Builtin and sim_chat_text (the simulated
+ *   chat_ids        motor_mesh.common.tokenizer.Builtin and sim_chat_text (the simulated
  *                   engine's tokenizer and chat lines)
  *   Chats.prompt    chain(chat_ids(messages)), remembered by conversation prefix
- *   chain           services.coordinator.kv.hashing.chain (CPython's int and tuple hashes)
+ *   chain           motor_mesh.coordinator.kv.hashing.chain (CPython's int and tuple hashes)
  *   unpack_ids      msgspec's decoding of a msgpack array as list[int] (wire._ids_of: a
  *                   BlockStored's token ids, read only to be hashed)
- *   held            services.coordinator.kv.shared.Table.has with speedups.held_run
- *   holder          services.coordinator.kv.shared.SharedReader.holder's Python loop
- *   place           services.coordinator.kv.prompt.place over holder
- *   Prompts         services.coordinator.kv.routing.KvRouting._read with Tokens.prompt's chats
- *   Chooser         services.coordinator.kv.policy.KvAware.choose (nothing excluded, no endpoint
+ *   held            motor_mesh.coordinator.kv.shared.Table.has with speedups.held_run
+ *   holder          motor_mesh.coordinator.kv.shared.SharedReader.holder's Python loop
+ *   place           motor_mesh.coordinator.kv.prompt.place over holder
+ *   Prompts         motor_mesh.coordinator.kv.routing.KvRouting._read with Tokens.prompt's chats
+ *   Chooser         motor_mesh.coordinator.kv.policy.KvAware.choose (nothing excluded, no endpoint
  *                   down)
- *   table_update    services.coordinator.kv.shared.Table.update (the management process's
+ *   table_update    motor_mesh.coordinator.kv.shared.Table.update (the management process's
  *                   writes, an event's changes at once)
- *   hold, release   services.coordinator.kv.speedups.hold and .release (KvIndex's loops over an
+ *   hold, release   motor_mesh.coordinator.kv.speedups.hold and .release (KvIndex's loops over an
  *                   event's blocks)
  * The module is optional: without a C compiler Motor runs those references instead.
  */
@@ -669,7 +669,7 @@ static PyMethodDef ChatPrompt_methods[] = {
 };
 
 static PyTypeObject ChatPromptType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.ChatPrompt",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "motor_mesh.coordinator.kv._speedups.ChatPrompt",
     .tp_doc = PyDoc_STR("A chat's prompt, as Chats.prompt read it (see prompt.Prompt)."),
     .tp_basicsize = sizeof(ChatPromptObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -876,7 +876,7 @@ static PyGetSetDef Chats_getset[] = {
 };
 
 static PyTypeObject ChatsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Chats",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "motor_mesh.coordinator.kv._speedups.Chats",
     .tp_doc = PyDoc_STR("Chats(vocab, max_turns, max_bytes, root): the block hashes of chats, remembered\n"
                         "by the messages so far (at most max_turns sequences, max_bytes in all)."),
     .tp_basicsize = sizeof(ChatsObject),
@@ -1398,7 +1398,7 @@ static void Prompts_dealloc(PromptsObject *self) {
 }
 
 static PyTypeObject PromptsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Prompts",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "motor_mesh.coordinator.kv._speedups.Prompts",
     .tp_doc = PyDoc_STR("Prompts(chats, rest)(req, chat, target) -> prompt | None\n\n"
                         "KvRouting.prompt: a chat request read by the Chats that chats (a dict) maps\n"
                         "(target.model, target.engine_type) to, at its block_size; any other request,\n"
@@ -1648,7 +1648,7 @@ static void Chooser_dealloc(ChooserObject *self) {
 }
 
 static PyTypeObject ChooserType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.coordinator.kv._speedups.Chooser",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "motor_mesh.coordinator.kv._speedups.Chooser",
     .tp_doc = PyDoc_STR("Chooser(views, header, tallies, general, prefix_weight, load_weight)\n"
                         "(targets, exclude, prompt) -> target\n\n"
                         "KvAware.choose for a worker, with nothing excluded and a prompt: a lone target is\n"

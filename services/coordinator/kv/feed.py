@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
-from services.common import log, tasks
-from services.common.config import CoordinatorConfig
-from services.coordinator.kv.index import KvIndex
-from services.coordinator.kv.metrics import KvMetrics
-from services.coordinator.kv.shared import SharedWriter, Table
-from services.coordinator.kv.subscriber import Subscription
-from services.coordinator.kv.wire import Batch
-from services.coordinator.routes import RoutingView
+from motor_mesh.common import log, tasks
+from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.metrics import KvMetrics
+from motor_mesh.coordinator.kv.shared import SharedWriter, Table
+from motor_mesh.coordinator.kv.subscriber import Subscription
+from motor_mesh.coordinator.kv.wire import Batch
+from motor_mesh.coordinator.routes import RoutingView
 
 RECONCILE_S = 0.25
 GROW_RETRY_S = 10.0  # after a bigger table could not be made (no room on the file system)

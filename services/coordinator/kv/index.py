@@ -22,14 +22,14 @@ from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from services.coordinator.kv.hashing import ROOT
-from services.coordinator.kv.prompt import PromptView, place
-from services.coordinator.kv.speedups import chain, held_run, hold, release
-from services.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
-from services.coordinator.routes import Upstream
+from motor_mesh.coordinator.kv.hashing import ROOT
+from motor_mesh.coordinator.kv.prompt import PromptView, place
+from motor_mesh.coordinator.kv.speedups import chain, held_run, hold, release
+from motor_mesh.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
+from motor_mesh.coordinator.routes import Upstream
 
 if TYPE_CHECKING:
-    from services.coordinator.policies import Policy
+    from motor_mesh.coordinator.policies import Policy
 
 DEFAULT_MAX_BLOCKS = 262144
 

@@ -12,8 +12,8 @@ from array import array
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.enums import ROLE_NAMES
-from services.coordinator.tally import Tallies
+from motor_mesh.common.enums import ROLE_NAMES
+from motor_mesh.coordinator.tally import Tallies
 
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROLES = ("prefill", "decode", "union")
@@ -24,7 +24,7 @@ RESET_REASONS = ("left", "restart", "gap")
 class PromptTally:
     """The prompt tokens of the requests kv_aware routed to one role's instances, and of them the
     tokens the chosen engine held, as two 64-bit integers the C request path adds to in place
-    (as :mod:`services.coordinator.tally`'s tallies, flushed into the counters)."""
+    (as :mod:`motor_mesh.coordinator.tally`'s tallies, flushed into the counters)."""
 
     __slots__ = ("_cached", "_prompt", "sums")
 

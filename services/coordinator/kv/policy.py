@@ -18,11 +18,11 @@ import random
 from collections.abc import Collection, Hashable, MutableSequence, Sequence
 from typing import Protocol
 
-from services.common.enums import ROLE_NAMES
-from services.coordinator.kv.metrics import KvMetrics
-from services.coordinator.kv.prompt import PromptView
-from services.coordinator.policies import Policy, candidates, least_load
-from services.coordinator.routes import Target, Upstream
+from motor_mesh.common.enums import ROLE_NAMES
+from motor_mesh.coordinator.kv.metrics import KvMetrics
+from motor_mesh.coordinator.kv.prompt import PromptView
+from motor_mesh.coordinator.policies import Policy, candidates, least_load
+from motor_mesh.coordinator.routes import Target, Upstream
 
 
 class IndexView(Protocol):

@@ -1,7 +1,7 @@
 """A request's prompt as the engine will see it: its token ids, and their block hashes.
 
 ``kv_aware`` matches a request against the blocks engines say they hold, so the request must be
-tokenized exactly as the engine tokenizes it (:mod:`services.common.tokenizer`): for the
+tokenized exactly as the engine tokenizes it (:mod:`motor_mesh.common.tokenizer`): for the
 simulated engine its ``<role>: <text>`` chat lines and its tokenizer, for vLLM and SGLang the
 model's chat template and ``tokenizer.json``. Only the first prompt of a batched completion
 request is matched (the others usually share its prefix).
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, MutableSequence, Sequence
 from typing import Any, Protocol
 
-from services.common.tokenizer import (
+from motor_mesh.common.tokenizer import (
     BUILTIN_VOCAB,
     Builtin,
     HfTokenizer,
@@ -31,9 +31,9 @@ from services.common.tokenizer import (
     sim_chat_text,
     token_prompt_text,
 )
-from services.coordinator.kv import speedups
-from services.coordinator.kv.hashing import ROOT
-from services.coordinator.routes import Upstream
+from motor_mesh.coordinator.kv import speedups
+from motor_mesh.coordinator.kv.hashing import ROOT
+from motor_mesh.coordinator.routes import Upstream
 
 LINE_CACHE_MAX = 4096  # chat messages whose ids are remembered (the Python path)
 TURN_CACHE_MAX = 4096  # message sequences whose hashes are remembered (the C path)

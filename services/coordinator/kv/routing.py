@@ -12,17 +12,17 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from services.common import enums, log, tasks
-from services.common.config import CoordinatorConfig
-from services.common.tokenizer import Builtin, Tokenizer, load
-from services.common.tokenizer import tokenizer_file as find_tokenizer
-from services.coordinator.kv import speedups
-from services.coordinator.kv.feed import RECONCILE_S, KvFeed
-from services.coordinator.kv.policy import IndexView, KvAware
-from services.coordinator.kv.prompt import PromptView, Tokens
-from services.coordinator.kv.shared import SharedReader
-from services.coordinator.metrics import Metrics
-from services.coordinator.routes import RoutingView, Target
+from motor_mesh.common import enums, log, tasks
+from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.common.tokenizer import Builtin, Tokenizer, load
+from motor_mesh.common.tokenizer import tokenizer_file as find_tokenizer
+from motor_mesh.coordinator.kv import speedups
+from motor_mesh.coordinator.kv.feed import RECONCILE_S, KvFeed
+from motor_mesh.coordinator.kv.policy import IndexView, KvAware
+from motor_mesh.coordinator.kv.prompt import PromptView, Tokens
+from motor_mesh.coordinator.kv.shared import SharedReader
+from motor_mesh.coordinator.metrics import Metrics
+from motor_mesh.coordinator.routes import RoutingView, Target
 
 POLICY = "kv_aware"
 

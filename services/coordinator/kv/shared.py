@@ -28,7 +28,7 @@ its engine, whose slots stay in the CPU caches. Until the swap, the old table ta
 7/8 of its slots and then skips them (the new one gets them from the index), so it is never
 full and every probe ends.
 
-They live in the Coordinator's private directory (:mod:`services.common.scratch`), and go with it.
+They live in the Coordinator's private directory (:mod:`motor_mesh.common.scratch`), and go with it.
 
 A reader can race the writer: it may miss a hash that is being shifted, or read a block count a
 moment old. Either costs one routing hint, never a wrong answer, as with any staleness of the
@@ -46,12 +46,12 @@ import shutil
 from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
 from typing import TYPE_CHECKING
 
-from services.coordinator.kv import speedups
-from services.coordinator.kv.prompt import Holder, Placer, PromptView, place
-from services.coordinator.routes import Upstream
+from motor_mesh.coordinator.kv import speedups
+from motor_mesh.coordinator.kv.prompt import Holder, Placer, PromptView, place
+from motor_mesh.coordinator.routes import Upstream
 
 if TYPE_CHECKING:
-    from services.coordinator.policies import Policy
+    from motor_mesh.coordinator.policies import Policy
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
@@ -346,7 +346,7 @@ class SharedWriter:
 
 class SharedReader:
     """A worker's side: the index as the management process last wrote it, with the query
-    methods of :class:`~services.coordinator.kv.index.KvIndex` that ``kv_aware`` uses."""
+    methods of :class:`~motor_mesh.coordinator.kv.index.KvIndex` that ``kv_aware`` uses."""
 
     def __init__(self, directory: str) -> None:
         self.dir = os.path.join(directory, "kv")

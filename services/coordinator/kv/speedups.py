@@ -19,13 +19,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
-from services.coordinator.kv.hashing import ROOT
-from services.coordinator.kv.hashing import chain as py_chain
+from motor_mesh.coordinator.kv.hashing import ROOT
+from motor_mesh.coordinator.kv.hashing import chain as py_chain
 
 K = TypeVar("K", bound=Hashable)  # an engine's block hash
 
 try:
-    from services.coordinator.kv import _speedups as native
+    from motor_mesh.coordinator.kv import _speedups as native
 except ImportError:  # no C compiler at install time
     native = None  # type: ignore[assignment]
 

@@ -32,9 +32,9 @@ from typing import Generic, Protocol, TypeVar
 import zmq
 import zmq.asyncio
 
-from services.common import log
-from services.coordinator.kv import wire
-from services.coordinator.kv.wire import Batch, WireError
+from motor_mesh.common import log
+from motor_mesh.coordinator.kv import wire
+from motor_mesh.coordinator.kv.wire import Batch, WireError
 
 # Batches handled in a row before yielding to the event loop: a socket with messages waiting
 # hands them over without suspending, so a burst (a catch-up of thousands) would otherwise hold

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from services.coordinator.kv import speedups
+from motor_mesh.coordinator.kv import speedups
 
 BlockHash = int | bytes  # vLLM hashes blocks to 64-bit ints (older) or SHA-256 digests (newer)
 

@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping
 
 import grpc
 from google.protobuf import timestamp_pb2
-from motor.v1 import alarm_pb2, controller_pb2
 
-from services.common import errors, log, retry, tasks
-from services.common.config import CoordinatorConfig
-from services.common.leader_target import ControllerTarget, first_address
+from motor_mesh.common import errors, log, retry, tasks
+from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.common.leader_target import ControllerTarget, first_address
+from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2
 
 ALARM_ID = "0xFC001009"
 ALARM_NAME = "Precision issue"

@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from services.common import log
-from services.common.config import CoordinatorConfig
-from services.coordinator.metrics import Metrics
-from services.coordinator.precision import checker, reporter
-from services.coordinator.precision.groups import (
+from motor_mesh.common import log
+from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.coordinator.metrics import Metrics
+from motor_mesh.coordinator.precision import checker, reporter
+from motor_mesh.coordinator.precision.groups import (
     Action,
     Completed,
     GroupState,

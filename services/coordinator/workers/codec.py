@@ -26,10 +26,9 @@ import struct
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from motor.v1 import common_pb2
-
-from services.coordinator.precision.groups import Completed
-from services.coordinator.table import TableState
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.gen.motor.v1 import common_pb2
 
 # Message kinds: the first frame of every message.
 HELLO = b"hello"  # worker -> hub (DEALER -> ROUTER): [HELLO, peer, u64 pid]; asks for a snapshot

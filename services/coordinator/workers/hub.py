@@ -32,10 +32,10 @@ from typing import TypeVar
 import zmq
 import zmq.asyncio
 
-from services.common import log, tasks
-from services.coordinator.precision.groups import Completed
-from services.coordinator.table import TableState
-from services.coordinator.workers import codec
+from motor_mesh.common import log, tasks
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers import codec
 
 BEAT_S = 0.5
 LOADS_S = 0.1

@@ -23,11 +23,11 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from services.common import log, tasks
-from services.coordinator.precision.groups import Completed
-from services.coordinator.table import TableState
-from services.coordinator.workers import codec
-from services.coordinator.workers.hub import BEAT_S, LOADS_S
+from motor_mesh.common import log, tasks
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers import codec
+from motor_mesh.coordinator.workers.hub import BEAT_S, LOADS_S
 
 LOST_AFTER_S = 3.0  # no beat for this long: the hub (the management process) is gone
 LOADS_REFRESH_S = 1.0  # unchanged loads are still sent this often (the hub may have restarted)

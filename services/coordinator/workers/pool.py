@@ -20,15 +20,15 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 
-from services.common import log, scratch
-from services.common.config import CoordinatorConfig
-from services.common.signals import on_forced_exit
-from services.coordinator.metrics import forget_process, use_shared_dir
-from services.coordinator.precision.groups import Completed
-from services.coordinator.routes import netloc
-from services.coordinator.table import TableState
-from services.coordinator.workers.hub import WorkerHub, WorkersUnavailable
-from services.coordinator.workers.procs import WorkerSupervisor
+from motor_mesh.common import log, scratch
+from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.common.signals import on_forced_exit
+from motor_mesh.coordinator.metrics import forget_process, use_shared_dir
+from motor_mesh.coordinator.precision.groups import Completed
+from motor_mesh.coordinator.routes import netloc
+from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.workers.hub import WorkerHub, WorkersUnavailable
+from motor_mesh.coordinator.workers.procs import WorkerSupervisor
 
 __all__ = ["WorkerPool", "WorkersUnavailable", "worker_count"]
 
@@ -74,7 +74,15 @@ class WorkerPool:
         on_forced_exit(self.kill_now)
 
     def _argv(self, index: int) -> list[str]:
-        return [sys.executable, "-m", "services.coordinator.worker", "--dir", self.dir, "--index", str(index)]
+        return [
+            sys.executable,
+            "-m",
+            "motor_mesh.coordinator.worker",
+            "--dir",
+            self.dir,
+            "--index",
+            str(index),
+        ]
 
     @staticmethod
     def _exited(index: int, pid: int) -> None:

@@ -2,7 +2,7 @@
 
 Workers are fork+exec'd children (asyncio subprocesses, never a bare fork: the management
 process may hold threads), started before any gRPC object exists. So this module imports
-nothing that pulls in grpc (not even :mod:`services.common.tasks`, whose Backoff lives next to
+nothing that pulls in grpc (not even :mod:`motor_mesh.common.tasks`, whose Backoff lives next to
 gRPC's retry rules): its one loop per worker guards itself the way ``tasks.supervise`` would,
 logging any failure with its traceback and carrying on.
 
@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from services.common import log
+from motor_mesh.common import log
 
 if TYPE_CHECKING:
-    from services.coordinator.workers.hub import WorkerHub
+    from motor_mesh.coordinator.workers.hub import WorkerHub
 
 RESTART_INITIAL_S = 0.1
 RESTART_MAX_S = 2.0

@@ -1,0 +1,1 @@
+"""Generated code (make gen): never edit by hand."""
