@@ -33,6 +33,7 @@ gen: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python tools/apidoc.py
 	$(BIN)/python -m motor_mesh.common.config.reference > docs/configuration.md
+	$(BIN)/python -m tools.imports --write
 
 # Debian packages some tests run for real (tests/controller/test_alertmanager.py starts its own
 # Alertmanager on a free port; tests/deploy/ runs promtool on deploy/prometheus and a Prometheus

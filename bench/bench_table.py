@@ -33,7 +33,7 @@ from bench.loadgen.coordinator_restart import RestartRound, measure_restarts
 from bench.loadgen.harness import entry, machine, percentile, publish
 from bench.loadgen.table_sets import INSTANCES, MODELS, STAGE_RUNS, SetRound, measure_sets
 from motor_mesh.cli.up import HEALTHY_RUN_S
-from motor_mesh.controller.coordinator_watch import RETRY
+from motor_mesh.controller.push.watch import RETRY
 
 RESULTS = Path(__file__).parent / "results" / "table.md"
 SET_TARGET_MS = 200.0

@@ -16,7 +16,7 @@ from motor_mesh.common import server as common_server
 from motor_mesh.common.config import load
 from motor_mesh.common.exposure import is_loopback
 from motor_mesh.common.server import MotorServer
-from motor_mesh.coordinator.runtime import Coordinator
+from motor_mesh.coordinator.app import Coordinator
 from tests.procs import Proc
 from tests.test_runtime import CONTROLLER, StubController
 from tests.test_tls import make_pki, tls_files

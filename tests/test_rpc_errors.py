@@ -17,7 +17,7 @@ from google.rpc import error_details_pb2
 from motor_mesh.common import errors, log
 from motor_mesh.common.rpc import BidiStream
 from motor_mesh.common.server import MotorServer
-from motor_mesh.controller.registration import Registrar
+from motor_mesh.controller.nodes.registration import Registrar
 from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import running_controller
 from tests.test_runtime import CONTROLLER, StubController, section

@@ -28,7 +28,7 @@ from motor_mesh.common import server as common_server
 from motor_mesh.common.channel import ClientTLS, open_channel
 from motor_mesh.common.config import ServerConfig, load
 from motor_mesh.common.server import MotorServer
-from motor_mesh.coordinator.runtime import Coordinator
+from motor_mesh.coordinator.app import Coordinator
 from tests.ports import reserved_pair
 from tests.procs import ROOT, Proc
 from tests.test_runtime import CONTROLLER, StubController

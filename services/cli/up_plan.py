@@ -30,7 +30,7 @@ CONTROLLER_METRICS_PORT, NODEMANAGER_METRICS_PORT = 9100, 9300
 ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
 HA_CONTROLLERS = 2
 ETCD_PREFIX = "/motor"
-# `motor controller`'s exit status when it lost its lease (services/controller/ha.py): it comes
+# `motor controller`'s exit status when it lost its lease (services/controller/leader/ha.py): it comes
 # back as a standby, so even before READY that is a restart, not a failed start.
 LOST_LEADERSHIP_EXIT = 3
 NO_ETCD = "motor up --ha needs etcd (Debian package etcd-server; `make system-deps` installs it)"

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from motor_mesh.common import exposure, log, telemetry
 from motor_mesh.common.config import ConfigError, ServerConfig, read_key_file, read_private_file
 from motor_mesh.common.interceptors import AccessLogInterceptor, ManagementKeyInterceptor
+from motor_mesh.common.metrics_http import MetricsServer
 from motor_mesh.common.rpc import service_handler
 from motor_mesh.common.signals import STDIN_GUARD_ENV, install_stop_signals, stop_when_stdin_closes
 
@@ -207,3 +208,16 @@ def run(amain: Callable[[asyncio.Event], Awaitable[int]], *, fast_loop: bool = F
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(wrapper())
     return asyncio.run(wrapper())
+
+
+async def start_with_metrics(server: MotorServer, scrape: MetricsServer | None) -> None:
+    """/metrics, then the gRPC port: SERVING means /metrics answers too. When either cannot
+    start, neither is left running."""
+    try:
+        if scrape is not None:
+            await scrape.start()
+        await server.start()
+    except BaseException:
+        if scrape is not None:
+            await scrape.stop()
+        raise

@@ -21,36 +21,41 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 from motor_mesh.common import log
-from motor_mesh.common.config import ControllerConfig, read_key_file
+from motor_mesh.common.config import Config, ControllerConfig, read_key_file
 from motor_mesh.common.gcpolicy import GcGuard
+from motor_mesh.common.metrics_http import MetricsServer
 from motor_mesh.common.retry import Backoff
+from motor_mesh.common.server import MotorServer, start_with_metrics
 from motor_mesh.common.tasks import spawn
-
-from .alarm_sources import COORDINATOR_ALARM_AFTER_S, CoordinatorAlarms, InstanceAlarms
-from .alarm_watch import AlarmWatchHub
-from .alarms import AlarmStore
-from .alertmanager import AlertmanagerSink
-from .assembler import Assembler
-from .coordinator_set import CoordinatorSet
-from .faults import FaultManager
-from .heartbeats import STATS_WINDOW_S, HeartbeatHub
-from .instance_reconciler import InstanceReconciler
-from .instances import InstanceTable
-from .leadership import Leadership
-from .liveclock import LiveClock
-from .nm_client import NodeManagerClients
-from .pending import PendingAssemblies
-from .pusher import CoordinatorSync
-from .reconciler import Reconciler
-from .recovery import Recovery
-from .registration import Registrar
-from .service import ControllerService
-from .sessions import SessionTable
-from .state_store import StateStore
-from .store import Store
+from motor_mesh.controller import metrics
+from motor_mesh.controller.alarms.alertmanager import AlertmanagerSink
+from motor_mesh.controller.alarms.sources import COORDINATOR_ALARM_AFTER_S, CoordinatorAlarms, InstanceAlarms
+from motor_mesh.controller.alarms.store import AlarmStore
+from motor_mesh.controller.alarms.watch import AlarmWatchHub
+from motor_mesh.controller.faults.manager import FaultManager
+from motor_mesh.controller.faults.recovery import Recovery
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.leader.election import Leadership
+from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.nodes.heartbeats import STATS_WINDOW_S, HeartbeatHub
+from motor_mesh.controller.nodes.liveclock import LiveClock
+from motor_mesh.controller.nodes.pending import PendingAssemblies
+from motor_mesh.controller.nodes.registration import Registrar
+from motor_mesh.controller.nodes.sessions import SessionTable
+from motor_mesh.controller.push.coordinator_set import CoordinatorSet
+from motor_mesh.controller.push.pusher import CoordinatorSync
+from motor_mesh.controller.reconcile.assembler import Assembler
+from motor_mesh.controller.reconcile.instances import InstanceReconciler
+from motor_mesh.controller.reconcile.runner import Reconciler
+from motor_mesh.controller.service import ControllerService
+from motor_mesh.controller.store.db import StateCorrupt
+from motor_mesh.controller.store.interface import StateStore
+from motor_mesh.controller.store.sqlite import Store
+from motor_mesh.gen.motor.v1 import controller_pb2
 
 # Every key is looked at again this often, whatever events said: what a lost event missed is
 # corrected within one period.
@@ -289,3 +294,40 @@ class Controller:
         self.gc.close()
         if self._lock is not None:
             os.close(self._lock)
+
+
+async def serve(cfg: Config, stop: asyncio.Event) -> int:
+    """The Controller on the SQLite store (leader/ha.py serves the etcd one): the gRPC and
+    metrics listeners, then the Controller, until ``stop``."""
+    c = cfg.controller
+    try:
+        controller = Controller(c)
+    except StateCorrupt as err:
+        # The message is the whole story (which file, where it went, what to do): one line.
+        print(f"motor controller: {err}", file=sys.stderr)
+        return 1
+    server = MotorServer(
+        "controller",
+        c,
+        [(controller_pb2.DESCRIPTOR.services_by_name["Controller"], controller.servicer)],
+        port=c.port,
+    )
+    # After the drain: end the heartbeat and alarm watch streams so their clients reconnect
+    # elsewhere at once.
+    server.on_stop(controller.end_streams)
+    scrape = MetricsServer(c.host, c.metrics_port, metrics.registry(controller)) if c.metrics_port else None
+    try:
+        await start_with_metrics(server, scrape)
+    except BaseException:
+        await controller.stop()
+        raise
+    await controller.start()
+    server.announce(**({"metrics": scrape.address} if scrape else {}))
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        if scrape is not None:
+            await scrape.stop()
+        await controller.stop()
+    return 0

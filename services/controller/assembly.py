@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from motor_mesh.common.enums import EP_INITIAL, PD_SGLANG
+from motor_mesh.controller.model import Instance, JobSpec, Member
 from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
-
-from .model import Instance, JobSpec, Member
 
 
 def _endpoints_by_rank(spec: JobSpec, members: Sequence[Member]) -> list[int]:

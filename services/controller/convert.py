@@ -1,5 +1,5 @@
 """Conversions between the Controller's records (model.py) and the outside: protobuf messages
-(requests, ListInstances, what the Coordinators are sent) and database rows (store.py).
+(requests, ListInstances, what the Coordinators are sent) and database rows (store/sqlite.py).
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from typing import Any
 
 from motor_mesh.common import enums
 from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.controller.model import Instance, JobSpec, Member, Pending
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
-
-from .model import Instance, JobSpec, Member, Pending
 
 # ---- requests ----------------------------------------------------------------------------------
 

@@ -16,11 +16,10 @@ from typing import Protocol
 
 from motor_mesh.common import log
 from motor_mesh.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
-
-from .db import StateWriteError
-from .model import Instance
-from .state_machine import is_routable
-from .state_store import KEEP_DELETED, StateStore
+from motor_mesh.controller.model import Instance
+from motor_mesh.controller.state_machine import is_routable
+from motor_mesh.controller.store.db import StateWriteError
+from motor_mesh.controller.store.interface import KEEP_DELETED, StateStore
 
 
 class Observer(Protocol):

@@ -21,13 +21,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from motor_mesh.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
-from motor_mesh.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # app.py and leader/ha.py hand their objects to the collector: types only
     from motor_mesh.controller.app import Controller
-    from motor_mesh.controller.ha import Lead
-    from motor_mesh.controller.leadership import Leadership
+    from motor_mesh.controller.leader.election import Leadership
+    from motor_mesh.controller.leader.ha import Lead
 
 P = "motor_controller_"
 # Every live status (DELETED instances are history, not counted) of every role, so a dashboard

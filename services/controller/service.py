@@ -10,12 +10,12 @@ import grpc
 from motor_mesh.common import errors
 from motor_mesh.common.rpc import BidiStream
 from motor_mesh.controller import validation
-from motor_mesh.controller.alarm_pages import list_page
+from motor_mesh.controller.alarms.pages import list_page
 from motor_mesh.controller.convert import instance_pb
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 from motor_mesh.gen.motor.v1 import controller_pb2_grpc
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # app.py builds this servicer around the Controller it owns: types only
     from motor_mesh.controller.app import Controller
 
 

@@ -8,10 +8,9 @@ import re
 
 from motor_mesh.common import enums
 from motor_mesh.common.config.checks import split_problem
+from motor_mesh.controller.alarms.pages import BadToken, decode_token
+from motor_mesh.controller.alarms.store import PRECISION
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
-
-from .alarm_pages import BadToken, decode_token
-from .alarms import PRECISION
 
 _ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
 _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())

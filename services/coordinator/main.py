@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from motor_mesh.common.service_main import service_main
-from motor_mesh.coordinator.runtime import serve
+from motor_mesh.coordinator.app import serve
 
 
 def main(argv: list[str]) -> int:

@@ -48,7 +48,7 @@ from motor_mesh.simengine.openai_api import (
 from motor_mesh.simengine.prefix_cache import Chain
 from motor_mesh.simengine.tokens import prompt_ids
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the Engine (app.py) calls in here; tracing.py loads only when tracing is on
     from motor_mesh.simengine.app import Engine
     from motor_mesh.simengine.tracing import EngineTracer, Served
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from motor_mesh.common import telemetry
 from motor_mesh.common.httpmessages import Request, Responder
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # completion.py calls the tracer with its Plan: types only
     from motor_mesh.simengine.completion import Plan
 
 DEFAULT_SERVICE_NAME = "motor-sim"

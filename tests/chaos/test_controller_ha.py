@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from motor_mesh.controller.etcd_client import EtcdClient
+from motor_mesh.controller.store.etcd_client import EtcdClient
 from tests.chaos.harness import DELETED, Cluster, Load, pid_of, scenario
 from tests.e2e.cluster import CONTROLLER, CONTROLLER_METRICS, ETCD_CLIENT
 from tests.etcd import NOT_INSTALLED

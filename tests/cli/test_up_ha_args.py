@@ -14,7 +14,7 @@ from motor_mesh.cli.up_args import parse
 from motor_mesh.cli.up_output import error_line
 from motor_mesh.cli.up_plan import LOST_LEADERSHIP_EXIT, NO_ETCD, Plan, plan
 from motor_mesh.common.config import Config, load
-from motor_mesh.controller.ha import LOST_LEADERSHIP_EXIT as CONTROLLER_LOST_LEADERSHIP_EXIT
+from motor_mesh.controller.leader.ha import LOST_LEADERSHIP_EXIT as CONTROLLER_LOST_LEADERSHIP_EXIT
 
 OFF = 1000
 

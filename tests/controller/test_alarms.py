@@ -16,7 +16,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
-from motor_mesh.controller.alarms import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION, precision_moi
 from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import (
     ABNORMAL,

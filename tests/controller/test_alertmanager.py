@@ -18,8 +18,8 @@ from aiohttp import web
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from motor_mesh.common.retry import Backoff
-from motor_mesh.controller.alarms import dedupe_key
-from motor_mesh.controller.alertmanager import AlertmanagerSink
+from motor_mesh.controller.alarms.alertmanager import AlertmanagerSink
+from motor_mesh.controller.alarms.store import dedupe_key
 from motor_mesh.gen.motor.v1 import alarm_pb2
 from tests.poll import until
 from tests.ports import reserved_port

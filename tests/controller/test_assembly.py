@@ -10,8 +10,9 @@ from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
 from motor_mesh.common.errors import details_of
-from motor_mesh.controller import assembler, assembly, validation
+from motor_mesh.controller import assembly, validation
 from motor_mesh.controller.model import JobSpec, Member
+from motor_mesh.controller.reconcile import assembler
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 from tests.controller.fakes import (
     ACTIVE,

@@ -193,7 +193,7 @@ async def test_two_coordinators_each_get_the_change(tmp_path, node_managers, coo
 
 
 async def test_heartbeat_stats_are_logged(tmp_path, node_managers, monkeypatch, caplog) -> None:
-    from motor_mesh.controller import heartbeats
+    from motor_mesh.controller.nodes import heartbeats
 
     caplog.set_level("INFO")
     # No window closes until the test says so: the three beats are in one window however slow.

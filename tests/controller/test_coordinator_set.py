@@ -10,9 +10,9 @@ import pytest
 
 from motor_mesh.common import dns
 from motor_mesh.common.config import ConfigError, load
-from motor_mesh.controller import coordinator_set
-from motor_mesh.controller.alarm_sources import COORDINATOR_FAULT
-from motor_mesh.controller.coordinator_set import CoordinatorSet, resolve
+from motor_mesh.controller.alarms.sources import COORDINATOR_FAULT
+from motor_mesh.controller.push import coordinator_set
+from motor_mesh.controller.push.coordinator_set import CoordinatorSet, resolve
 from tests.controller.fakes import FakeCoordinator, running_controller
 from tests.poll import until
 

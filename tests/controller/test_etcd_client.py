@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from motor_mesh.common.config import ConfigError
-from motor_mesh.controller.etcd_client import (
+from motor_mesh.controller.store.etcd_client import (
     EtcdClient,
     EtcdCompacted,
     EtcdUnavailable,

@@ -13,12 +13,12 @@ import pytest
 
 from motor_mesh.common.enums import DELETED, InstanceStatus
 from motor_mesh.controller.convert import instance_row, pending_row
-from motor_mesh.controller.db import StateCorrupt, StateWriteError
-from motor_mesh.controller.etcd_client import EtcdClient, cmp_create, op_delete, op_put
-from motor_mesh.controller.etcd_store import EtcdStore
 from motor_mesh.controller.model import Instance, JobSpec, Member, Pending
-from motor_mesh.controller.state_store import NotLeader, StateStore
-from motor_mesh.controller.store import Store
+from motor_mesh.controller.store.db import StateCorrupt, StateWriteError
+from motor_mesh.controller.store.etcd import EtcdStore
+from motor_mesh.controller.store.etcd_client import EtcdClient, cmp_create, op_delete, op_put
+from motor_mesh.controller.store.interface import NotLeader, StateStore
+from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 from tests.etcd import EtcdServer
 from tests.poll import until
@@ -134,8 +134,8 @@ def view(store: StateStore) -> dict[str, Any]:
 async def test_etcd_loads_what_sqlite_loads_after_the_same_writes(
     client: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module in ("store", "etcd_store"):
-        monkeypatch.setattr(f"motor_mesh.controller.{module}.KEEP_DELETED", 2)
+    for module in ("sqlite", "etcd"):
+        monkeypatch.setattr(f"motor_mesh.controller.store.{module}.KEEP_DELETED", 2)
     sqlite = Store(tmp_path / "s")
     etcd, _ = await open_etcd(client)
     assert await write_everything(sqlite) == await write_everything(etcd) == [1, 2, 3, 4, 5, 6]

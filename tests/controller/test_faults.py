@@ -11,8 +11,8 @@ import pytest
 from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
-from motor_mesh.controller import faults
-from motor_mesh.controller.strategies import EngineRelaunch
+from motor_mesh.controller.faults import manager as faults
+from motor_mesh.controller.faults.strategies import EngineRelaunch
 from motor_mesh.gen.motor.v1 import controller_pb2, nodemanager_pb2
 from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller
 from tests.poll import until

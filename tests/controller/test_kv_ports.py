@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from motor_mesh.controller.etcd_client import EtcdClient
 from motor_mesh.controller.model import Instance, JobSpec, Member
-from motor_mesh.controller.state_store import StateStore
-from motor_mesh.controller.store import Store
+from motor_mesh.controller.store.etcd_client import EtcdClient
+from motor_mesh.controller.store.interface import StateStore
+from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
 from tests.controller.fakes import (
     ACTIVE,

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from motor_mesh.controller.etcd_client import EtcdClient, op_put
-from motor_mesh.controller.leadership import Leadership, leader_key
-from motor_mesh.controller.state_store import NotLeader
+from motor_mesh.controller.leader.election import Leadership, leader_key
+from motor_mesh.controller.store.etcd_client import EtcdClient, op_put
+from motor_mesh.controller.store.interface import NotLeader
 from tests.chaos.proxy import TcpProxy
 from tests.etcd import EtcdServer, etcdctl
 from tests.poll import until

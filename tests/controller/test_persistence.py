@@ -9,7 +9,7 @@ from pathlib import Path
 
 from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance, JobSpec, Member, Pending
-from motor_mesh.controller.store import Store
+from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller
 from tests.poll import until

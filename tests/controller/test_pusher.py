@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2
 from motor_mesh.common.server import MotorServer
 from motor_mesh.controller import state_machine as sm
 from motor_mesh.controller.convert import instance_pb
-from motor_mesh.controller.coordinator_watch import UNKNOWN, CoordinatorWatch
 from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance, JobSpec, Member
-from motor_mesh.controller.pusher import CoordinatorSync
-from motor_mesh.controller.store import Store
+from motor_mesh.controller.push.pusher import CoordinatorSync
+from motor_mesh.controller.push.watch import UNKNOWN, CoordinatorWatch
+from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import common_pb2
 from tests.controller.fakes import (
     ACTIVE,

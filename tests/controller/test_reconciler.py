@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from motor_mesh.common.retry import Backoff
-from motor_mesh.controller.reconciler import Reconciler, Result, Retry, Terminal
-from motor_mesh.controller.workqueue import WorkQueue
+from motor_mesh.controller.reconcile.runner import Reconciler, Result, Retry, Terminal
+from motor_mesh.controller.reconcile.workqueue import WorkQueue
 from tests.poll import until
 
 FAST = Backoff(0.01, 0.04, jitter=0)

@@ -1,4 +1,4 @@
-"""The recovery service (services/controller/recovery.py): TerminateInstance, the precision alarm
+"""The recovery service (services/controller/faults/recovery.py): TerminateInstance, the precision alarm
 clear paths, and automatic precision recovery, through the Controller's gRPC API with fake
 NodeManagers and a fake Coordinator."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from motor_mesh.controller import recovery
-from motor_mesh.controller.alarms import INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.controller.alarms.store import INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.controller.faults import recovery
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 from tests.controller.fakes import ACTIVE, running_controller
 from tests.poll import until

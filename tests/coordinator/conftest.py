@@ -14,7 +14,7 @@ import pytest
 
 from motor_mesh.common import server as common_server
 from motor_mesh.common.config import load
-from motor_mesh.coordinator.runtime import Coordinator
+from motor_mesh.coordinator.app import Coordinator
 from motor_mesh.gen.motor.v1 import (
     alarm_pb2,
     controller_pb2,

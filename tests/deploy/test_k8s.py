@@ -35,7 +35,7 @@ from motor_mesh.common.config import ConfigError, load_config, read_key_file
 from motor_mesh.coordinator import inference
 from motor_mesh.coordinator.workers import pool
 from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
-from motor_mesh.nodemanager import main as nodemanager_main
+from motor_mesh.nodemanager import app as nodemanager_main
 from tests.deploy.k8s_render import (
     Pod,
     config_refusals,

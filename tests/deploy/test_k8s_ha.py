@@ -28,7 +28,7 @@ from motor_mesh.common import server as grpc_server
 from motor_mesh.common.config import load_config
 from motor_mesh.common.errors import details_of
 from motor_mesh.common.interceptors import KEY_METADATA
-from motor_mesh.controller.ha import ETCD_TIMEOUT_S
+from motor_mesh.controller.leader.ha import ETCD_TIMEOUT_S
 from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.deploy.k8s_render import Doc, Pod, config_refusals, local_pods, matches, pods_of, quantity, render
 from tests.deploy.test_k8s import HEALTH_NAME, K8S, POD_IP, SECTION, VERSIONS, serving

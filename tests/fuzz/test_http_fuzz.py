@@ -34,7 +34,7 @@ from hypothesis.errors import InvalidArgument
 from motor_mesh.common import server as common_server
 from motor_mesh.common.config import load
 from motor_mesh.common.enums import DECODE, PREFILL, UNION
-from motor_mesh.coordinator.runtime import Coordinator
+from motor_mesh.coordinator.app import Coordinator
 from motor_mesh.gen.motor.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.coordinator.conftest import ENGINE_ARGS, MODEL, _start_engines, instance
 from tests.fuzz.harness import LogTrap, bad_log_lines, fuzz

@@ -5,10 +5,10 @@
 sample file are about). ``docs/configuration.md`` lists every key.
 """
 
-from .errors import ConfigError
-from .keyfile import read_key_file, read_private_file
-from .loader import DEFAULTS, from_dicts, load, load_config
-from .sections import (
+from motor_mesh.common.config.errors import ConfigError
+from motor_mesh.common.config.keyfile import read_key_file, read_private_file
+from motor_mesh.common.config.loader import DEFAULTS, from_dicts, load, load_config
+from motor_mesh.common.config.sections import (
     SECTIONS,
     Config,
     ControllerConfig,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from .errors import ConfigError
+from motor_mesh.common.config.errors import ConfigError
 
 # gRPC's default limit for all metadata of a call is 8 KiB; the key travels in it.
 _MAX_KEY_BYTES = 4096

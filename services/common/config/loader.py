@@ -31,10 +31,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .checks import describe, display_name, kind, nearest, short, unknown_key
-from .errors import ConfigError
-from .keyfile import read_key_file
-from .sections import SCHEMA, SECTION_TYPES, SECTIONS, Config, typed
+from motor_mesh.common.config.checks import describe, display_name, kind, nearest, short, unknown_key
+from motor_mesh.common.config.errors import ConfigError
+from motor_mesh.common.config.keyfile import read_key_file
+from motor_mesh.common.config.sections import SCHEMA, SECTION_TYPES, SECTIONS, Config, typed
 
 __all__ = ["DEFAULTS", "SECTIONS", "ConfigError", "load", "load_config", "read_key_file"]
 

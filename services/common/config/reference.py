@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .sections import SCHEMA, SECTION_TYPES, ServerConfig, docs, keys
+from motor_mesh.common.config.sections import SCHEMA, SECTION_TYPES, ServerConfig, docs, keys
 
 INTRO = """\
 # Configuration

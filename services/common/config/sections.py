@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from . import checks as c
+from motor_mesh.common.config import checks as c
 
 
 def setting(default: Any, check: c.Check, *, typed: Callable[[Any], Any] | None = None) -> Any:

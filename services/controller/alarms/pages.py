@@ -11,9 +11,8 @@ import base64
 import binascii
 import json
 
+from motor_mesh.controller.alarms.store import AlarmStore
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
-
-from .alarms import AlarmStore
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

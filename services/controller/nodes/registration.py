@@ -19,15 +19,14 @@ import grpc
 from motor_mesh.common import errors, log
 from motor_mesh.common.config import ControllerConfig
 from motor_mesh.common.enums import DELETED, InstanceStatus, status_name
+from motor_mesh.controller import assembly, convert
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, Member, Pending
+from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.nodes.pending import PendingAssemblies
+from motor_mesh.controller.nodes.sessions import SessionTable
+from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
-
-from . import assembly, convert
-from .instances import InstanceTable
-from .model import Instance, Member, Pending
-from .nm_client import NodeManagerClients
-from .pending import PendingAssemblies
-from .sessions import SessionTable
-from .state_store import StateStore
 
 # Jobs waiting for the rest of their NodeManagers at once. Each holds a row, sessions and a
 # reconcile for up to instance_assemble_timeout_s, so a caller inventing job names must hit a

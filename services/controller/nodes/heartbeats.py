@@ -19,12 +19,11 @@ from motor_mesh.common.enums import EP_ABNORMAL, EVENT_DEAD, EVENT_UNHEALTHY, RE
 from motor_mesh.common.gcpolicy import GcGuard
 from motor_mesh.common.latency import LatencyHistogram
 from motor_mesh.common.rpc import BidiStream
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, Member, Session, observe_kv_ports
+from motor_mesh.controller.nodes.sessions import SessionTable
 from motor_mesh.gen.motor.v1 import common_pb2
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
-
-from .instances import InstanceTable
-from .model import Instance, Member, Session, observe_kv_ports
-from .sessions import SessionTable
 
 STATS_WINDOW_S = 10.0
 # Upper bounds (seconds) of the ack latency histogram: a healthy ack takes well under 1 ms.
@@ -57,7 +56,7 @@ class HeartbeatHub:
         enqueue: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.clock = clock  # last_heard's clock (liveclock.py)
+        self.clock = clock  # last_heard's clock (nodes/liveclock.py)
         self.table = table
         self.sessions = sessions
         self.timeout_s = timeout_s

@@ -15,10 +15,9 @@ import dataclasses
 from collections.abc import AsyncIterator, Iterable
 
 from motor_mesh.common import log
-
-from .model import Member, Pending
-from .sessions import SessionTable
-from .state_store import StateStore
+from motor_mesh.controller.model import Member, Pending
+from motor_mesh.controller.nodes.sessions import SessionTable
+from motor_mesh.controller.store.interface import StateStore
 
 
 class PendingAssemblies:

@@ -43,9 +43,8 @@ import aiohttp
 
 from motor_mesh.common import log, tasks
 from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.alarms.store import dedupe_key
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .alarms import dedupe_key
 
 # A stable alertname per alarm id, for Alertmanager routes; ids are compared case-insensitively.
 ALERTNAMES = {

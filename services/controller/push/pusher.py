@@ -7,7 +7,7 @@ the dirty instances against what the Coordinator holds and sends the difference 
 calls (new → Add, gone → Delete, paused → Pause, resumed → Resume; Delete answering NOT_FOUND
 counts as done). When that knowledge may be wrong — at start-up, after a failed call (or any
 failure of a reconcile), when a response carries a new ``incarnation`` (the Coordinator
-restarted), when its health Watch (coordinator_watch.py) comes back after a break, and every
+restarted), when its health Watch (push/watch.py) comes back after a break, and every
 ``coordinator_set_sync_interval_s`` — the next reconcile sends one full ``SetInstances``
 instead. A failed call is retried with the key's backoff (a failed Set never queues a second
 Set); the Watch coming back retries at once. The periodic resync diffs every instance, so a lost
@@ -37,14 +37,13 @@ from motor_mesh.common.config import ServerConfig
 from motor_mesh.common.enums import PAUSED, InstanceStatus
 from motor_mesh.common.retry import Backoff
 from motor_mesh.common.tasks import cancelled_from_outside
+from motor_mesh.controller import state_machine as sm
+from motor_mesh.controller.convert import identity_pb, instance_pb
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance
+from motor_mesh.controller.push.watch import CoordinatorWatch, Reachability
+from motor_mesh.controller.reconcile.runner import DONE, Reconciler, Result, Retry
 from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-from . import state_machine as sm
-from .convert import identity_pb, instance_pb
-from .coordinator_watch import CoordinatorWatch, Reachability
-from .instances import InstanceTable
-from .model import Instance
-from .reconciler import DONE, Reconciler, Result, Retry
 
 CALL_TIMEOUT_S = 3.0
 WARN_EVERY_S = 30.0
@@ -392,7 +391,7 @@ class _Answer(Protocol):
 
 class CoordinatorSync:
     """One pusher per Coordinator, all driven by one reconciler keyed by address. The set of
-    addresses can change at run time (coordinator_set.py): a new Coordinator gets a pusher and
+    addresses can change at run time (push/coordinator_set.py): a new Coordinator gets a pusher and
     a full Set, a gone one's pusher is closed."""
 
     def __init__(

@@ -10,7 +10,7 @@ handlers record them and enqueue the id):
 3. members whose engines are not running yet → ``StartEngines``. A failed round is retried with
    the key's backoff up to ``start_command_retries`` times, then the instance is DELETED;
    a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried;
-4. the fault manager: which recovery strategy the instance wants now (faults.py).
+4. the fault manager: which recovery strategy the instance wants now (faults/manager.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import grpc
 
 from motor_mesh.common import errors, log, retry
 from motor_mesh.common.config import ControllerConfig
-
-from . import assembly
-from . import state_machine as sm
-from .db import StateWriteError
-from .faults import FaultManager
-from .instances import InstanceTable
-from .model import Instance, Member, observe_kv_ports
-from .nm_client import NodeManagerClients
-from .reconciler import DONE, Result, Retry, Terminal
+from motor_mesh.controller import assembly
+from motor_mesh.controller import state_machine as sm
+from motor_mesh.controller.faults.manager import FaultManager
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, Member, observe_kv_ports
+from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.reconcile.runner import DONE, Result, Retry, Terminal
+from motor_mesh.controller.store.db import StateWriteError
 
 # Retrying a StartEngines cannot fix these; every other failure (the NodeManager down or slow,
 # an engine that failed to launch) may be transient.

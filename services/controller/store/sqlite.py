@@ -5,7 +5,7 @@ handed out twice and operators can list what was removed), the pending assemblie
 faults reported with ReportFaults, the fault manager's strategy history, and the alarms (the
 active ones, and the bounded history with its sequence counter). Writes are small: one row
 per registration, assembly or status transition, never one per heartbeat; one transaction per
-alarm report. Every write is a coroutine that runs on the writer thread (db.py) and is on disk
+alarm report. Every write is a coroutine that runs on the writer thread (store/db.py) and is on disk
 when it returns; callers change memory only after it did, so a failed write (StateWriteError)
 leaves both as they were. Loads run once, at start-up, before anything is served; a row that
 cannot be decoded is a corrupt file like any other.
@@ -21,12 +21,11 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError
 
 from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
+from motor_mesh.controller.model import Instance, Pending
+from motor_mesh.controller.store.db import Writer, move_aside, open_checked
+from motor_mesh.controller.store.interface import KEEP_DELETED, NodeFaults
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .convert import instance_from_row, instance_row, pending_from_row, pending_row
-from .db import Writer, move_aside, open_checked
-from .model import Instance, Pending
-from .state_store import KEEP_DELETED, NodeFaults
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);

@@ -36,10 +36,9 @@ import grpc
 from motor_mesh.common import log
 from motor_mesh.common.interceptors import LEADER_TERM_METADATA
 from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.store.etcd_client import EtcdClient, EtcdUnavailable, cmp_create, op_get, op_put
+from motor_mesh.controller.store.interface import NotLeader
 from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
-
-from .etcd_client import EtcdClient, EtcdUnavailable, cmp_create, op_get, op_put
-from .state_store import NotLeader
 
 # Stop acting this long before the renewed lease's earliest possible expiry.
 MARGIN_S = 0.25

@@ -28,14 +28,13 @@ from motor_mesh.common.channel import open_channel
 from motor_mesh.common.config import ControllerConfig
 from motor_mesh.common.enums import DELETED
 from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.alarms.sources import ON_PURPOSE
+from motor_mesh.controller.alarms.store import ALARM, PRECISION, AlarmStore, StoredAlarms, clear_of
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance
+from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.gen.motor.v1 import alarm_pb2, coordinator_pb2, coordinator_pb2_grpc
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
-
-from .alarm_sources import ON_PURPOSE
-from .alarms import ALARM, PRECISION, AlarmStore, StoredAlarms, clear_of
-from .instances import InstanceTable
-from .model import Instance
-from .nm_client import NodeManagerClients
 
 CLEAR_CALL_TIMEOUT_S = 5.0
 CLEAR_RETRY = (1.0, 30.0)
@@ -64,7 +63,7 @@ class Recovery:
         self._alarms = alarms
         self._key = coordinator_key
         self._retries: set[asyncio.Task[None]] = set()
-        # The Coordinators pushed to now (they can change: coordinator_set.py); set by the app.
+        # The Coordinators pushed to now (they can change: push/coordinator_set.py); set by the app.
         self.coordinators: Callable[[], Sequence[str]] = lambda: cfg.coordinators
 
     # ---- TerminateInstance -----------------------------------------------------------------

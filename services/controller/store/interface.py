@@ -1,7 +1,7 @@
 """What the Controller asks of the place its state lives, whichever backend holds it.
 
-Two backends: :class:`~motor_mesh.controller.store.Store` (SQLite under ``state_dir``, one
-Controller) and :class:`~motor_mesh.controller.etcd_store.EtcdStore` (etcd, shared by a leader and
+Two backends: :class:`~motor_mesh.controller.store.sqlite.Store` (SQLite under ``state_dir``, one
+Controller) and :class:`~motor_mesh.controller.store.etcd.EtcdStore` (etcd, shared by a leader and
 its standbys). Both keep the same promises:
 
 - the ``load_*`` reads are synchronous and run once, at start-up, before anything is served;
@@ -21,10 +21,9 @@ from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
 from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.controller.model import Instance, Pending
+from motor_mesh.controller.store.db import StateWriteError
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .db import StateWriteError
-from .model import Instance, Pending
 
 if TYPE_CHECKING:
     from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2

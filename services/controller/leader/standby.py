@@ -18,11 +18,10 @@ from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
 from motor_mesh.common.rpc import BidiStream
+from motor_mesh.controller import validation
+from motor_mesh.controller.service import ControllerService
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 from motor_mesh.gen.motor.v1 import controller_pb2_grpc
-
-from . import validation
-from .service import ControllerService
 
 NOT_LEADER = "NOT_LEADER"
 RETRY_S = 1

@@ -37,14 +37,13 @@ from google.protobuf import timestamp_pb2
 from motor_mesh.common import enums, log, tasks
 from motor_mesh.common.config import ControllerConfig
 from motor_mesh.common.retry import Backoff
+from motor_mesh.controller.faults.strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance
+from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.store.db import StateWriteError
+from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
-
-from .db import StateWriteError
-from .instances import InstanceTable
-from .model import Instance
-from .nm_client import NodeManagerClients
-from .state_store import StateStore
-from .strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
 
 HISTORY = 20  # finished strategies kept per instance
 STRATEGY_RESTARTS = 3  # after a crash; one more crash and the strategy has failed

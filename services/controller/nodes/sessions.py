@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 
-from .model import Member, Session
+from motor_mesh.controller.model import Member, Session
 
 
 class SessionTable:

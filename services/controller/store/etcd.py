@@ -1,6 +1,6 @@
-"""The Controller's state in etcd (``controller.store = "etcd"``): what store.py keeps in SQLite,
+"""The Controller's state in etcd (``controller.store = "etcd"``): what store/sqlite.py keeps in SQLite,
 shared by a leader and the standbys that take over from it. The keys and values are described
-in etcd_layout.py.
+in store/etcd_layout.py.
 
 Reads: :meth:`EtcdStore.open` reads the whole prefix once (at one revision); ``load_*`` decode
 that read, synchronously, as the Controller calls them at start-up. They do not see later writes.
@@ -32,15 +32,22 @@ import grpc
 
 from motor_mesh.common import log
 from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.controller.model import Instance, Pending
+from motor_mesh.controller.store import etcd_layout as lay
+from motor_mesh.controller.store.db import StateWriteError
+from motor_mesh.controller.store.etcd_client import (
+    EtcdClient,
+    EtcdUnavailable,
+    cmp_mod,
+    op_delete,
+    op_get,
+    op_put,
+    prefix_end,
+)
+from motor_mesh.controller.store.etcd_layout import Op
+from motor_mesh.controller.store.interface import KEEP_DELETED, Fence, NodeFaults, NotLeader
 from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from . import etcd_layout as lay
-from .db import StateWriteError
-from .etcd_client import EtcdClient, EtcdUnavailable, cmp_mod, op_delete, op_get, op_put, prefix_end
-from .etcd_layout import Op
-from .model import Instance, Pending
-from .state_store import KEEP_DELETED, Fence, NodeFaults, NotLeader
 
 # Times next_instance_id reads the counter again after it moved under this process.
 MAX_ID_RACES = 5

@@ -1,7 +1,7 @@
 """The Controller's alarm store (docs/architecture.md, "Alarms").
 
 Alarms, clears and events arrive from ReportAlarms and from the Controller's own sources
-(alarm_sources.py). Rules:
+(alarms/sources.py). Rules:
 
 - **Dedupe key** of an alarm: ``alarm_id`` plus, for precision alarms (``PRECISION``), its
   ``moi``; for every other alarm its ``instance_id``, or its ``moi`` when ``instance_id`` is 0
@@ -37,10 +37,9 @@ from typing import Protocol
 from google.protobuf import timestamp_pb2
 
 from motor_mesh.common import log, tasks
+from motor_mesh.controller.store.db import StateWriteError
+from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .db import StateWriteError
-from .state_store import StateStore
 
 INSTANCE_FAULT = "0xFC001002"
 COORDINATOR_FAULT = "0xFC001004"

@@ -19,11 +19,10 @@ import grpc
 
 from motor_mesh.common import enums, errors, log, tasks
 from motor_mesh.common.config import ControllerConfig
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, observe_kv_ports
+from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.gen.motor.v1 import nodemanager_pb2
-
-from .instances import InstanceTable
-from .model import Instance, observe_kv_ports
-from .nm_client import NodeManagerClients
 
 PROBE_RETRY_S = 0.5
 

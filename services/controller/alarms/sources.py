@@ -41,11 +41,17 @@ from motor_mesh.common.enums import (
     Role,
     status_name,
 )
+from motor_mesh.controller.alarms.store import (
+    ALARM,
+    COORDINATOR_FAULT,
+    INSTANCE_FAULT,
+    AlarmStore,
+    clear_of,
+    now_timestamp,
+)
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .alarms import ALARM, COORDINATOR_FAULT, INSTANCE_FAULT, AlarmStore, clear_of, now_timestamp
-from .instances import InstanceTable
-from .model import Instance
 
 ON_PURPOSE = "terminated:"
 COORDINATOR_ALARM_AFTER_S = 10.0

@@ -15,15 +15,14 @@ from collections.abc import Callable
 
 from motor_mesh.common import log
 from motor_mesh.common.config import ControllerConfig
-
-from . import assembly
-from . import state_machine as sm
-from .instances import InstanceTable
-from .model import Instance, Pending
-from .nm_client import NodeManagerClients
-from .pending import PendingAssemblies
-from .reconciler import DONE, Result
-from .state_store import StateStore
+from motor_mesh.controller import assembly
+from motor_mesh.controller import state_machine as sm
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, Pending
+from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.nodes.pending import PendingAssemblies
+from motor_mesh.controller.reconcile.runner import DONE, Result
+from motor_mesh.controller.store.interface import StateStore
 
 # An assembly that has not changed for this long says what it still waits for (NodeManagers of
 # one instance register within seconds of each other).

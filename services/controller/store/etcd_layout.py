@@ -1,4 +1,4 @@
-"""How the Controller's state is laid out in etcd (etcd_store.py writes it), and the reading of
+"""How the Controller's state is laid out in etcd (store/etcd.py writes it), and the reading of
 it back at start-up.
 
 Keys, under ``<etcd_prefix>/`` (ids and sequences as 20 digits, so key order is number order):
@@ -30,12 +30,11 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError
 
 from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
+from motor_mesh.controller.model import Instance, Pending
+from motor_mesh.controller.store.db import StateCorrupt
+from motor_mesh.controller.store.interface import NodeFaults
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .convert import instance_from_row, instance_row, pending_from_row, pending_row
-from .db import StateCorrupt
-from .model import Instance, Pending
-from .state_store import NodeFaults
 
 # etcd's defaults (--max-txn-ops 128, --max-request-bytes 1.5 MiB), with room for the compares.
 MAX_TXN_OPS = 128

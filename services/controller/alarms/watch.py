@@ -19,9 +19,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from motor_mesh.common import errors
+from motor_mesh.controller.alarms.store import KEEP_HISTORY, AlarmStore
 from motor_mesh.gen.motor.v1 import alarm_pb2
-
-from .alarms import KEEP_HISTORY, AlarmStore
 
 # Records one stream may have waiting. As large as the kept history: a burst the history holds
 # (a resync raising many alarms at once) never ends a stream that keeps up; a stream further

@@ -26,9 +26,8 @@ from typing import Generic, TypeVar
 from motor_mesh.common import log
 from motor_mesh.common.retry import Backoff
 from motor_mesh.common.tasks import cancelled_from_outside, spawn
-
-from .db import StateWriteError
-from .workqueue import ShutDown, WorkQueue
+from motor_mesh.controller.reconcile.workqueue import ShutDown, WorkQueue
+from motor_mesh.controller.store.db import StateWriteError
 
 K = TypeVar("K", bound=Hashable)
 

@@ -5,7 +5,7 @@ The life of one process:
 1. The gRPC server starts at once with :class:`LeaderGate` in front of the Controller service
    (health ``motor.v1.Controller`` NOT_SERVING, ``""`` SERVING: alive) and the metrics endpoint,
    so clients learn where the leader is and probes see a live standby.
-2. It campaigns (leadership.py). On winning it reads the whole state from etcd, builds the
+2. It campaigns (leader/election.py). On winning it reads the whole state from etcd, builds the
    Controller on it, then opens the gate and turns health SERVING.
 3. It leads until SIGTERM — then it stops like a single Controller and gives the lease back,
    so a standby takes over at once — or until the lease is lost: then it exits at once (exit
@@ -24,16 +24,15 @@ from typing import Any
 from motor_mesh.common import log
 from motor_mesh.common.config import ControllerConfig
 from motor_mesh.common.metrics_http import MetricsServer
-from motor_mesh.common.server import MotorServer
+from motor_mesh.common.server import MotorServer, start_with_metrics
 from motor_mesh.common.tasks import cancel_quietly, spawn
 from motor_mesh.controller import metrics
 from motor_mesh.controller.app import Controller
-from motor_mesh.controller.db import StateCorrupt
-from motor_mesh.controller.etcd_client import EtcdClient, EtcdUnavailable
-from motor_mesh.controller.etcd_store import EtcdStore
-from motor_mesh.controller.leadership import Leadership
-from motor_mesh.controller.main import start_listeners
-from motor_mesh.controller.standby import LeaderGate
+from motor_mesh.controller.leader.election import Leadership
+from motor_mesh.controller.leader.standby import LeaderGate
+from motor_mesh.controller.store.db import StateCorrupt
+from motor_mesh.controller.store.etcd import EtcdStore
+from motor_mesh.controller.store.etcd_client import EtcdClient, EtcdUnavailable
 from motor_mesh.gen.motor.v1 import controller_pb2
 
 # The exit status of a leader that lost its lease: not a crash, a step-down.
@@ -81,7 +80,7 @@ async def serve_ha(c: ControllerConfig, stop: asyncio.Event, on_lost: Callable[[
     lead = Lead(leadership)
     scrape = MetricsServer(c.host, c.metrics_port, metrics.ha_registry(lead)) if c.metrics_port else None
     try:
-        await start_listeners(server, scrape)
+        await start_with_metrics(server, scrape)
     except BaseException:
         await client.close()
         raise

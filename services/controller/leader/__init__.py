@@ -1,0 +1,2 @@
+"""High availability on etcd: the leader election (``election``), what a standby answers
+(``standby``), and the wiring of a Controller that leads or waits to (``ha``)."""

@@ -1,0 +1,133 @@
+"""The NodeManager's wiring: one node's engine supervisor, its gRPC server and its link to the
+Controller, run by :func:`serve` until stopped.
+
+Start-up: kill the engines an earlier NodeManager left behind (``state_dir/engines.json``),
+become child subreaper, serve motor.v1.NodeManager, then register with the Controller and keep
+the heartbeat stream open. Exit: SIGTERM (rc 0), ``Stop`` or suicide arbitration or a refused
+registration (rc 1); every path stops the engines first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from motor_mesh.common import log, procgroup, tasks
+from motor_mesh.common.config import Config, NodeManagerConfig
+from motor_mesh.common.metrics_http import MetricsServer
+from motor_mesh.common.server import MotorServer
+from motor_mesh.common.signals import on_forced_exit
+from motor_mesh.gen.motor.v1 import nodemanager_pb2
+from motor_mesh.nodemanager import devices, metrics
+from motor_mesh.nodemanager.arbiter import SuicideArbiter
+from motor_mesh.nodemanager.link import ControllerLink, RegistrationRefused
+from motor_mesh.nodemanager.service import NodeManagerService
+from motor_mesh.nodemanager.statefile import StateFile, kill_recorded_engines
+from motor_mesh.nodemanager.supervisor import EngineSupervisor
+
+# On shutdown engines get at most this long after SIGTERM before SIGKILL, whatever
+# engine_stop_grace_s says: a stopping NodeManager must be gone within seconds (motor up stops
+# everything within 15 s), and a stopped node's engines are not coming back anyway.
+SHUTDOWN_ENGINE_GRACE_S = 5.0
+
+
+async def serve(cfg: Config, stop: asyncio.Event) -> int:
+    c = cfg.nodemanager
+    reaper = procgroup.Reaper()
+    state = StateFile(c.state_dir)
+    stale = await kill_recorded_engines(state, reaper)
+    if stale:
+        log.event("stale_engines_cleaned", count=stale)
+    procgroup.become_subreaper()
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    exit_rc: list[int] = []
+
+    def request_exit(rc: int, reason: str, delay: float = 0.0) -> None:
+        if exit_rc:
+            return
+        exit_rc.append(rc)
+        log.event("exiting", rc=rc, reason=reason)
+        loop.call_later(delay, done.set)
+
+    sup = EngineSupervisor(c, cfg.engine, state, reaper)
+    on_forced_exit(sup.kill_all_now)
+    # A look at /dev and PATH: off the loop, once, before any engine starts.
+    sup.device_env, why = await asyncio.to_thread(devices.resolve, c.device_env)
+    log.event("device_env", variable=sup.device_env, configured=c.device_env, reason=why)
+    if sup.device_env == devices.CPU:
+        log_cpu_cores(c)
+    servicer = NodeManagerService(sup, request_exit)
+    server = MotorServer(
+        "nodemanager",
+        c,
+        [(nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"], servicer)],
+        port=c.port,
+    )
+    collector = metrics.NodeManagerCollector(sup)
+    scrape = MetricsServer(c.host, c.metrics_port, metrics.registry(collector)) if c.metrics_port else None
+    # Bound before the gRPC port: SERVING means /metrics answers too.
+    if scrape is not None:
+        await scrape.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        if scrape is not None:
+            await scrape.stop()
+        raise
+    sup.address = server.address
+    server.announce(**({"metrics": scrape.address} if scrape else {}))
+
+    running = [tasks.spawn("reaper", reaper.run)]
+    link: ControllerLink | None = None
+    if c.job_name:
+        link = ControllerLink(c, port, sup)
+        sup.sink = collector.link = link
+
+        async def keep_link(link: ControllerLink) -> None:
+            # The link runs for the node's life; when it fails, the node exits 1 and is restarted.
+            try:
+                await link.run()
+            except RegistrationRefused as exc:
+                request_exit(1, f"registration refused: {exc}")
+            except Exception:
+                log.exception("controller_link_failed")
+                request_exit(1, "controller link failed")
+
+        running.append(asyncio.create_task(keep_link(link), name="controller-link"))
+    else:
+        log.event("registration_disabled", reason="empty job_name")
+    arbiter = SuicideArbiter(
+        sup,
+        c.suicide_check_interval_s,
+        c.suicide_threshold,
+        lambda reason: request_exit(1, f"suicide: {reason}"),
+    )
+    running.append(tasks.spawn("suicide-arbiter", arbiter.run))
+
+    stop_wait = asyncio.create_task(stop.wait())
+    done_wait = asyncio.create_task(done.wait())
+    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    done_wait.cancel()
+    rc = exit_rc[0] if exit_rc else 0
+
+    for task in reversed(running[1:]):
+        await tasks.cancel_quietly(task)
+    grace = min(c.engine_stop_grace_s, SHUTDOWN_ENGINE_GRACE_S)
+    await asyncio.gather(sup.close(grace), server.stop())
+    if scrape is not None:
+        await scrape.stop()
+    await tasks.cancel_quietly(running[0])
+    reaper.reap()
+    if link is not None:
+        await link.close()
+    return rc
+
+
+def log_cpu_cores(c: NodeManagerConfig) -> None:
+    """CPU platform: the cores this node's engines share, and each engine's (by DP rank; the
+    launch binds them so, see launch.cpu_bind), ``;`` between engines: ``engines=0-1;2-3``."""
+    cores = devices.node_cores(c.cpu_cores)
+    engines = ";".join(devices.cpuset(s) for s in devices.split_cores(cores, c.parallel.dp))
+    log.event("cpu_cores", cores=devices.cpuset(cores), configured=bool(c.cpu_cores), engines=engines)
