@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test test-real real-engines gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
+.PHONY: up test test-fast test-real real-engines gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
 
 $(STAMP): pyproject.toml setup.py services/coordinator/kv/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,11 +19,16 @@ up: $(STAMP)
 	@$(BIN)/motor up $(ARGS)
 
 # Two workers, one test file each at a time (a module's cluster fixture starts once): most of
-# the suite waits on processes, so this halves its wall time on two cores. PYTEST_ARGS= runs it
-# serially.
+# the suite waits on processes, so this halves its wall time on two cores. Files go out longest
+# tier first (tests/conftest.py), so no worker idles behind a long chaos or e2e file at the end.
+# PYTEST_ARGS= runs it serially. The 20 slowest tests are listed at the end.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: system-deps $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --durations=20
+
+# The unit tier only (tests outside tests/{chaos,e2e,fuzz,deploy,real}): in-process, no cluster.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m unit
 
 # gen/ is the import package motor_mesh.gen: tools/gen.py runs protoc and points the generated
 # imports there (tests/test_generated.py fails when the committed copy is stale).

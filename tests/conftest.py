@@ -8,6 +8,11 @@
 - tests/ports.py: ports for what cannot bind port 0 (``reserved_port``, ``reserved_pair``,
   ``reserve`` for ``motor up``'s offset) and ``port_free``;
 - tests/http.py: HTTP requests and the error body shapes.
+
+Tiers: every test is marked by the folder it is in (``tier_of``): ``chaos``, ``e2e``, ``fuzz``,
+``deploy`` and ``real`` are folders of those names, and everything else is ``unit`` (in-process,
+fast: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
+so none of them is left running one long chaos or e2e file while the other idles at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +25,24 @@ from pathlib import Path
 import pytest
 import zmq.asyncio
 
-from tests.procs import Proc, motor_argv
+from tests.procs import ROOT, Proc, motor_argv
+
+TIERS = ("chaos", "e2e", "fuzz", "deploy", "real")
+# The order files are handed to the xdist workers in: the longest tiers first.
+TIER_ORDER = ("chaos", "e2e", "deploy", "fuzz", "real", "unit")
+
+
+def tier_of(path: Path) -> str:
+    """The tier of a test file: the tests/ folder it is under, or unit."""
+    parts = path.relative_to(ROOT / "tests").parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item.path)))
+    # Stable: within a tier, files and tests keep their order (each worker collects the same).
+    items.sort(key=lambda item: TIER_ORDER.index(tier_of(item.path)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
