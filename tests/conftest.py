@@ -7,7 +7,8 @@
 - tests/poll.py: ``until`` (async) and ``wait_until`` (sync), the one way to wait for something;
 - tests/ports.py: ports for what cannot bind port 0 (``reserved_port``, ``reserved_pair``,
   ``reserve`` for ``motor up``'s offset) and ``port_free``;
-- tests/http.py: HTTP requests and the error body shapes.
+- tests/http/__init__.py: HTTP requests and the error body shapes (tests/http/ is also the
+  conformance suite of our HTTP server and client).
 
 Tiers: every test is marked by the folder it is in (``tier_of``): ``chaos``, ``e2e``, ``fuzz``,
 ``deploy`` and ``real`` are folders of those names, and everything else is ``unit`` (in-process,

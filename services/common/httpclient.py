@@ -12,6 +12,13 @@ A pooled connection that the engine closed while idle fails before any byte of a
 request is sent once more on a fresh connection, so a keep-alive race never reaches the caller
 as an engine failure. A fresh connection that fails is the caller's signal (:class:`Refused`,
 :class:`Disconnected`).
+
+Every way an answer can be wrong ends in one of the three errors: a response llhttp will not
+parse (bad status line, both Content-Length and Transfer-Encoding, two Content-Lengths, a chunk
+size past 64 bits), a head past ``MAX_HEAD_BYTES``, a protocol switch, a body cut short are
+:class:`Disconnected`; a head that never ends is :class:`UpstreamTimeout` at the deadline. Bytes
+the engine sends beyond its answer (a body longer than its Content-Length, a second answer) are
+not read as the next request's answer: the connection is closed instead of pooled.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import httptools
 from motor_mesh.common import log
 
 PAUSE_AT_BYTES = 1 << 20  # buffered upstream bytes the consumer has not taken yet
+# A response head (and any 1xx before it) longer than this is refused: llhttp buffers a header
+# field until it ends, so one that never does would grow without bound until the deadline.
+MAX_HEAD_BYTES = 64 * 1024
 MAX_IDLE_PER_ENDPOINT = 256
 SWEEP_S = 0.05
 NEVER = math.inf
@@ -40,18 +50,29 @@ class UpstreamTimeout(TimeoutError):
 
 
 class Disconnected(Exception):
-    """The connection ended before the answer was complete. ``answered``: a response head
-    had arrived (so the request reached the engine)."""
+    """The connection ended before the answer was complete, or the answer was malformed.
+    ``answered``: some of an answer had arrived (so the request reached the engine)."""
 
     def __init__(self, message: str, answered: bool) -> None:
         super().__init__(message)
         self.answered = answered
 
 
+class _Unsolicited(Exception):
+    """Raised out of the parser when a response begins that no request is waiting for."""
+
+
+class _Malformed(Exception):
+    """Raised out of the parser for what llhttp lets through but no answer may be."""
+
+
 class _Conn(asyncio.Protocol):
     __slots__ = (
         "_buffered",
+        "_interim",
         "_paused",
+        "_received",
+        "_until_close",
         "_waiter",
         "chunks",
         "complete",
@@ -83,6 +104,9 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.error: Exception | None = None
         self.deadline = NEVER
+        self._received = 0  # bytes of the current exchange's answer
+        self._interim = False  # the parser is in a 1xx response
+        self._until_close = False  # the body has no framing: it ends when the engine closes
 
     def reset(self) -> None:
         self.chunks.clear()
@@ -93,6 +117,9 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.error = None
         self._buffered = 0
+        self._received = 0
+        self._interim = False
+        self._until_close = False
 
     # -- transport callbacks -----------------------------------------------------------------
 
@@ -100,13 +127,34 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self._received += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.error = Disconnected(f"malformed HTTP response: {exc}", self.head_seen)
-            self._wake()
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Unsolicited):
+                self._fail(f"malformed HTTP response: {exc.__context__ or exc}")
+                return
+            # More than the answer: the engine and this connection disagree on where answers
+            # end. What was complete stands; the connection is not reused.
+            self.keep_alive = False
             if self.transport is not None:
                 self.transport.abort()
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed HTTP response: {exc}")
+            return
+        except httptools.HttpParserUpgrade:
+            self._fail("the engine switched protocols")  # 101 to a request that asked for none
+            return
+        if not self.head_seen and self._received > MAX_HEAD_BYTES:
+            self._fail(f"response head longer than {MAX_HEAD_BYTES} bytes")
+
+    def _fail(self, message: str) -> None:
+        # Bytes came back, so the request reached the engine: it is not sent again.
+        self.error = Disconnected(message, True)
+        self._wake()
+        if self.transport is not None:
+            self.transport.abort()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -114,18 +162,38 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.pool.discard(self)
+        if self.head_seen and self._until_close and exc is None and not self.complete:
+            self.complete = True  # RFC 9112 6.3 (8): the close ends a body without framing
         if not self.complete and self.error is None:
             why = f": {exc}" if exc else ""
-            self.error = Disconnected(f"connection closed by the engine{why}", self.head_seen)
+            answered = self.head_seen or self._received > 0
+            self.error = Disconnected(f"connection closed by the engine{why}", answered)
         self._wake()
 
     # -- parser callbacks --------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete or self not in self.pool.active:
+            raise _Unsolicited
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
+        if not self.head_seen:  # else a trailer field: not merged into the head (RFC 9110 6.5.1)
+            self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if not 100 <= status <= 599:  # llhttp takes any three digits (RFC 9110 15: invalid)
+            raise _Malformed(f"status code {status}")
+        if status < 200:
+            # An interim answer (103 Early Hints, an unasked-for 100 Continue): the final one
+            # follows on the same connection (RFC 9110 15.2: a client MUST parse them). A 101
+            # goes this way too, and then llhttp raises HttpParserUpgrade: a Disconnected.
+            self._interim = True
+            self.headers = {}
+            return
+        self.status = status
+        h = self.headers
+        self._until_close = b"content-length" not in h and b"transfer-encoding" not in h
         self.head_seen = True
         self._wake()
 
@@ -138,6 +206,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()

@@ -35,9 +35,10 @@ _STATUS_LINES = {s: status_line(s) for s in _REASONS}
 
 
 class Request:
-    """One complete request. Header names are lower-case bytes, values bytes."""
+    """One complete request. Header names are lower-case bytes, values bytes. ``http10``: it
+    came as HTTP/1.0 (else 1.1), which changes how an answer may be framed."""
 
-    __slots__ = ("body", "headers", "keep_alive", "method", "path", "peer", "query")
+    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "path", "peer", "query")
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Request:
         body: bytes,
         keep_alive: bool,
         peer: str,
+        http10: bool = False,
     ) -> None:
         self.method = method
         self.path = path
@@ -56,6 +58,7 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.peer = peer
+        self.http10 = http10
 
 
 Headers = list[tuple[str, str]] | None
@@ -72,14 +75,20 @@ class Responder:
     """How a handler answers: :meth:`send` once, or :meth:`start` then :meth:`write`...
 
     ``head_only``: the answer to a HEAD request, which is the head alone (RFC 9110 9.3.2); a
-    body after it would be read as the next response on a keep-alive connection."""
+    body after it would be read as the next response on a keep-alive connection.
 
-    __slots__ = ("_conn", "close_after", "finished", "head_only", "started", "status")
+    ``http10``: the answer to an HTTP/1.0 request. Such a client has no chunked coding (RFC 9112
+    6.1: a server MUST NOT send it Transfer-Encoding), so a streamed answer goes out as it is
+    and the close of the connection ends it; and it keeps a connection only when the answer
+    says ``Connection: keep-alive`` (RFC 9112 9.3)."""
 
-    def __init__(self, conn: Wire, close: bool, head_only: bool = False) -> None:
+    __slots__ = ("_conn", "close_after", "finished", "head_only", "http10", "started", "status")
+
+    def __init__(self, conn: Wire, close: bool, head_only: bool = False, http10: bool = False) -> None:
         self._conn = conn
         self.close_after = close
         self.head_only = head_only
+        self.http10 = http10
         self.started = False
         self.finished = False
         self.status = 0
@@ -90,7 +99,10 @@ class Responder:
             raise RuntimeError("response already started")
         self.started = self.finished = True
         self.status = status
-        conn = b"Connection: close\r\n" if self.close_after else b""
+        if self.close_after:
+            conn = b"Connection: close\r\n"
+        else:
+            conn = b"Connection: keep-alive\r\n" if self.http10 else b""
         extra = b"Content-Type: %s\r\nContent-Length: %d\r\n%s" % (content_type, len(body), conn)
         self._conn.write(_head(status, headers, extra) + b"\r\n" + (b"" if self.head_only else body))
 
@@ -104,6 +116,11 @@ class Responder:
             raise RuntimeError("response already started")
         self.started = True
         self.status = status
+        if self.http10:
+            self.close_after = True  # the close is what ends the body
+            extra = b"Content-Type: %s\r\nConnection: close\r\n" % content_type
+            self._conn.pending_head = _head(status, headers, extra) + b"\r\n"
+            return
         conn = b"Connection: close\r\n" if self.close_after else b""
         extra = b"Content-Type: %s\r\nTransfer-Encoding: chunked\r\n%s" % (content_type, conn)
         self._conn.pending_head = _head(status, headers, extra) + b"\r\n"
@@ -112,7 +129,7 @@ class Responder:
         if self.head_only:
             self._flush_head()
         elif data:
-            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self._conn.write(data if self.http10 else b"%x\r\n%s\r\n" % (len(data), data))
             await self._conn.drain()
 
     def _flush_head(self) -> None:
@@ -131,6 +148,9 @@ class Responder:
             self.finished = True
             if self.head_only:
                 self._flush_head()
+                return
+            if self.http10:
+                self._conn.write(data)  # (with the head, if nothing went before)
                 return
             last = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
             self._conn.write(last + b"0\r\n\r\n")

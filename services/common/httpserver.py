@@ -6,8 +6,13 @@ few ``transport.write`` calls as possible (a non-streamed answer is one write). 
 pipelined requests are served in order on one connection; a client that goes away cancels its
 handler task, which closes whatever the handler had open upstream.
 
-Limits are enforced before a handler runs: ``max_body_bytes`` (413), header bytes (431), and an
-idle timeout for connections that send nothing. Errors are OpenAI-style JSON bodies.
+Limits are enforced before a handler runs: ``max_body_bytes`` (413), the request target (414),
+header count and bytes (431), transfer codings other than chunked (501), HTTP versions other
+than 1.0 and 1.1 (505). Slow clients are bounded in
+time, each phase by its own clock: an idle keep-alive connection by ``idle_timeout_s`` from the
+end of its last answer, a request head by ``head_timeout_s`` from its first byte (however the
+rest trickles in: slowloris), a body by ``body_timeout_s`` plus one second per
+``min_body_rate`` bytes received. Errors are OpenAI-style JSON bodies.
 """
 
 from __future__ import annotations
@@ -26,21 +31,35 @@ from motor_mesh.common import log
 from motor_mesh.common.http_errors import OpenAIError, internal_error, invalid_request
 from motor_mesh.common.httpmessages import Handler, Request, Responder
 
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 64 * 1024  # names and values of one request's headers (431)
+MAX_HEADERS = 100  # header fields in one request (431; Apache's LimitRequestFields)
+MAX_URL_BYTES = 8 * 1024  # the request target (414; Apache's LimitRequestLine, nginx's 8k buffer)
 IDLE_TIMEOUT_S = 75.0  # keep-alive connections with nothing in flight (nginx's default)
-READ_TIMEOUT_S = 60.0  # a request whose head or body does not arrive (slowloris)
+# Slowloris. The clocks count from the start of a phase, not from the last byte: a client that
+# sends one byte a second must not hold a connection (and its buffers) forever.
+HEAD_TIMEOUT_S = 20.0  # a request head, from its first byte (Apache's mod_reqtimeout header=20)
+BODY_TIMEOUT_S = 20.0  # a body gets this long, plus a second for every MIN_BODY_RATE bytes
+MIN_BODY_RATE = 1024  # bytes/s: a body slower than this on average (past the above) is cut
 SWEEP_S = 5.0
 PIPELINE_MAX = 16  # parsed requests waiting behind the current one before reading pauses
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_body_bytes",
+        "_body_start",
         "_broken",
         "_busy",
+        "_continue_owed",
+        "_head_done",
+        "_head_raw",
+        "_head_start",
         "_header_bytes",
+        "_header_count",
         "_headers",
+        "_http10",
         "_in_message",
         "_name",
         "_parser",
@@ -51,6 +70,7 @@ class _Connection(asyncio.Protocol):
         "_task",
         "_url",
         "_write_ready",
+        "idle_since",
         "last_active",
         "pending_head",
         "server",
@@ -64,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
         self._header_bytes = 0
+        self._header_count = 0
         self._name = b""
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -77,9 +98,19 @@ class _Connection(asyncio.Protocol):
         self._write_ready: asyncio.Future[None] | None = None
         self._paused_reading = False
         self._in_message = False
+        self._head_done = False
+        self._http10 = False
+        # A 100 Continue that must wait for the answers ahead of it on the wire.
+        self._continue_owed = False
         self._peer = ""
         self.pending_head = b""
-        self.last_active = time.monotonic()
+        # The clocks of the sweep (monotonic): the latest bytes, the end of the last answer,
+        # the first byte of the request head, the end of that head.
+        self.last_active = self.idle_since = time.monotonic()
+        self._head_start = self._body_start = 0.0
+        # Bytes received since the head began (less the read it began in): llhttp buffers a
+        # header field that has not ended yet, so on_header() sees nothing of one that never does.
+        self._head_raw = 0
 
     # -- transport callbacks ------------------------------------------------------------------
 
@@ -102,14 +133,37 @@ class _Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self._broken:
             return  # past a rejected request nothing can be trusted to start a request
+        if self._in_message and not self._head_done:
+            self._head_raw += len(data)
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrades are not supported", "bad_request")
+            self._feed(data)
         except httptools.HttpParserError as exc:
+            if isinstance(exc, httptools.HttpParserCallbackError):
+                if isinstance(exc.__context__, _Rejected):
+                    return  # a callback refused the request and has answered it
+                # One of the callbacks below failed: the server's bug, not a malformed request.
+                log.exception("http_parse_failed")
+                self._refuse(internal_error())
+                return
             self._reject(400, f"malformed HTTP request: {exc}", "bad_request")
-        except _Rejected:
-            pass
+            return
+        if self._in_message and not self._head_done and self._head_raw > _max_head_raw():
+            self._reject(431, "request headers too large", "request_header_fields_too_large")
+
+    def _feed(self, data: bytes) -> None:
+        while True:
+            try:
+                self._parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as exc:
+                # Only a request without a body gets this far (on_headers_complete refuses the
+                # others): its Upgrade is ignored, as RFC 9110 7.8 lets a server do, and the
+                # request was served as plain HTTP/1.1. llhttp stopped at its end and stays in
+                # "upgraded" mode: a fresh parser reads on from the message boundary.
+                data = data[exc.args[0] :]
+                self._parser = httptools.HttpRequestParser(self)
+                if not data:
+                    return
 
     def pause_writing(self) -> None:
         if self._write_ready is None or self._write_ready.done():
@@ -123,26 +177,76 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._head_done = False
+        self._head_start = self.last_active
+        self._head_raw = 0
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
+        self._header_count = 0
         self._body = []
         self._body_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count(len(url))
+        if len(self._url) > MAX_URL_BYTES:
+            self._reject(414, f"request target longer than {MAX_URL_BYTES} bytes", "uri_too_long")
+            raise _Rejected
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
+        self._header_bytes += len(name) + len(value)
+        self._header_count += 1
+        if self._header_bytes > MAX_HEADER_BYTES or self._header_count > MAX_HEADERS:
+            self._reject(431, "request headers too large", "request_header_fields_too_large")
+            raise _Rejected
+        if self._head_done:
+            # A trailer field, after a chunked body: counted, not merged into the headers (RFC
+            # 9110 6.5.1), or a field a proxy in front never checked (Authorization, say) would
+            # reach the handler as if it had been sent in the head.
+            return
         self._headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
-        length = self._headers.get(b"content-length")
+        self._head_done = True
+        self._body_start = self.last_active
+        parser = self._parser
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":  # llhttp takes 0.9 and 2.0 too
+            self._reject(505, f"HTTP/{version} is not supported", "http_version_not_supported")
+            raise _Rejected
+        self._http10 = version == "1.0"
+        headers = self._headers
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             self._too_large()
+        coding = headers.get(b"transfer-encoding")
+        if coding is not None:
+            if self._http10:
+                # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing
+                # (a 1.0 intermediary may have passed on what it could not decode).
+                self._reject(400, "Transfer-Encoding in an HTTP/1.0 request", "bad_request")
+                raise _Rejected
+            if coding.lower() != b"chunked":
+                # llhttp lets "gzip, chunked" through and would hand the handler gzip bytes.
+                self._reject(501, "only the chunked transfer coding is supported", "not_implemented")
+                raise _Rejected
+        has_body = coding is not None or (length is not None and length != b"0")
+        if parser.should_upgrade() and (has_body or parser.get_method() == b"CONNECT"):
+            # What follows the head would be another protocol's bytes (see _feed).
+            self._reject(400, "protocol upgrades are not supported", "bad_request")
+            raise _Rejected
+        expect = headers.get(b"expect")
+        if expect is not None and has_body and not self._http10 and expect.lower() == b"100-continue":
+            # The client waits (curl a second) before sending the body (RFC 9110 10.1.1); an
+            # HTTP/1.0 client cannot read a 1xx, so its expectation is ignored. A body over
+            # the limit was answered 413 above instead, which ends the wait too.
+            if self._busy:
+                self._continue_owed = True  # after the answers in flight, in order
+            elif self.transport is not None:
+                self.transport.write(CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        self._continue_owed = False  # the client did not wait for it
         self._body.append(body)
         self._body_bytes += len(body)
         if self._body_bytes > self.server.max_body_bytes:
@@ -150,6 +254,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._continue_owed = False
         parser = self._parser
         url = self._url
         q = url.find(b"?")
@@ -163,6 +268,7 @@ class _Connection(asyncio.Protocol):
             body,
             parser.should_keep_alive(),
             self._peer,
+            self._http10,
         )
         if self._busy:
             self._queue.append(req)
@@ -174,28 +280,27 @@ class _Connection(asyncio.Protocol):
 
     # -- serving ------------------------------------------------------------------------------
 
-    def _count(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > MAX_HEADER_BYTES:
-            self._reject(431, "request headers too large", "request_header_fields_too_large")
-            raise _Rejected
-
     def _too_large(self) -> None:
         limit = self.server.max_body_bytes
         self._reject(413, f"request body larger than {limit} bytes", "request_too_large")
         raise _Rejected
 
     def _reject(self, status: int, message: str, code: str) -> None:
-        """Answer an unparseable or over-limit request and close: the rest of the stream cannot
-        be trusted to start at a request boundary. Requests that arrived whole before it (a
-        pipelined GET, then garbage) are answered first, in order; the refusal comes last."""
+        self._refuse(invalid_request(message, code, status=status))
+
+    def _refuse(self, err: OpenAIError) -> None:
+        """Answer an unparseable, over-limit or too slow request and close: the rest of the
+        stream cannot be trusted to start at a request boundary. Requests that arrived whole
+        before it (a pipelined GET, then garbage) are answered first, in order; the refusal
+        comes last."""
+        if self._broken:
+            return  # one refusal per connection: it is the last answer
+        self._broken = True
         hook = self.server.on_reject
         if hook is not None:
-            hook(self._url.split(b"?", 1)[0].decode("utf-8", "replace"), status)
-        self._broken = True
+            hook(self._url.split(b"?", 1)[0].decode("utf-8", "replace"), err.status)
         if self.transport is None:
             return
-        err = invalid_request(message, code, status=status)
         if self._busy:
             self._rejected = err
             if not self._paused_reading:
@@ -213,7 +318,7 @@ class _Connection(asyncio.Protocol):
     def _dispatch(self, req: Request) -> None:
         self._busy = True
         close = not req.keep_alive or self.server.closing
-        resp = Responder(self, close, head_only=req.method == "HEAD")
+        resp = Responder(self, close, head_only=req.method == "HEAD", http10=req.http10)
         self._task = self.server.loop.create_task(self._serve(req, resp))
 
     async def _serve(self, req: Request, resp: Responder) -> None:
@@ -225,13 +330,20 @@ class _Connection(asyncio.Protocol):
             resp.finished = True
             raise
         except OpenAIError as err:
-            if not resp.started:
+            if self.transport is None:
+                pass  # the client left: no one to tell
+            elif not resp.started:
                 resp.error(err)
             else:
                 self.abort()
-        except Exception:
-            log.exception("http_handler_failed", method=req.method, path=req.path)
-            if not resp.started:
+        except Exception as exc:
+            if isinstance(exc, ConnectionResetError) and self.transport is None:
+                pass  # a write after the client left, before the cancel reached the handler
+            else:
+                log.exception("http_handler_failed", method=req.method, path=req.path)
+            if self.transport is None:
+                pass
+            elif not resp.started:
                 resp.error(internal_error())
             else:
                 self.abort()  # a second answer cannot follow the first one's bytes
@@ -239,12 +351,14 @@ class _Connection(asyncio.Protocol):
             server.in_flight -= 1
             if server.closing and not server.in_flight:
                 server.drained.set()
+        if self.transport is None:
+            return  # the client left while the handler finished
         if not resp.finished:
             if resp.started:
                 resp.end()
             else:
                 resp.error(internal_error())
-        self.last_active = time.monotonic()
+        self.idle_since = time.monotonic()
         self._busy = False
         self._task = None
         if resp.close_after:
@@ -256,11 +370,34 @@ class _Connection(asyncio.Protocol):
         elif self._rejected is not None:
             self._answer_rejection(self._rejected)
             return
+        elif self._continue_owed:
+            self._continue_owed = False
+            self.transport.write(CONTINUE)
         if self._broken:
             return
         if self._paused_reading and len(self._queue) < PIPELINE_MAX and self.transport is not None:
             self._paused_reading = False
             self.transport.resume_reading()
+
+    def expire(self, now: float) -> None:
+        """Close the connection if it overstayed the clock of the phase it is in (the sweep
+        calls this for connections with no answer in flight)."""
+        server = self.server
+        if not self._in_message:
+            if now - self.idle_since > server.idle_timeout_s and self.transport is not None:
+                self.transport.close()  # nothing owed: a plain close, as for any keep-alive
+            return
+        if not self._head_done:
+            late = now - self._head_start > server.head_timeout_s
+        else:
+            late = now > self._body_start + server.body_timeout_s + self._body_bytes / server.min_body_rate
+        if late:
+            # 408 and close, rather than a silent close: the request has begun, so the client
+            # is waiting on an answer to it, and a slow but honest client (a congested link)
+            # is told why instead of seeing what looks like a crash. It costs the attacker
+            # nothing more than the close would; the on_reject hook counts it.
+            what = "request head" if not self._head_done else "request body"
+            self._reject(408, f"the {what} did not arrive in time", "request_timeout")
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -292,22 +429,47 @@ class _Connection(asyncio.Protocol):
         return self._in_message
 
 
+def _max_head_raw() -> int:
+    """The bytes a request head may take on the wire: the target, the header fields, and room
+    for the request line, separators and a little optional whitespace."""
+    return MAX_URL_BYTES + MAX_HEADER_BYTES + 16 * MAX_HEADERS + 1024
+
+
 class _Rejected(Exception):
     """Raised out of a parser callback to stop parsing a connection already answered."""
 
 
 class HttpServer:
-    """Serves one ``handler`` on any number of listeners."""
+    """Serves one ``handler`` on any number of listeners.
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int) -> None:
+    The clocks default to the module's constants; a request over one is answered 408 and its
+    connection closed (an idle connection is just closed). ``min_body_rate`` is in bytes/s."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        min_body_rate: float = MIN_BODY_RATE,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.min_body_rate = min_body_rate
+        self.idle_timeout_s = idle_timeout_s
+        # A clock fires up to one sweep late: short ones (a test's) are swept more often.
+        self.sweep_s = min(SWEEP_S, head_timeout_s / 2, body_timeout_s / 2, idle_timeout_s / 2)
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.in_flight = 0
         self.closing = False
         self.drained = asyncio.Event()
-        # Told (path, status) of requests refused before any handler ran (413, 431, 400).
+        # Told (path, status) of requests refused before any handler ran (400, 408, 413, 414,
+        # 431, 501, 505).
         self.on_reject: Callable[[str, int], None] | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.Task[None] | None = None
@@ -337,17 +499,16 @@ class HttpServer:
         return int(sock.getsockname()[1])
 
     async def _sweep(self) -> None:
-        """Close connections that went quiet: idle keep-alives and requests that never finish
-        arriving. One pass every few seconds costs less than a timer per request."""
+        """Close connections that overstay a clock: idle keep-alives, and requests whose head or
+        body does not arrive in time. One pass every few seconds costs less than a timer per
+        request. Connections with an answer in flight are the handler's business."""
         while True:
-            await asyncio.sleep(SWEEP_S)
+            await asyncio.sleep(self.sweep_s)
             try:
                 now = time.monotonic()
                 for c in list(self.connections):
-                    quiet = now - c.last_active
-                    if c.idle and quiet > (READ_TIMEOUT_S if c.receiving else IDLE_TIMEOUT_S):
-                        if c.transport is not None:
-                            c.transport.close()
+                    if c.idle and c.transport is not None:
+                        c.expire(now)
             except Exception:  # never let one bad connection end the sweeping
                 log.exception("http_sweep_failed")
 

@@ -1,4 +1,6 @@
-"""HTTP helpers shared by the tests of Motor's HTTP servers (the Coordinator, the simulated engine)."""
+"""HTTP helpers shared by the tests of Motor's HTTP servers (the Coordinator, the simulated engine),
+and the HTTP/1.1 conformance suite of the server and client themselves (the test modules here).
+"""
 
 from __future__ import annotations
 
