@@ -68,11 +68,7 @@ async def test_a_header_field_that_never_ends_is_431_without_waiting_for_the_clo
     c = await served.client()
     piece = b"v" * 16384
     head = b"GET / HTTP/1.1\r\nX-Endless: "
-    sender = asyncio.create_task(c.trickle([head, *[piece] * 64], 0.001))
-    try:
-        answers = await c.closed()
-    finally:
-        sender.cancel()
+    answers = await c.trickled_until_closed([head, *[piece] * 64], 0.001)
     # The 431 may be lost to the reset that closing on unread bytes sends; the close is not.
     assert [a.status for a in answers] in ([431], [])
     assert [s for _, s in served.rejected] == [431]
@@ -129,11 +125,7 @@ async def test_a_head_trickled_past_the_head_deadline_is_closed(serve: Serve) ->
     c = await served.client()
     # Far more lines than the deadline lets through (10 000 at SHORT_S / 8 apart).
     lines = [b"GET / HTTP/1.1\r\n", *[b"X-Slow-%d: v\r\n" % i for i in range(10_000)]]
-    sender = asyncio.create_task(c.trickle(lines, SHORT_S / 8))
-    try:
-        answers = await c.closed()
-    finally:
-        sender.cancel()
+    answers = await c.trickled_until_closed(lines, SHORT_S / 8)
     assert [a.status for a in answers] in ([408], [])  # the 408 may be lost to the reset
     assert served.seen == [] and [s for _, s in served.rejected] == [408]
 
@@ -143,11 +135,7 @@ async def test_a_head_trickled_byte_by_byte_is_closed(serve: Serve) -> None:
     served = await serve(head_timeout_s=SHORT_S)
     c = await served.client()
     line = b"GET /" + b"a" * 5000
-    sender = asyncio.create_task(c.trickle((line[i : i + 1] for i in range(len(line))), 0.02))
-    try:
-        answers = await c.closed()
-    finally:
-        sender.cancel()
+    answers = await c.trickled_until_closed((line[i : i + 1] for i in range(len(line))), 0.02)
     assert [a.status for a in answers] in ([408], [])
     assert [s for _, s in served.rejected] == [408]
 
@@ -169,11 +157,7 @@ async def test_a_body_below_the_minimum_rate_is_closed(serve: Serve) -> None:
     served = await serve(body_timeout_s=SHORT_S, min_body_rate=1000)
     c = await served.client()
     head = request("POST", "/echo", "Host: t", "Content-Length: 3000")
-    sender = asyncio.create_task(c.trickle([head, *[b"b"] * 3000], 0.02))  # 50 bytes/s
-    try:
-        answers = await c.closed()
-    finally:
-        sender.cancel()
+    answers = await c.trickled_until_closed([head, *[b"b"] * 3000], 0.02)  # 50 bytes/s
     assert [a.status for a in answers] in ([408], [])
     assert served.seen == [] and [s for _, s in served.rejected] == [408]
 
@@ -208,8 +192,4 @@ async def test_empty_lines_do_not_keep_an_idle_connection_open(serve: Serve) -> 
     those, forever, is still idle and is closed by the idle clock."""
     served = await serve(idle_timeout_s=SHORT_S)
     c = await served.client()
-    sender = asyncio.create_task(c.trickle([b"\r\n"] * 10_000, SHORT_S / 8))
-    try:
-        assert await c.closed() == []
-    finally:
-        sender.cancel()
+    assert await c.trickled_until_closed([b"\r\n"] * 10_000, SHORT_S / 8) == []

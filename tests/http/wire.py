@@ -81,6 +81,14 @@ class RawClient:
                 await self.writer.drain()
                 await asyncio.sleep(every_s)
 
+    async def trickled_until_closed(self, pieces: Iterable[bytes], every_s: float) -> list[Answer]:
+        """A slow client: ``trickle`` while reading, until the server closes; its answers."""
+        sender = asyncio.create_task(self.trickle(pieces, every_s))
+        try:
+            return await self.closed()
+        finally:
+            sender.cancel()
+
     async def _read_more(self) -> None:
         try:
             chunk = await self.reader.read(65536)
