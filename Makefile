@@ -40,7 +40,7 @@ docs: $(STAMP)
 	$(BIN)/python -m motor_mesh.common.config.reference > docs/configuration.md
 	$(BIN)/python -m tools.imports --write
 
-# Debian packages some tests run for real (tests/controller/test_alertmanager.py starts its own
+# Debian packages some tests run for real (tests/controller/e2e/test_alertmanager.py starts its own
 # Alertmanager on a free port; tests/deploy/ runs promtool on deploy/prometheus and a Prometheus
 # scraping a `motor up`; the Controller's etcd store and `motor up --ha` run a real etcd). Installed when this is root with apt-get, the only place an install
 # can work; elsewhere those tests skip, and this says so once. Never fails `make test`: a test

@@ -11,8 +11,9 @@
   conformance suite of our HTTP server and client).
 
 Tiers: every test is marked by the folder it is in (``tier_of``): ``chaos``, ``e2e``, ``fuzz``,
-``deploy`` and ``real`` are folders of those names, and everything else is ``unit`` (in-process,
-fast: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
+``deploy`` and ``real`` are folders of those names (a component's tests that start Motor's own
+processes or etcd are in its ``e2e/`` subfolder, beside the fixtures they share), and everything
+else is ``unit`` (in process, simulated engines at most: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
 so none of them is left running one long chaos or e2e file while the other idles at the end.
 """
 
@@ -34,9 +35,10 @@ TIER_ORDER = ("chaos", "e2e", "deploy", "fuzz", "real", "unit")
 
 
 def tier_of(path: Path) -> str:
-    """The tier of a test file: the tests/ folder it is under, or unit."""
-    parts = path.relative_to(ROOT / "tests").parts
-    return parts[0] if len(parts) > 1 and parts[0] in TIERS else "unit"
+    """The tier of a test file: the first folder on its path named after one, or unit
+    (tests/e2e/test_up.py and tests/controller/e2e/test_pusher.py are both e2e)."""
+    folders = path.relative_to(ROOT / "tests").parts[:-1]
+    return next((f for f in folders if f in TIERS), "unit")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

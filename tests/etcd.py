@@ -75,7 +75,10 @@ class EtcdServer:
                 *tls,
             ]
         )
-        wait_until(self._healthy, timeout, f"etcd answering on {self.endpoint} (pid {self.pid})")
+        # Refused, reset or timed out (urllib's errors are all OSErrors) until it serves.
+        wait_until(
+            self._healthy, timeout, f"etcd answering on {self.endpoint} (pid {self.pid})", retry=(OSError,)
+        )
         return self
 
     def _healthy(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.poll import until
+from tests.poll import Retry, until
 
 
 class Scrape:
@@ -44,11 +44,12 @@ async def ascrape(url: str) -> Scrape:
         return Scrape(await resp.text())
 
 
-async def scrape_until(url: str, check: Callable[[Scrape], Any]) -> Scrape:
-    """The first scrape of ``url`` for which ``check`` holds (within 20 s)."""
+async def scrape_until(url: str, check: Callable[[Scrape], Any], *, retry: Retry = ()) -> Scrape:
+    """The first scrape of ``url`` for which ``check`` holds (within 20 s); ``retry``: the errors
+    of the scrape or the check that mean "not yet" (tests/poll.py)."""
 
     async def once() -> Scrape | None:
         m = await ascrape(url)
         return m if check(m) else None
 
-    return await until(once, 20, f"metrics at {url}")
+    return await until(once, 20, f"metrics at {url}", retry=retry)

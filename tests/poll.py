@@ -2,17 +2,22 @@
 
 ``await until(fn)`` in async code (``fn`` may be a plain function or return an awaitable: an RPC,
 an HTTP probe) and ``wait_until(fn)`` in plain code (threads, sync tests) call ``fn`` every
-``every`` seconds until it returns something truthy, and return that. An error of the kinds in
-``NOT_YET`` (a failed assert, a refused connection, an RPC error, a missing key) counts as "not
-yet"; any other error is a bug and propagates at once. When ``timeout`` runs out the failure says
-what was waited for and the last answer or error (chained, traceback and all).
+``every`` seconds until it returns something truthy, and return that.
+
+A falsy answer means "not yet". So does an exception, but only of a type the call names in
+``retry`` (none by default): each poll says which errors, for what it polls, mean that the thing
+is not there yet, e.g. ``retry=(grpc.RpcError,)`` while a server starts, ``(KeyError,)`` for a
+key that appears later, ``(AssertionError,)`` for a condition written as asserts;
+``UNREACHABLE`` names the usual ways a process that is still (re)starting fails a request. Any
+other exception is a bug in the test or in what it tests: it propagates at once, with its own
+traceback, rather than after the whole timeout. When ``timeout`` runs out the failure says what
+was waited for and the last answer or error (chained, traceback and all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,24 +26,25 @@ from typing import Any
 import aiohttp
 import grpc
 
-NOT_YET: tuple[type[BaseException], ...] = (
-    AssertionError,
-    LookupError,  # the key or item being waited for is not there yet
-    ValueError,  # half-written JSON
-    OSError,  # refused / reset connections, timeouts, a file not written yet
-    grpc.RpcError,
-    aiohttp.ClientError,
-    subprocess.SubprocessError,  # a CLI call that timed out
-)
+Retry = type[BaseException] | tuple[type[BaseException], ...]
+"""The exception types that mean "not yet" to one poll."""
+
+UNREACHABLE: tuple[type[BaseException], ...] = (OSError, grpc.RpcError, aiohttp.ClientError)
+"""A process (or the port it serves) still starting or restarting: refused, reset or timed-out
+connections (OSError, urllib's errors included), failed RPCs, failed aiohttp requests."""
+
 EVERY_S = 0.02
 
 
 class _Poll:
-    """One poll's deadline and last miss: until() and wait_until() differ only in how they call
-    ``fn`` and how they sleep."""
+    """One poll's deadline, its "not yet" errors and its last miss: until() and wait_until()
+    differ only in how they call ``fn`` and how they sleep."""
 
-    def __init__(self, timeout: float, what: str) -> None:
+    def __init__(self, timeout: float, what: str, retry: Retry) -> None:
         self.timeout, self.what = timeout, what
+        self.retry = retry if isinstance(retry, tuple) else (retry,)
+        if not all(isinstance(t, type) and issubclass(t, BaseException) for t in self.retry):
+            raise TypeError(f"retry takes exception types, not {retry!r}")
         self.deadline = time.monotonic() + timeout
         self.last: Any = None
 
@@ -46,7 +52,7 @@ class _Poll:
     def attempt(self) -> Iterator[None]:
         try:
             yield
-        except NOT_YET as exc:
+        except self.retry as exc:
             self.last = exc
 
     def hit(self, value: Any) -> bool:
@@ -70,10 +76,12 @@ async def until(
     timeout: float = 30.0,  # noqa: ASYNC109  (a poll's bound, not an operation's deadline)
     what: str = "condition",
     *,
+    retry: Retry = (),
     every: float = EVERY_S,
 ) -> Any:
-    """Call ``fn`` (and await what it returns, if awaitable) until the value is truthy; return it."""
-    poll = _Poll(timeout, what)
+    """Call ``fn`` (and await what it returns, if awaitable) until the value is truthy; return it.
+    An exception of a type in ``retry`` is a miss like a falsy value; any other propagates."""
+    poll = _Poll(timeout, what, retry)
     while True:
         with poll.attempt():
             value = fn()
@@ -85,11 +93,16 @@ async def until(
 
 
 def wait_until(
-    fn: Callable[[], Any], timeout: float = 30.0, what: str = "condition", *, every: float = EVERY_S
+    fn: Callable[[], Any],
+    timeout: float = 30.0,
+    what: str = "condition",
+    *,
+    retry: Retry = (),
+    every: float = EVERY_S,
 ) -> Any:
     """``until`` for plain code (sync tests, threads, starting a process from a coroutine): it
     blocks the calling thread."""
-    poll = _Poll(timeout, what)
+    poll = _Poll(timeout, what, retry)
     while True:
         with poll.attempt():
             if poll.hit(value := fn()):

@@ -225,7 +225,15 @@ class Cluster:
                 raise AssertionError(diff)
             return live
 
-        return wait_until(check, timeout, f"{count} ACTIVE instances, tables agreeing", every=0.1)
+        # Settling after a fault: a component may not answer yet (a restarted one, a Controller
+        # that does not lead yet), and the tables may still differ (the last difference is shown).
+        return wait_until(
+            check,
+            timeout,
+            f"{count} ACTIVE instances, tables agreeing",
+            retry=(AssertionError, grpc.RpcError),
+            every=0.1,
+        )
 
     def disk_statuses(self) -> dict[int, int]:
         """Instance id -> status as stored in the Controller's database (read-only). A database

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from motor_mesh.gen.motor.v1 import common_pb2
@@ -173,7 +174,14 @@ def test_coordinator_sigkill_gets_its_table_back(cluster: Cluster, load: Load) -
                 table.incarnation != incarnation and len(table.available) == 4 and not cluster.disagreement()
             )
 
-        wait_until(restored, 60, "the restarted Coordinator holding the Controller's table", every=0.05)
+        # Until motor up has it listening again, the Coordinator refuses calls.
+        wait_until(
+            restored,
+            60,
+            "the restarted Coordinator holding the Controller's table",
+            retry=(grpc.RpcError,),
+            every=0.05,
+        )
         sc.recovered()
         load.wait_served(10, since=sc.recovered_at or 0)
         assert [i.id for i in cluster.steady(4)] == [i.id for i in before]
@@ -271,7 +279,10 @@ def test_controller_disk_full_then_freed(cluster: Cluster, load: Load) -> None:
                     cluster, t, r"level=(error|warning).*(stor|writ|persist|disk|database|too large)"
                 )
 
-            logged = wait_until(write_error_logged, 20, "a write error in the Controller's log", every=0.2)
+            # A database that cannot be read at the moment (disk_statuses): OSError.
+            logged = wait_until(
+                write_error_logged, 20, "a write error in the Controller's log", retry=(OSError,), every=0.2
+            )
             assert not exited(pid), "the Controller died when its writes failed"
             sc.notes["logged"] = logged[0][:200]
             # The outage goes on for a while: long enough for the relaunch to have finished.
@@ -299,7 +310,9 @@ def test_controller_disk_full_then_freed(cluster: Cluster, load: Load) -> None:
                     and not cluster.disagreement()
                 )
 
-            wait_until(caught_up, 60, "the instance recovered, stored and routed", every=0.1)
+            wait_until(
+                caught_up, 60, "the instance recovered, stored and routed", retry=(OSError,), every=0.1
+            )
             sc.recovered()
             served_again(cluster, load, sc.recovered_at or 0)
             assert cluster.component_pid("controller") == pid, "the Controller was restarted"

@@ -120,7 +120,7 @@ async def test_a_request_is_a_server_span_with_a_leg_per_engine(
     status, answer_headers, body = await _post(http, coord, headers, stream=True)
     assert status == 200 and b"[DONE]" in body
 
-    got = await until(lambda: _finished(spans, 3), 5, "the request's spans")
+    got = await until(lambda: _finished(spans, 3), 5, "the request's spans", retry=(AssertionError,))
     (server,) = _named(got, f"POST {CHAT}")
     assert server.kind is SpanKind.SERVER and _parent(server) == client_span
     assert _hex(server)[0] == trace_id
@@ -160,7 +160,7 @@ async def test_a_refused_prefill_is_one_failed_attempt_then_another(
     status, _, _ = await _post(http, coord, {})
     assert status == 200
 
-    got = await until(lambda: _finished(spans, 4), 5, "the request's spans")
+    got = await until(lambda: _finished(spans, 4), 5, "the request's spans", retry=(AssertionError,))
     (server,) = _named(got, f"POST {CHAT}")
     assert server.parent is None  # no traceparent from the client: a trace of its own
     first, second = _named(got, "prefill")
@@ -192,7 +192,7 @@ async def test_sglang_legs_run_side_by_side_under_the_request(
     status, _, _ = await _post(http, coord, {})
     assert status == 200
 
-    got = await until(lambda: _finished(spans, 3), 5, "the request's spans")
+    got = await until(lambda: _finished(spans, 3), 5, "the request's spans", retry=(AssertionError,))
     (server,) = _named(got, f"POST {CHAT}")
     (prefill,), (decode,) = _named(got, "prefill"), _named(got, "decode")
     assert _parent(prefill) == _parent(decode) == _hex(server)[1]
@@ -221,7 +221,7 @@ async def test_an_unsampled_parent_records_nothing_but_passes_the_decision_on(
     assert re.fullmatch(rf"00-{trace_id}-[0-9a-f]{{16}}-00", headers["traceresponse"])
     # Then a sampled request: only its spans are there, nothing of the first one.
     await _post(http, coord, {"traceparent": _traceparent(secrets.token_hex(16), secrets.token_hex(8))})
-    got = await until(lambda: _finished(spans, 3), 5, "the sampled request's spans")
+    got = await until(lambda: _finished(spans, 3), 5, "the sampled request's spans", retry=(AssertionError,))
     assert all(_hex(s)[0] != trace_id for s in got)
 
 
@@ -235,7 +235,7 @@ async def test_errors_the_coordinator_answers_carry_the_trace(
     status, headers_502, _ = await _post(http, coord, {})
     assert status == 502
 
-    got = await until(lambda: _finished(spans, 3), 5, "both requests' spans")
+    got = await until(lambda: _finished(spans, 3), 5, "both requests' spans", retry=(AssertionError,))
     missing, unreachable = _named(got, f"POST {CHAT}")
     assert headers["traceresponse"] == _names(missing)
     assert headers_502["traceresponse"] == _names(unreachable)

@@ -481,7 +481,12 @@ def test_the_pods_answer_their_probes_metrics_and_a_request(
             if probe is not None:
                 port, service = moved[probe["grpc"]["port"]], probe["grpc"].get("service", "")
                 # The Coordinator's readiness waits for both NodeManagers' engines to be routable.
-                wait_until(lambda: serving(proc, port, service), 60, f"{pod.name} {kind}")  # noqa: B023
+                wait_until(
+                    lambda: serving(proc, port, service),  # noqa: B023
+                    60,
+                    f"{pod.name} {kind}",
+                    retry=(grpc.RpcError,),  # until it listens
+                )
         notes = pod.template["metadata"]["annotations"]
         url = f"http://127.0.0.1:{moved[int(notes['prometheus.io/port'])]}{notes['prometheus.io/path']}"
         with urllib.request.urlopen(url, timeout=10) as resp:

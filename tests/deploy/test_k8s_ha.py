@@ -332,7 +332,12 @@ def test_one_controller_is_ready_the_others_live_and_name_it(
 ) -> None:
     ctl = [r for r in running if r[0].component == "controller"]
     for pod, proc, moved in ctl:
-        wait_until(lambda: health_of(pod, proc, moved, "livenessProbe"), 60, f"{pod.name} liveness")  # noqa: B023
+        wait_until(
+            lambda: health_of(pod, proc, moved, "livenessProbe"),  # noqa: B023
+            60,
+            f"{pod.name} liveness",
+            retry=(grpc.RpcError,),  # until it listens
+        )
 
     def ready() -> list[tuple[Pod, Proc, dict[int, int]]] | None:
         found = [r for r in ctl if health_of(*r, "readinessProbe")]
@@ -366,7 +371,12 @@ def test_the_other_pods_answer_their_probes_and_a_request_is_served(
             continue
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             if kind in pod.main:
-                wait_until(lambda: health_of(pod, proc, moved, kind), 60, f"{pod.name} {kind}")  # noqa: B023
+                wait_until(
+                    lambda: health_of(pod, proc, moved, kind),  # noqa: B023
+                    60,
+                    f"{pod.name} {kind}",
+                    retry=(grpc.RpcError,),  # until it listens
+                )
     coordinator, _, moved = next(r for r in running if r[0].component == "coordinator")
     body = {"model": "motor-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     req = urllib.request.Request(

@@ -117,7 +117,8 @@ class Prometheus:
         )
 
     def wait_ready(self) -> None:
-        wait_until(self._ready, timeout=30, what="prometheus /-/ready")
+        # Refused, or 503 (an HTTPError), until it is ready: urllib's errors are OSErrors.
+        wait_until(self._ready, timeout=30, what="prometheus /-/ready", retry=(OSError,))
 
     def _ready(self) -> bool:
         if not self.proc.alive():
@@ -282,7 +283,9 @@ def all_up(prometheus: Prometheus) -> list[dict[str, Any]]:
 
 
 def test_prometheus_scrapes_every_component_of_motor_up(cluster: Cluster, prometheus: Prometheus) -> None:
-    targets = wait_until(lambda: all_up(prometheus), timeout=30, what="every target up")
+    targets = wait_until(
+        lambda: all_up(prometheus), timeout=30, what="every target up", retry=(AssertionError,)
+    )
     assert sorted((t["labels"]["component"], t["scrapeUrl"]) for t in targets) == sorted(
         [
             ("controller", cluster.metrics_url(CONTROLLER_METRICS)),
@@ -300,11 +303,13 @@ def test_promql_counts_the_completions_sent(prometheus: Prometheus, completions:
         assert got == {(("status", "200"),): completions}, got
         return got
 
-    wait_until(counted, timeout=30, what=f"Prometheus counting {completions} completions")
+    wait_until(
+        counted, timeout=30, what=f"Prometheus counting {completions} completions", retry=(AssertionError,)
+    )
 
 
 def test_every_rule_evaluates_and_none_fires_on_a_healthy_cluster(prometheus: Prometheus) -> None:
-    wait_until(lambda: all_up(prometheus), timeout=30, what="every target up")
+    wait_until(lambda: all_up(prometheus), timeout=30, what="every target up", retry=(AssertionError,))
 
     def evaluated_cleanly() -> list[dict[str, Any]]:
         groups = prometheus.api("rules")["groups"]
@@ -315,13 +320,17 @@ def test_every_rule_evaluates_and_none_fires_on_a_healthy_cluster(prometheus: Pr
         assert [a for r in loaded for a in r.get("alerts", [])] == []
         return loaded
 
-    wait_until(evaluated_cleanly, timeout=30, what="every rule evaluated, none firing")
+    wait_until(
+        evaluated_cleanly, timeout=30, what="every rule evaluated, none firing", retry=(AssertionError,)
+    )
 
 
 def test_every_metric_the_dashboard_and_rules_name_is_exported(
     prometheus: Prometheus, completions: int
 ) -> None:
-    targets = wait_until(lambda: all_up(prometheus), timeout=30, what="every target up")
+    targets = wait_until(
+        lambda: all_up(prometheus), timeout=30, what="every target up", retry=(AssertionError,)
+    )
     exported = set().union(*(exported_names(scrape(t["scrapeUrl"])) for t in targets))
     assert missing_metrics(dashboard_queries(dashboard()), exported) == {}
     assert missing_metrics(rule_queries(), exported) == {}
@@ -340,7 +349,7 @@ def test_kubernetes_relabelling_turns_annotated_pods_into_targets(
         assert all(t["health"] == "up" for p, t in targets.items() if p != "motor-decode-1"), targets
         return targets
 
-    targets = wait_until(scraped, timeout=30, what="the annotated pods scraped")
+    targets = wait_until(scraped, timeout=30, what="the annotated pods scraped", retry=(AssertionError,))
     nm0, nm1 = NM_METRICS + off, NM_METRICS + 1 + off
     want = {
         "motor-controller-0": ("controller", f"127.0.0.1:{CONTROLLER_METRICS + off}"),

@@ -34,6 +34,12 @@ def up_ports(nodes: int, dp: int = 1, ha: bool = False) -> list[int]:
     ]
 
 
+class CallFailed(AssertionError):
+    """A grpcurl call that failed (the component does not answer, or refused the call): a test
+    that asserts on the answer fails on it; a poll of a component that is (re)starting names it
+    as its "not yet"."""
+
+
 def nodemanager_pid(port: int) -> int:
     """The pid of the NodeManager serving gRPC on ``port`` (found by its command line)."""
     found = pids_with("nodemanager", str(port))
@@ -102,7 +108,8 @@ class Cluster:
     # observations
     def call(self, addr: str, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         out = grpcurl("-d", json.dumps(body or {}), addr, method)
-        assert out.returncode == 0, out.stderr
+        if out.returncode != 0:
+            raise CallFailed(out.stderr)
         return json.loads(out.stdout or "{}")
 
     def controller_instances(self) -> list[dict[str, Any]]:

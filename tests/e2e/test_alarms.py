@@ -17,8 +17,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.controller.test_alertmanager import RealAlertmanager, alertmanager_binary
-from tests.e2e.cluster import CONTROLLER, Cluster
+from tests.controller.e2e.test_alertmanager import RealAlertmanager, alertmanager_binary
+from tests.e2e.cluster import CONTROLLER, CallFailed, Cluster
 from tests.poll import wait_until
 from tests.procs import Proc, grpcurl, motor_argv
 
@@ -42,7 +42,11 @@ def start_alertmanager(tmp: Path) -> RealAlertmanager:
             "no Alertmanager installed (`make system-deps` installs it as root): e2e alarm test skipped"
         )
     am = RealAlertmanager(binary, tmp / "alertmanager").started()
-    wait_until(lambda: urllib.request.urlopen(f"{am.base}/-/ready", timeout=2).status == 200, timeout=30)
+    wait_until(
+        lambda: urllib.request.urlopen(f"{am.base}/-/ready", timeout=2).status == 200,
+        timeout=30,
+        retry=(OSError,),  # refused, or 503 (an HTTPError), until it is ready
+    )
     return am
 
 
@@ -83,7 +87,8 @@ class Alarms:
 
     def call(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         out = grpcurl("-d", json.dumps(body), self.addr, f"motor.v1.Controller/{method}")
-        assert out.returncode == 0, out.stderr
+        if out.returncode != 0:
+            raise CallFailed(out.stderr)
         return dict(json.loads(out.stdout or "{}"))
 
     def active(self, alarm_id: str) -> list[dict[str, Any]]:
@@ -163,7 +168,8 @@ def test_precision_alarm_lifecycle(tmp_path: Path, cluster_with: Any) -> None:
             pid = wait_until(lambda: c.component_pid("controller"), timeout=15)
             os.kill(pid, signal.SIGKILL)
             wait_until(lambda: c.component_pid("controller") not in (0, pid), timeout=30)
-            again = wait_until(lambda: alarms.active(PRECISION), timeout=30)[0]
+            # The restarted Controller refuses calls until it listens again.
+            again = wait_until(lambda: alarms.active(PRECISION), timeout=30, retry=(CallFailed,))[0]
             assert (again["moi"], again["sequence"]) == (moi, raised["sequence"])
 
             # 3. The fault goes away: the Coordinator's normal samples send the CLEAR (same moi),
@@ -187,8 +193,9 @@ def test_precision_alarm_lifecycle(tmp_path: Path, cluster_with: Any) -> None:
                 and resp["moi"] == second["moi"]
             )
             assert not alarms.active(PRECISION)
-            # The NodeManagers stopped and motor up restarted them: new instances serve again.
-            wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60)
+            # The NodeManagers stopped and motor up restarted them: new instances serve again
+            # (no ACTIVE prefill or decode for a while: pd_ids' KeyError).
+            wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60, retry=(KeyError,))
             served = load.ok
             wait_until(lambda: load.ok > served + 3, timeout=30)
 
@@ -237,8 +244,8 @@ def test_auto_recovery_terminates_the_group_and_clears(cluster_with: Any) -> Non
         wait_until(
             lambda: c.proc.output().count("event=restart component=nm-") >= restarts_before + 2, timeout=60
         )
-        # The instances come back (new ids) and serve.
-        wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60)
+        # The instances come back (new ids) and serve (none ACTIVE for a while: pd_ids' KeyError).
+        wait_until(lambda: pd_ids(alarms) != (p, d), timeout=60, retry=(KeyError,))
         served = load.ok
         wait_until(lambda: load.ok > served + 3, timeout=30)
     finally:

@@ -61,7 +61,7 @@ def test_the_controller_exports_every_metric_with_the_cluster_state(cluster: Clu
         assert m.value("motor_controller_push_lag_seconds", coordinator=coordinator) == 0
         return m
 
-    m = wait_until(settled, 20, "both instances ACTIVE and the Coordinator in step")
+    m = wait_until(settled, 20, "both instances ACTIVE and the Coordinator in step", retry=(AssertionError,))
     assert [n for n in CONTROLLER_NAMES if not m.has(n)] == []
     assert m.value("motor_controller_nodemanagers_connected") == 2
     assert m.value("motor_controller_heartbeats_total", kind="beat") >= 2
@@ -79,7 +79,7 @@ def test_each_nodemanager_exports_every_metric_with_its_engine_normal(cluster: C
         assert m.value("motor_nodemanager_controller_connected") == 1
         return m
 
-    m = wait_until(up, 20, f"nm-{i}'s engine NORMAL")
+    m = wait_until(up, 20, f"nm-{i}'s engine NORMAL", retry=(AssertionError,))
     assert [n for n in NODEMANAGER_NAMES if not m.has(n)] == []
     assert m.value("motor_nodemanager_engines", status="ABNORMAL") == 0
     assert m.value("motor_nodemanager_engine_restarts_total") == 0

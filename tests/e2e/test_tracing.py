@@ -198,7 +198,7 @@ def test_a_request_is_one_trace_through_both_legs_and_both_engines(traced: tuple
         assert len([s for s in spans if s.name == "llm_request"]) == 2
         return spans
 
-    spans = wait_until(whole, 15, "the request's trace")
+    spans = wait_until(whole, 15, "the request's trace", retry=(AssertionError,))
     http = _one(spans, name="POST /v1/chat/completions")
     assert (http.service, http.kind, http.parent_id) == ("motor-coordinator", SERVER, client_span)
     assert http.attributes["http.response.status_code"] == 200

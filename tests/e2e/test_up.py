@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, Cluster
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, NM, CallFailed, Cluster
 from tests.poll import wait_until
 from tests.ports import port_free
 from tests.procs import motor_argv
@@ -101,7 +101,7 @@ def test_controller_killed_is_restarted_and_nothing_is_relaunched(vllm_cluster: 
             i["status"] == "INSTANCE_STATUS_ACTIVE" for i in now
         )
 
-    wait_until(same_instances_active, timeout=40)
+    wait_until(same_instances_active, timeout=40, retry=(CallFailed,))  # refused until it listens
     assert_pd_legs(c, "vllm")
 
 

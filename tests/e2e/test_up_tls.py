@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from tests.e2e.cluster import COORDINATOR, HTTP, Cluster
+from tests.e2e.test_tls import make_pki, tls_files
 from tests.poll import wait_until
 from tests.procs import motor_argv
-from tests.test_tls import make_pki, tls_files
 
 
 def test_cluster_on_mtls_serves_https_and_the_cli_gets_in_with_the_ca(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from motor_mesh.common.channel import open_channel
 from motor_mesh.common.config import load
 from motor_mesh.common.server import MotorServer
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2, nodemanager_pb2_grpc
-from tests.poll import until
+from tests.poll import Retry, until
 from tests.procs import Exited, Proc, motor_argv
 
 CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
@@ -207,14 +207,22 @@ class NodeManagerProc:
         return resp
 
     async def wait_status(
-        self, pred: Callable[[nodemanager_pb2.GetStatusResponse], bool], what: str, wait_s: float = 20.0
+        self,
+        pred: Callable[[nodemanager_pb2.GetStatusResponse], bool],
+        what: str,
+        wait_s: float = 20.0,
+        *,
+        retry: Retry = (),
     ) -> nodemanager_pb2.GetStatusResponse:
+        """The first GetStatus answer for which ``pred`` holds; ``retry``: the errors of ``pred``
+        that mean "not yet" (the NodeManager listens: its answers are not among them)."""
+
         async def matching() -> nodemanager_pb2.GetStatusResponse | None:
             resp = await self.status()
             return resp if pred(resp) else None
 
         try:
-            return await until(matching, wait_s, f"NodeManager {what}")
+            return await until(matching, wait_s, f"NodeManager {what}", retry=retry)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.tail()}") from None
 

@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.cluster import CONTROLLER, COORDINATOR
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, CallFailed
 from tests.poll import wait_until
 from tests.procs import group_gone
 from tests.real.engines import RealCluster, chat, client, engine_client, running, unique
@@ -139,6 +139,7 @@ def _restart_keeps_engines(cluster: RealCluster, component: str, port: int) -> N
         ),
         60,
         f"{component} serving again",
+        retry=(CallFailed,),  # refused until the new process listens
     )
     states = lambda: sorted(i.get("status", "") for i in cluster.controller_instances())  # noqa: E731
     wait_until(lambda: states() == ["INSTANCE_STATUS_ACTIVE"] * ENGINES, 60, "every instance ACTIVE")

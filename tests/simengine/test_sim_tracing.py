@@ -44,7 +44,7 @@ def test_one_llm_request_span_per_request_under_its_traceparent(collector: Colle
             assert len(got) == 2
             return got
 
-        spans = wait_until(both, 10, "the engine's spans")
+        spans = wait_until(both, 10, "the engine's spans", retry=(AssertionError,))
         (child,) = [s for s in spans if s.trace_id == trace_id]
         assert (child.parent_id, child.kind, child.service) == (parent, SERVER, "motor-sim")
         attrs = child.attributes

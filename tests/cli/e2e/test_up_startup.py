@@ -21,7 +21,7 @@ from motor_mesh.cli.up_args import parse
 from motor_mesh.common.config import load
 from motor_mesh.gen.motor.v1 import common_pb2, nodemanager_pb2
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
-from tests.nodemanager.test_engine_startup import hung_vllm
+from tests.nodemanager.e2e.test_engine_startup import hung_vllm
 from tests.procs import motor_argv
 
 pytestmark = pytest.mark.timeout(180)

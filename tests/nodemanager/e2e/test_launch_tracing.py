@@ -13,7 +13,7 @@ import pytest
 from motor_mesh.gen.motor.v1 import common_pb2
 from tests.e2e.test_tracing import Collector
 from tests.nodemanager.conftest import nm_config
-from tests.nodemanager.test_launch_lines import launch
+from tests.nodemanager.e2e.test_launch_lines import launch
 from tests.ports import reserved_pair
 from tests.standins import prepend_path, write_sglang, write_vllm
 

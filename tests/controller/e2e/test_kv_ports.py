@@ -17,6 +17,7 @@ from motor_mesh.controller.store.etcd_client import EtcdClient
 from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, nodemanager_pb2
+from tests.controller.e2e.test_etcd_store import open_etcd
 from tests.controller.fakes import (
     ACTIVE,
     INACTIVE,
@@ -26,7 +27,6 @@ from tests.controller.fakes import (
     kv_ports,
     running_controller,
 )
-from tests.controller.test_etcd_store import open_etcd
 from tests.etcd import EtcdServer
 from tests.poll import until
 

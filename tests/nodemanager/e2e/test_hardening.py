@@ -1,6 +1,6 @@
 """Nothing a NodeManager does for its engines may stall its event loop: engine output (overlong
 lines, a stdout nobody reads) and reaping (no scan of every process on the machine). TLS
-material read once: tests/test_tls.py."""
+material read once: tests/e2e/test_tls.py."""
 
 from __future__ import annotations
 

@@ -462,7 +462,7 @@ class RealAlertmanager:
             async with http.get(f"{self.base}/-/ready") as resp:  # refused until it is up: not yet
                 return resp.status == 200
 
-        await until(ready, timeout=30.0, what="alertmanager /-/ready")
+        await until(ready, timeout=30.0, what="alertmanager /-/ready", retry=(aiohttp.ClientError,))
 
     async def active_alerts(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
         async with http.get(f"{self.base}/api/v2/alerts", params={"active": "true"}) as resp:
