@@ -12,8 +12,9 @@
 
 Tiers: every test is marked by the folder it is in (``tier_of``): ``chaos``, ``e2e``, ``fuzz``,
 ``deploy`` and ``real`` are folders of those names (a component's tests that start Motor's own
-processes or etcd are in its ``e2e/`` subfolder, beside the fixtures they share), and everything
-else is ``unit`` (in process, simulated engines at most: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
+processes or etcd are in its ``e2e/`` subfolder, those that kill or hang its engines in its
+``chaos/``, beside the fixtures they share), and everything else is ``unit`` (in process,
+simulated engines at most: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
 so none of them is left running one long chaos or e2e file while the other idles at the end.
 """
 

@@ -20,7 +20,7 @@ from motor_mesh.common.server import MotorServer
 from motor_mesh.controller.nodes.registration import Registrar
 from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import running_controller
-from tests.test_runtime import CONTROLLER, StubController, section
+from tests.stub_controller import CONTROLLER, StubController, section
 
 SECRET = "token=hunter2 at /srv/private/path"
 

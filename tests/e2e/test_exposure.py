@@ -19,7 +19,7 @@ from motor_mesh.common.server import MotorServer
 from motor_mesh.coordinator.app import Coordinator
 from tests.e2e.test_tls import make_pki, tls_files
 from tests.procs import Proc
-from tests.test_runtime import CONTROLLER, StubController
+from tests.stub_controller import CONTROLLER, StubController
 
 EXPOSED = "event=management_plane_exposed"
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI needed")

@@ -31,7 +31,7 @@ from motor_mesh.common.server import MotorServer
 from motor_mesh.coordinator.app import Coordinator
 from tests.ports import reserved_pair
 from tests.procs import ROOT, Proc
-from tests.test_runtime import CONTROLLER, StubController
+from tests.stub_controller import CONTROLLER, StubController
 
 pytestmark = pytest.mark.skipif(
     shutil.which("openssl") is None, reason="openssl CLI needed to make certificates"

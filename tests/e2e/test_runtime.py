@@ -15,36 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor_mesh.common import errors
 from motor_mesh.common.channel import open_channel
-from motor_mesh.common.config import ConfigError, ControllerConfig, load
+from motor_mesh.common.config import ConfigError, load
 from motor_mesh.common.server import MotorServer
-from motor_mesh.controller import validation as controller_validation
-from motor_mesh.coordinator import validation as coordinator_validation
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc, coordinator_pb2
 from tests.ports import reserved_port
-
-CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
-COORDINATOR = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
-
-
-class StubController:
-    """Just enough of a servicer to exercise the runtime: the real request validators, and
-    every RPC answering UNIMPLEMENTED."""
-
-    VALIDATORS = controller_validation.VALIDATORS
-
-    def __getattr__(self, name: str) -> Any:
-        async def unimplemented(request: Any, context: Any) -> Any:
-            raise errors.unimplemented(f"stub {name}")
-
-        return unimplemented
-
-
-class StubCoordinator(StubController):
-    VALIDATORS = coordinator_validation.VALIDATORS
-
-
-def section(**overrides: Any) -> ControllerConfig:
-    return load(None, env={}, overrides={"controller": {"port": 0, **overrides}}).controller
+from tests.stub_controller import CONTROLLER, COORDINATOR, StubController, StubCoordinator, section
 
 
 @pytest.fixture
