@@ -25,8 +25,7 @@ from motor_mesh.common.errors import details_of
 from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2
 from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller
 from tests.poll import until
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.procs import ROOT
 
 
 class FullDisk:
