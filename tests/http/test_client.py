@@ -99,6 +99,13 @@ async def call(pool: Pool, port: int, deadline_s: float = WAIT_S) -> tuple[int, 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
+async def refused_by_the_client(pool: Pool, answer: bytes) -> None:
+    """A fake engine sends ``answer``; the client raises Disconnected, its one error for it."""
+    async with FakeEngine(answer) as engine:
+        with pytest.raises(Disconnected):
+            await call(pool, engine.port)
+
+
 async def test_a_well_formed_answer_is_read(pool: Pool) -> None:
     """The baseline every other test here departs from."""
     async with FakeEngine(OK) as engine:
@@ -119,18 +126,14 @@ async def test_a_well_formed_answer_is_read(pool: Pool) -> None:
 )
 async def test_a_bad_status_line_is_disconnected(pool: Pool, answer: bytes) -> None:
     """RFC 9112 4: status-line = HTTP-version SP status-code SP [reason-phrase]."""
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 @pytest.mark.parametrize("status", [b"099", b"600", b"999"])
 async def test_a_status_outside_100_to_599_is_disconnected(pool: Pool, status: bytes) -> None:
     """RFC 9110 15: status codes outside 100..599 are invalid (llhttp takes any three digits,
     and the Coordinator would pass one on to its own client)."""
-    async with FakeEngine(b"HTTP/1.1 %s X\r\nContent-Length: 0\r\n\r\n" % status) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, b"HTTP/1.1 %s X\r\nContent-Length: 0\r\n\r\n" % status)
 
 
 async def test_content_length_with_transfer_encoding_is_disconnected(pool: Pool) -> None:
@@ -138,17 +141,13 @@ async def test_content_length_with_transfer_encoding_is_disconnected(pool: Pool)
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
     )
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 async def test_two_content_lengths_are_disconnected(pool: Pool) -> None:
     """RFC 9112 6.3 (5): differing Content-Lengths are an unrecoverable error."""
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 async def test_a_body_shorter_than_its_content_length_is_disconnected(pool: Pool) -> None:
@@ -162,9 +161,7 @@ async def test_a_body_shorter_than_its_content_length_is_disconnected(pool: Pool
 async def test_a_chunk_size_overflow_is_disconnected(pool: Pool) -> None:
     """RFC 9112 7.1: a chunk size past 64 bits is refused, not wrapped."""
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1" + b"0" * 16 + b"\r\nhello\r\n"
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 async def _endless_head(writer: asyncio.StreamWriter) -> None:
@@ -187,9 +184,7 @@ async def test_a_head_past_the_limit_is_disconnected(pool: Pool) -> None:
     """One header field that never ends is refused at MAX_HEAD_BYTES instead of growing in
     memory until the deadline (here far away)."""
     answer = b"HTTP/1.1 200 OK\r\nX-Big: " + b"v" * (2 * httpclient.MAX_HEAD_BYTES)
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 async def _cut_stream(writer: asyncio.StreamWriter) -> None:
@@ -212,9 +207,7 @@ async def test_a_close_mid_chunked_stream_is_disconnected(pool: Pool) -> None:
 async def test_a_protocol_switch_is_disconnected(pool: Pool) -> None:
     """RFC 9110 15.2.2: 101 only answers a request that asked to upgrade; this one did not."""
     answer = b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n\x00\x00"
-    async with FakeEngine(answer) as engine:
-        with pytest.raises(Disconnected):
-            await call(pool, engine.port)
+    await refused_by_the_client(pool, answer)
 
 
 async def test_interim_answers_are_skipped(pool: Pool) -> None:
