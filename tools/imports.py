@@ -87,15 +87,17 @@ def _imports(
 
 def load() -> dict[str, Module]:
     modules: dict[str, Module] = {}
+    parsed: dict[str, tuple[ast.Module, list[str]]] = {}
     for path in sorted(SOURCE.rglob("*.py")):
-        name = module_name(path)
-        tree = ast.parse(path.read_text(), str(path))
+        name, source = module_name(path), path.read_text()
+        tree = ast.parse(source, str(path))
         doc = (ast.get_docstring(tree) or "").strip().split("\n\n")[0].replace("\n", " ")
         modules[name] = Module(name, path, doc)
+        parsed[name] = (tree, source.splitlines())
+    # Every module is known before imports are resolved: `from pkg import x` is the module
+    # pkg.x when there is one.
     for name, mod in modules.items():
-        source = mod.path.read_text()
-        tree = ast.parse(source, str(mod.path))
-        lines = source.splitlines()
+        tree, lines = parsed[name]
         mod.typing_says_why = all(
             "#" in lines[node.lineno - 1]
             for node in ast.walk(tree)
