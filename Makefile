@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: up test test-fast test-real real-engines gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
+.PHONY: up test test-fast test-durations test-real real-engines gen docs lint bench bench-deps proto-baseline venv clean engines-check system-deps
 
 $(STAMP): pyproject.toml setup.py services/coordinator/kv/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,12 +20,17 @@ up: $(STAMP)
 
 # Four workers, one test file each at a time (a module's cluster fixture starts once). Most of
 # the suite waits on processes and timers, not the CPU: on two cores, four workers keep about
-# 1.3 cores busy and take 4.4 minutes where two took 6.6. Files go out longest tier first
-# (tests/conftest.py), so no worker idles behind a long chaos or e2e file at the end.
+# 1.3 cores busy and take 4.4 minutes where two took 6.6. Files go out longest first, by
+# tests/durations.json (tests/conftest.py), so no worker idles behind a long file at the end.
 # PYTEST_ARGS= runs it serially. The 20 slowest tests are listed at the end.
-PYTEST_ARGS ?= -n 4 --dist loadfile
+PYTEST_ARGS ?= -n 4 --dist loadfile --no-loadscope-reorder
 test: system-deps $(STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS) --durations=20
+
+# The seconds each test file takes, into tests/durations.json: the order the workers take files
+# in (longest first). Run it after adding or moving long tests, and commit the file.
+test-durations: system-deps $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --record-durations
 
 # The unit tier only (tests outside tests/{chaos,e2e,fuzz,deploy,real}): in-process, no cluster.
 test-fast: $(STAMP)

@@ -14,12 +14,18 @@ Tiers: every test is marked by the folder it is in (``tier_of``): ``chaos``, ``e
 ``deploy`` and ``real`` are folders of those names (a component's tests that start Motor's own
 processes or etcd are in its ``e2e/`` subfolder, those that kill or hang its engines in its
 ``chaos/``, beside the fixtures they share), and everything else is ``unit`` (in process,
-simulated engines at most: ``make test-fast`` runs it). The workers take files longest tier first (``TIER_ORDER``),
-so none of them is left running one long chaos or e2e file while the other idles at the end.
+simulated engines at most: ``make test-fast`` runs it).
+
+Order: the xdist workers take whole files (``--dist loadfile``), longest first, by the seconds
+each took in a recorded run (tests/durations.json; ``make test-durations`` records it anew; a
+file not in it counts as ``NEW_FILE_S`` of its tier), so no worker is left running one long
+chaos or e2e file while the others idle at the end. ``--no-loadscope-reorder`` keeps xdist from
+reordering them by their number of tests.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -31,8 +37,9 @@ import zmq.asyncio
 from tests.procs import ROOT, Proc, motor_argv
 
 TIERS = ("chaos", "e2e", "fuzz", "deploy", "real")
-# The order files are handed to the xdist workers in: the longest tiers first.
-TIER_ORDER = ("chaos", "e2e", "deploy", "fuzz", "real", "unit")
+DURATIONS = ROOT / "tests" / "durations.json"
+# What a file not yet in tests/durations.json is taken to cost, by tier: enough to go out early.
+NEW_FILE_S = {"chaos": 40.0, "e2e": 30.0, "deploy": 30.0, "real": 60.0, "fuzz": 10.0, "unit": 5.0}
 
 
 def tier_of(path: Path) -> str:
@@ -40,13 +47,6 @@ def tier_of(path: Path) -> str:
     (tests/e2e/test_up.py and tests/controller/e2e/test_pusher.py are both e2e)."""
     folders = path.relative_to(ROOT / "tests").parts[:-1]
     return next((f for f in folders if f in TIERS), "unit")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(getattr(pytest.mark, tier_of(item.path)))
-    # Stable: within a tier, files and tests keep their order (each worker collects the same).
-    items.sort(key=lambda item: TIER_ORDER.index(tier_of(item.path)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,6 +58,50 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write the seconds each test file took to tests/durations.json (make test-durations)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        costs: dict[str, float] = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        costs = {}
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item.path)))
+
+    def cost(item: pytest.Item) -> float:
+        return costs.get(item.nodeid.split("::")[0], NEW_FILE_S[tier_of(item.path)])
+
+    # Stable: a file's tests stay together and in order (every worker collects the same order).
+    items.sort(key=cost, reverse=True)
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file = report.nodeid.split("::")[0]
+    _SECONDS[file] = _SECONDS.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With --record-durations, the controller (not an xdist worker) merges what ran into
+    tests/durations.json."""
+    if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
+        return
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    recorded.update({f: round(s, 1) for f, s in _SECONDS.items()})
+    DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
 
 
 @pytest.fixture
