@@ -93,7 +93,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """With --record-durations, the controller (not an xdist worker) merges what ran into
-    tests/durations.json."""
+    tests/durations.json (a partial run updates the files it ran)."""
     if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
         return
     try:
@@ -101,7 +101,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     except (OSError, ValueError):
         recorded = {}
     recorded.update({f: round(s, 1) for f, s in _SECONDS.items()})
-    DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+    kept = {f: s for f, s in sorted(recorded.items()) if (ROOT / f).exists()}  # moved or deleted: gone
+    DURATIONS.write_text(json.dumps(kept, indent=1) + "\n")
 
 
 @pytest.fixture
