@@ -319,11 +319,13 @@ async def measure(targets: list[Target], args: argparse.Namespace, tmp: Path, de
 
 
 async def amain(args: argparse.Namespace) -> int:
+    only = set(filter(None, args.only.split(",")))
     if not wrk.available():
-        RESULTS.write_text("# HTTP stack benchmark\n\nNot run: `wrk` is not on PATH (`make bench-deps`).\n")
+        if not only:  # a partial run never writes bench/results, not even to say it did not run
+            not_run = "Not run: `wrk` is not on PATH (`make bench-deps`)."
+            RESULTS.write_text(f"# HTTP stack benchmark\n\n{not_run}\n")
         print("wrk not found; run `make bench-deps` as root", file=sys.stderr)
         return 1
-    only = set(filter(None, args.only.split(",")))
     unknown = only - {"direct", *STACKS}
     if unknown:
         print(f"unknown --only entries: {', '.join(sorted(unknown))}", file=sys.stderr)

@@ -112,11 +112,13 @@ async def nothing(url: str) -> tuple[Proc | None, str]:
 
 
 async def amain(args: argparse.Namespace) -> int:
+    only = set(filter(None, args.only.split(",")))
     if not wrk.available():
-        RESULTS.write_text("# Router benchmark\n\nNot run: `wrk` is not on PATH (`make bench-deps`).\n")
+        if not only:  # a partial run never writes bench/results, not even to say it did not run
+            not_run = "Not run: `wrk` is not on PATH (`make bench-deps`)."
+            RESULTS.write_text(f"# Router benchmark\n\n{not_run}\n")
         print("wrk not found; run `make bench-deps` as root", file=sys.stderr)
         return 1
-    only = set(filter(None, args.only.split(",")))
     versions: str | None = None
     venv_error = None
     if not only or only & {"vllm", "sglang"}:
