@@ -1,4 +1,6 @@
-"""The Controller's parts wired together, independent of the gRPC server that serves them.
+"""The Controller's wiring: its parts put together (``Controller``), and ``serve()``, which runs
+them behind the gRPC server and the metrics endpoint on the SQLite store (leader/ha.py does the
+same on etcd, as a leader or standby).
 
 Handlers (Register, the heartbeat streams) record what they observe and enqueue a key; three
 reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops"):
@@ -11,8 +13,8 @@ reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops")
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
 now; the alarms are compared with the instances); ``start()`` starts the reconcilers and the
 timer; ``end_streams()`` (a server stop hook) ends the heartbeat and alarm watch streams;
-``stop()`` ends streams and tasks and closes channels and the database. ``serve()`` in main.py
-puts it behind a MotorServer; tests can do the same in-process.
+``stop()`` ends streams and tasks and closes channels and the database. Tests build a
+``Controller`` in-process the way ``serve()`` does.
 """
 
 from __future__ import annotations
