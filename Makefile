@@ -20,7 +20,7 @@ up: $(STAMP)
 
 # Four workers, one test file each at a time (a module's cluster fixture starts once). Most of
 # the suite waits on processes and timers, not the CPU: on two cores, four workers keep about
-# 1.3 cores busy and take 4.4 minutes where two took 6.6. Files go out longest first, by
+# 1.3 cores busy and take about 4 minutes where two took 6.6. Files go out longest first, by
 # tests/durations.json (tests/conftest.py), so no worker idles behind a long file at the end.
 # PYTEST_ARGS= runs it serially. The 20 slowest tests are listed at the end.
 PYTEST_ARGS ?= -n 4 --dist loadfile --no-loadscope-reorder
@@ -32,7 +32,8 @@ test: system-deps $(STAMP) lint
 test-durations: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) --record-durations
 
-# The unit tier only (tests outside tests/{chaos,e2e,fuzz,deploy,real}): in-process, no cluster.
+# The unit tier only (tests in no chaos/, e2e/, fuzz/, deploy/ or real/ folder): no cluster, about
+# a minute.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m unit
 
