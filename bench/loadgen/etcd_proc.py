@@ -15,7 +15,6 @@ import json
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.loadgen.harness import Proc, clean_env
+from bench.loadgen.harness import Proc, clean_env, port_free
 
 NOT_INSTALLED = "etcd not installed (`make system-deps` installs Debian etcd-server)"
 # etcd's default quota is 2 GiB; the Controller never compacts, so every write of every instance
@@ -66,19 +65,10 @@ def filesystem(path: Path) -> str:
     return kind
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _two_free_ports() -> tuple[int, int]:
     while True:
         port = random.choice(_PORTS[:-1])
-        if _free(port) and _free(port + 1):
+        if port_free(port) and port_free(port + 1):
             return port, port + 1
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -32,6 +33,17 @@ PORT_TAKEN = re.compile(r"address (already )?in use|event=bind_failed", re.IGNOR
 
 class PortTaken(RuntimeError):
     """A server of the benchmark could not bind its port: launch it again on another."""
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could bind ``port`` on loopback right now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def cpu_seconds(pid: int) -> float:

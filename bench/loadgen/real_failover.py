@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.loadgen.harness import clean_env
+from bench.loadgen.harness import clean_env, port_free
 from bench.loadgen.up import CONTROLLER, Up
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tools.real_engines import CLUSTER_CONFIG, TINY_MODEL, VLLM_BIN
@@ -79,19 +78,9 @@ def free_engine_port() -> int:
     """A port P under the kernel's ephemeral range with P + 4000 (the engine's NIXL side
     channel) free too, for the engine started alone."""
     for port in range(21000, 28000, 2):
-        if all(_free(p) for p in (port, port + 4000)):
+        if all(port_free(p) for p in (port, port + 4000)):
             return port
     raise RuntimeError("no free port for a lone engine in 21000-28000")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def engine_start_s(port: int) -> float:
