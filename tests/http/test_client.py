@@ -169,7 +169,7 @@ async def _endless_head(writer: asyncio.StreamWriter) -> None:
     for i in range(100_000):
         writer.write(b"X-Slow-%d: v\r\n" % i)
         await writer.drain()
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the pace of a slow server, not a wait for anything
 
 
 async def test_a_head_that_never_ends_times_out_at_the_deadline(pool: Pool) -> None:

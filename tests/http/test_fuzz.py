@@ -172,6 +172,7 @@ class FakeTransport:
         self.conn = conn
         self.out = b""
         self.closed = False
+        self.lost = False  # connection_lost has run
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "a write after close"
@@ -180,7 +181,11 @@ class FakeTransport:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            asyncio.get_running_loop().call_soon(self.conn.connection_lost, None)
+            asyncio.get_running_loop().call_soon(self._lose)
+
+    def _lose(self) -> None:
+        self.conn.connection_lost(None)
+        self.lost = True
 
     abort = close
 
@@ -225,10 +230,10 @@ async def feed(pieces: list[bytes]) -> tuple[bytes, FakeTransport, _Connection]:
         if transport.closed:
             break
         conn.data_received(piece)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop between reads, as from a real socket
     # Every handler here finishes within a few turns of the loop.
     await until(lambda: not served.server.in_flight and conn.idle, 10, "the answers", every=0)
-    await asyncio.sleep(0)  # connection_lost after a close
+    await until(lambda: transport.lost or not transport.closed, 10, "connection_lost after a close", every=0)
     return transport.out, transport, conn
 
 
@@ -260,7 +265,7 @@ async def test_server_answers_or_closes_whatever_arrives(data: st.DataObject, ra
         if not transport.closed:
             conn.expire(time.monotonic() + 100_000)
         assert transport.closed
-        await asyncio.sleep(0)
+        await until(lambda: transport.lost, 10, "connection_lost after the close", every=0)
 
 
 # -- the client --------------------------------------------------------------------------------------

@@ -208,14 +208,14 @@ class Served:
             resp.start(200, b"text/plain")
             for i in range(3):
                 await resp.write(b"chunk %d\n" % i)
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # each chunk its own write, as an engine's tokens
             resp.end()
         elif req.path == "/forever":
             resp.start(200, b"text/plain")
             try:
                 while True:
                     await resp.write(b"x" * 1024)
-                    await asyncio.sleep(0.005)
+                    await asyncio.sleep(0.005)  # an endless stream's pace
             except asyncio.CancelledError:
                 self.stream_cancelled.set()
                 raise
