@@ -7,8 +7,7 @@ an HTTP probe) and ``wait_until(fn)`` in plain code (threads, sync tests) call `
 A falsy answer means "not yet". So does an exception, but only of a type the call names in
 ``retry`` (none by default): each poll says which errors, for what it polls, mean that the thing
 is not there yet, e.g. ``retry=(grpc.RpcError,)`` while a server starts, ``(KeyError,)`` for a
-key that appears later, ``(AssertionError,)`` for a condition written as asserts;
-``UNREACHABLE`` names the usual ways a process that is still (re)starting fails a request. Any
+key that appears later, ``(AssertionError,)`` for a condition written as asserts. Any
 other exception is a bug in the test or in what it tests: it propagates at once, with its own
 traceback, rather than after the whole timeout. When ``timeout`` runs out the failure says what
 was waited for and the last answer or error (chained, traceback and all).
@@ -23,15 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import aiohttp
-import grpc
-
 Retry = type[BaseException] | tuple[type[BaseException], ...]
 """The exception types that mean "not yet" to one poll."""
-
-UNREACHABLE: tuple[type[BaseException], ...] = (OSError, grpc.RpcError, aiohttp.ClientError)
-"""A process (or the port it serves) still starting or restarting: refused, reset or timed-out
-connections (OSError, urllib's errors included), failed RPCs, failed aiohttp requests."""
 
 EVERY_S = 0.02
 
