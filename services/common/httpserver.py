@@ -34,6 +34,9 @@ from motor_mesh.common.httpmessages import Handler, Request, Responder
 MAX_HEADER_BYTES = 64 * 1024  # names and values of one request's headers (431)
 MAX_HEADERS = 100  # header fields in one request (431; Apache's LimitRequestFields)
 MAX_URL_BYTES = 8 * 1024  # the request target (414; Apache's LimitRequestLine, nginx's 8k buffer)
+# The bytes a request head may take on the wire: the target, the header fields, and room for
+# the request line, separators and a little optional whitespace.
+MAX_HEAD_RAW = MAX_URL_BYTES + MAX_HEADER_BYTES + 16 * MAX_HEADERS + 1024
 IDLE_TIMEOUT_S = 75.0  # keep-alive connections with nothing in flight (nginx's default)
 # Slowloris. The clocks count from the start of a phase, not from the last byte: a client that
 # sends one byte a second must not hold a connection (and its buffers) forever.
@@ -147,7 +150,7 @@ class _Connection(asyncio.Protocol):
                 return
             self._reject(400, f"malformed HTTP request: {exc}", "bad_request")
             return
-        if self._in_message and not self._head_done and self._head_raw > _max_head_raw():
+        if self._in_message and not self._head_done and self._head_raw > MAX_HEAD_RAW:
             self._reject(431, "request headers too large", "request_header_fields_too_large")
 
     def _feed(self, data: bytes) -> None:
@@ -422,17 +425,6 @@ class _Connection(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         return not self._busy
-
-    @property
-    def receiving(self) -> bool:
-        """A request has begun arriving but is not complete."""
-        return self._in_message
-
-
-def _max_head_raw() -> int:
-    """The bytes a request head may take on the wire: the target, the header fields, and room
-    for the request line, separators and a little optional whitespace."""
-    return MAX_URL_BYTES + MAX_HEADER_BYTES + 16 * MAX_HEADERS + 1024
 
 
 class _Rejected(Exception):
