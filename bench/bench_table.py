@@ -14,7 +14,8 @@ restart until the Controller has sent it the full set again.
    (motor up restarts it) and measures from its gRPC health ``motor.v1.Coordinator`` answering
    SERVING again (polled every 3 ms) to (a) its ``ListInstances`` holding exactly the ids the
    Controller lists ACTIVE or PAUSED (polled every 2 ms) and (b) the first chat completion
-   through the HTTP port that succeeds (one at a time, every 5 ms).
+   through the HTTP port that succeeds (one at a time, every 5 ms, sent from SERVING on: until
+   then the killed Coordinator's inference workers may still answer with its last table).
 
     python -m bench.bench_table [--sets 50] [--rounds 10]
     python -m bench table
@@ -164,7 +165,9 @@ def render_restarts(r: dict[str, Any]) -> list[str]:
         "Coordinator; motor up restarts it. From its gRPC health `motor.v1.Coordinator` answering "
         "SERVING again (polled every 3 ms on a fresh channel) to (a) its `ListInstances` holding "
         "exactly the ids the Controller lists ACTIVE or PAUSED (polled every 2 ms) and (b) the first "
-        "chat completion through the HTTP port answered 200 (one at a time, every 5 ms; a completion "
+        "chat completion through the HTTP port answered 200 (one at a time, every 5 ms, sent from "
+        "SERVING on: until then the killed Coordinator's inference workers may still answer with its "
+        "last table, and say nothing of the new one; a completion "
         f"itself takes {statistics.median(x.steady_chat_ms for x in rounds):.0f} ms, median, before "
         f"the kills). Target: (a) under {RESYNC_TARGET_S:g} s.",
         "",

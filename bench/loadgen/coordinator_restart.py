@@ -130,9 +130,11 @@ async def restart_round(
         if gone(pid):
             break
         await asyncio.sleep(0.001)
+    up_at, up_wall = await asyncio.wait_for(serving_at(addr), 60)
+    # From SERVING on: before it, the killed Coordinator's inference workers still answer (with
+    # its last table) until they miss its beats, and a chat then says nothing of the new one.
     chat = asyncio.create_task(first_chat_at(http, url))
     try:
-        up_at, up_wall = await asyncio.wait_for(serving_at(addr), 60)
         synced, incarnation = await asyncio.wait_for(synced_at(addr, want), 60)
         chat_at = await asyncio.wait_for(chat, 60)
     finally:
