@@ -4,24 +4,29 @@ time ``/metrics`` is scraped.
 Nothing here runs between scrapes: the parts keep plain counters as they work (the heartbeat
 hub its ack latency histogram, the fault manager its finished strategies, each Coordinator
 pusher its failed calls and since when it is behind, the database writer its failed writes, the
-live clock its stalls) and :class:`ControllerCollector` turns them, with the instance table, the
-open streams and the active alarms, into metric families. Coordinators are read from the pushers
-present at scrape time, so one added or removed at run time appears or disappears.
+live clock its stalls, each reconcile loop its queue's adds and retries, its failures and
+durations) and :class:`ControllerCollector` turns them, with the instance table, the open
+streams, the active alarms and the reconciles in flight, into metric families. Coordinators are
+read from the pushers present at scrape time, so one added or removed at run time appears or
+disappears. The reconcile loops' families follow client-go's workqueue and controller-runtime's
+reconcile metrics, labelled ``name`` by loop (assembly, instance, coordinator).
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from motor_mesh.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
 from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.controller.reconcile.runner import DURATION_BUCKETS, FAILURE_KINDS, Reconciler
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 
 if TYPE_CHECKING:  # app.py and leader/ha.py hand their objects to the collector: types only
@@ -69,6 +74,55 @@ def leader_metrics(leadership: Leadership | None) -> Iterator[Metric]:
     )
     term.add_metric([], leadership.term if leadership is not None and leadership.valid() else 0)
     yield term
+
+
+def workqueue_metrics(loops: Iterable[Reconciler[Any]]) -> Iterator[Metric]:
+    """Each reconcile loop's queue and reconciles, labelled ``name`` by loop."""
+    depth = GaugeMetricFamily(
+        P + "workqueue_depth", "Keys waiting for a worker of the reconcile loop.", labels=["name"]
+    )
+    adds = CounterMetricFamily(
+        P + "workqueue_adds",
+        "Keys queued to the reconcile loop (one already waiting is not queued twice).",
+        labels=["name"],
+    )
+    retries = CounterMetricFamily(
+        P + "workqueue_retries",
+        "Keys queued again after their backoff: a failed reconcile, or one asking to be retried.",
+        labels=["name"],
+    )
+    errors = CounterMetricFamily(
+        P + "workqueue_reconcile_errors",
+        "Reconciles that failed, by kind: retry (an expected failure: a peer unreachable, a state "
+        "write), exception (a bug; also retried), terminal (never retried).",
+        labels=["name", "kind"],
+    )
+    durations = HistogramMetricFamily(
+        P + "workqueue_reconcile_duration_seconds",
+        "How long one reconcile took, failed ones included.",
+        labels=["name"],
+    )
+    longest = GaugeMetricFamily(
+        P + "workqueue_longest_running_reconcile_seconds",
+        "How long the oldest reconcile in flight has been running; 0 when none is.",
+        labels=["name"],
+    )
+    for loop in loops:
+        name, queue, stats = loop.name, loop.queue, loop.stats
+        depth.add_metric([name], len(queue))
+        adds.add_metric([name], queue.adds)
+        retries.add_metric([name], queue.retries)
+        for kind in FAILURE_KINDS:
+            errors.add_metric([name, kind], stats.failures[kind])
+        # LatencyHistogram.metric makes an unlabelled family: the same cumulative buckets here,
+        # one child per loop (its counts are DURATION_BUCKETS' then +Inf's).
+        cumulative, buckets = 0, []
+        for bound, n in zip((*DURATION_BUCKETS, float("inf")), stats.duration.counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        durations.add_metric([name], buckets, stats.duration.total)
+        longest.add_metric([name], loop.longest_running_s())
+    yield from (depth, adds, retries, errors, durations, longest)
 
 
 class LeadCollector(Collector):
@@ -124,6 +178,7 @@ class ControllerCollector(Collector):
         )
         stalls.add_metric([], c.clock.stalls)
         yield stalls
+        yield from workqueue_metrics(c.loops)
 
     def _instances(self) -> Metric:
         counts: collections.Counter[tuple[int, int]] = collections.Counter(

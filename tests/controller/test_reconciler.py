@@ -1,5 +1,6 @@
 """The work queue and the reconcile loop: de-duplication, one worker per key, requeue with
-backoff, requeue_after, terminal errors, the periodic resync and recovery from exceptions."""
+backoff, requeue_after (0 = no requeue) and requeue now, terminal errors, the periodic resync
+and recovery from exceptions."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from motor_mesh.common.retry import Backoff
-from motor_mesh.controller.reconcile.runner import Reconciler, Result, Retry, Terminal
+from motor_mesh.controller.reconcile.runner import REQUEUE_NOW, Reconciler, Result, Retry, Terminal
 from motor_mesh.controller.reconcile.workqueue import WorkQueue
 from tests.poll import until
 
@@ -197,6 +198,34 @@ async def test_requeue_after_looks_again_later(loops) -> None:
     loop.start()
     loop.enqueue("a")
     await until(lambda: rec.count("a") == 3)
+
+
+@pytest.mark.parametrize("after", [0, -1.0])
+async def test_requeue_after_zero_or_less_does_not_requeue(loops, after: float) -> None:
+    # controller-runtime's semantics: only a positive requeue_after asks for another look.
+    async def behave(key: str, n: int) -> Result:
+        return Result(requeue_after=after)
+
+    rec = Recorder(behave)
+    loop = loops(rec)  # one worker, first in first out
+    loop.start()
+    loop.enqueue("a")
+    await until(lambda: loop.stats.reconciles == 1)
+    loop.enqueue("barrier")  # queued behind "a" had "a" been requeued
+    await until(lambda: rec.count("barrier") == 1)
+    assert rec.calls == ["a", "barrier"]
+
+
+async def test_requeue_now_looks_again_at_once_without_backoff(loops) -> None:
+    async def behave(key: str, n: int) -> Result | None:
+        return REQUEUE_NOW if n < 3 else None
+
+    rec = Recorder(behave)
+    loop = loops(rec, backoff=Backoff(3600, 3600, jitter=0))  # a backoff would not come back
+    loop.start()
+    loop.enqueue("a")
+    await until(lambda: rec.count("a") == 3)
+    assert loop.queue.retries == 0 and loop.queue.failures("a") == 0
 
 
 async def test_resync_looks_at_every_key_without_events(loops) -> None:

@@ -1,15 +1,28 @@
 """deploy/grafana/motor.json is a dashboard Grafana imports as it is: one Prometheus data source
 chosen at import (the ``datasource`` variable), panels that do not overlap, every query in
 PromQL with its metrics named. That those metrics exist on a running ``motor up`` is
-tests/deploy/test_prometheus.py's; this is how it tells the names."""
+tests/deploy/test_prometheus.py's (it needs Prometheus); the Controller's are checked here too,
+against what its collector renders in process."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
-from tests.deploy.promql import dashboard, dashboard_queries, metric_names, missing_metrics, panels
+from motor_mesh.controller import metrics
+from motor_mesh.controller.app import Controller
+from tests.controller.fakes import controller_cfg
+from tests.deploy.promql import (
+    dashboard,
+    dashboard_queries,
+    exported_names,
+    metric_names,
+    missing_metrics,
+    panels,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +77,34 @@ def test_dashboard_shows_what_operators_look_for(dash: dict[str, Any]) -> None:
         "motor_controller_heartbeat_ack_seconds_bucket",
         "motor_controller_push_lag_seconds",
         "motor_nodemanager_engine_restarts_total",
+        "motor_controller_workqueue_depth",
+        "motor_controller_workqueue_adds_total",
+        "motor_controller_workqueue_retries_total",
+        "motor_controller_workqueue_reconcile_errors_total",
+        "motor_controller_workqueue_reconcile_duration_seconds_bucket",
+        "motor_controller_workqueue_longest_running_reconcile_seconds",
     ]:
         assert metric in names, metric
     exprs = [q for _, q in dashboard_queries(dash)]
     ttft = [q for q in exprs if "time_to_first_byte_seconds_bucket" in q]
     assert {q.split(",")[0] for q in ttft} >= {f"histogram_quantile({p}" for p in ("0.5", "0.9", "0.99")}
     assert any("by (le, phase)" in q for q in exprs if "phase_duration_seconds_bucket" in q)
+
+
+async def test_every_controller_metric_the_dashboard_names_is_exported(
+    dash: dict[str, Any], tmp_path: Path
+) -> None:
+    controller = Controller(controller_cfg(tmp_path / "state"))
+    try:
+        exported = exported_names(generate_latest(metrics.registry(controller)).decode())
+    finally:
+        await controller.stop()
+    missing = {
+        where: names
+        for where, q in dashboard_queries(dash)
+        if (names := {n for n in metric_names(q) if n.startswith("motor_controller_")} - exported)
+    }
+    assert missing == {}
 
 
 @pytest.mark.parametrize(

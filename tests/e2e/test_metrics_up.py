@@ -25,6 +25,12 @@ CONTROLLER_NAMES = [
     "motor_controller_alarms_active",
     "motor_controller_state_write_failures_total",
     "motor_controller_loop_stalls_total",
+    "motor_controller_workqueue_depth",
+    "motor_controller_workqueue_adds_total",
+    "motor_controller_workqueue_retries_total",
+    "motor_controller_workqueue_reconcile_errors_total",
+    "motor_controller_workqueue_reconcile_duration_seconds",
+    "motor_controller_workqueue_longest_running_reconcile_seconds",
 ]
 NODEMANAGER_NAMES = [
     "motor_nodemanager_engines",

@@ -42,7 +42,7 @@ from motor_mesh.controller.convert import identity_pb, instance_pb
 from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance
 from motor_mesh.controller.push.watch import CoordinatorWatch, Reachability
-from motor_mesh.controller.reconcile.runner import DONE, Reconciler, Result, Retry
+from motor_mesh.controller.reconcile.runner import DONE, REQUEUE_NOW, Reconciler, Result, Retry
 from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 CALL_TIMEOUT_S = 3.0
@@ -213,11 +213,14 @@ class CoordinatorPusher:
             raise
         if self._held is None:
             # A response showed a new incarnation, or a full Set was asked for during this one.
-            return Result(requeue_after=0)
+            return REQUEUE_NOW
         if not self._dirty:  # nothing changed while the calls were in flight
             self.behind_since = None
         if periodic:
-            return Result(requeue_after=self.last_set_ok + self._sync_interval_s - time.monotonic())
+            # Overdue when the calls took longer than the interval: then at once, since a
+            # requeue_after of 0 or less asks for no requeue at all.
+            due_in = self.last_set_ok + self._sync_interval_s - time.monotonic()
+            return Result(requeue_after=due_in) if due_in > 0 else REQUEUE_NOW
         return DONE
 
     async def _send_set(self) -> None:

@@ -21,7 +21,7 @@ from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.controller.nodes.pending import PendingAssemblies
-from motor_mesh.controller.reconcile.runner import DONE, Result
+from motor_mesh.controller.reconcile.runner import DONE, REQUEUE_NOW, Result
 from motor_mesh.controller.store.interface import StateStore
 
 # An assembly that has not changed for this long says what it still waits for (NodeManagers of
@@ -64,11 +64,11 @@ class Assembler:
         answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in p.members))
         async with self.pending.locked(job):
             if self.pending.get(job) is not p:
-                return Result(requeue_after=0)  # a registration changed it meanwhile: look again
+                return REQUEUE_NOW  # a registration changed it meanwhile: look again
             unreachable = [m for m, ok in zip(p.members, answers, strict=True) if not ok]
             if unreachable:
                 await self.pending.drop(p, unreachable, "unreachable")
-                return Result(requeue_after=0)
+                return REQUEUE_NOW
             await self._assemble(p)
         self._warned.pop(job, None)
         return DONE

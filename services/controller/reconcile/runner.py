@@ -2,10 +2,14 @@
 
 A :class:`Reconciler` owns a :class:`WorkQueue` and a few workers. Event handlers only
 ``enqueue(key)``; a worker takes the key and calls ``reconcile(key)``, which compares what
-should be with what is observed now and acts on the difference. The result drives the queue:
+should be with what is observed now and acts on the difference. The result drives the queue
+(controller-runtime's semantics):
 
-- a :class:`Result` with ``requeue_after``: look again after that long (success: the key's
-  backoff is forgotten);
+- :data:`REQUEUE_NOW` (``Result(requeue_now=True)``): look again as soon as a worker is free
+  (success: the key's backoff is forgotten);
+- a :class:`Result` with ``requeue_after`` > 0: look again after that long (success: the key's
+  backoff is forgotten). ``requeue_after`` 0, negative or None asks for no timed look: 0 is
+  not "now", which must be said with ``requeue_now``;
 - ``Result(requeue=True)``, a :class:`Retry`, or any other exception: look again after the
   key's backoff, which grows with each failure (an unexpected exception is logged with its
   traceback: it is a bug, but the loop survives it);
@@ -13,17 +17,21 @@ should be with what is observed now and acts on the difference. The result drive
 - anything else: done, until an event or the periodic resync names the key again.
 
 The resync enqueues every key ``keys()`` lists, so a lost event is corrected within one period.
+Each loop keeps plain counters and a duration histogram (:class:`Stats`) that the Controller's
+``/metrics`` reads at scrape time (controller/metrics.py) and :meth:`Reconciler.report` logs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from motor_mesh.common import log
+from motor_mesh.common.latency import LatencyHistogram
 from motor_mesh.common.retry import Backoff
 from motor_mesh.common.tasks import cancelled_from_outside, spawn
 from motor_mesh.controller.reconcile.workqueue import ShutDown, WorkQueue
@@ -31,14 +39,26 @@ from motor_mesh.controller.store.db import StateWriteError
 
 K = TypeVar("K", bound=Hashable)
 
+# Reconcile durations, from a decision on memory alone (well under 1 ms) to one waiting on
+# NodeManager and Coordinator calls (seconds; a hung peer up to its deadlines).
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Why a reconcile failed: Retry or StateWriteError (expected, retried), an unexpected exception
+# (a bug, retried), Terminal (not retried).
+FAILURE_KINDS = ("retry", "exception", "terminal")
+
 
 @dataclass(frozen=True)
 class Result:
+    """What a successful reconcile asks of the queue (the module docstring says how each is
+    taken): ``requeue_now`` wins over ``requeue_after``, which wins over ``requeue``."""
+
     requeue: bool = False
     requeue_after: float | None = None
+    requeue_now: bool = False
 
 
 DONE = Result()
+REQUEUE_NOW = Result(requeue_now=True)
 
 
 class Retry(Exception):
@@ -55,9 +75,18 @@ class Stats:
 
     def __init__(self) -> None:
         self.reconciles = 0
-        self.errors = 0
-        self.terminal = 0
+        self.failures: collections.Counter[str] = collections.Counter()  # by FAILURE_KINDS
+        self.duration = LatencyHistogram(DURATION_BUCKETS)  # since start, for /metrics
         self.durations: list[float] = []
+
+    @property
+    def errors(self) -> int:
+        """Failed reconciles that are retried."""
+        return self.failures["retry"] + self.failures["exception"]
+
+    @property
+    def terminal(self) -> int:
+        return self.failures["terminal"]
 
     def window(self) -> tuple[list[float], float]:
         """Sorted durations since the last call, and their sum; starts a new window."""
@@ -133,11 +162,11 @@ class Reconciler(Generic[K]):
         try:
             result = await self._reconcile(key) or DONE
         except Terminal as exc:
-            stats.terminal += 1
+            stats.failures["terminal"] += 1
             queue.forget(key)
             log.error("reconcile_terminal", reconciler=self.name, item=key, reason=str(exc))
         except (Retry, StateWriteError) as exc:  # expected: one line, not a traceback per attempt
-            stats.errors += 1
+            stats.failures["retry"] += 1
             delay = queue.add_rate_limited(key)
             log.warn(
                 "reconcile_retry",
@@ -155,7 +184,10 @@ class Reconciler(Generic[K]):
         except Exception:
             self._failed(key, "exception")
         else:
-            if result.requeue_after is not None:
+            if result.requeue_now:
+                queue.forget(key)
+                queue.add(key)
+            elif result.requeue_after is not None and result.requeue_after > 0:
                 queue.forget(key)
                 queue.add_after(key, result.requeue_after)
             elif result.requeue:
@@ -165,11 +197,13 @@ class Reconciler(Generic[K]):
         finally:
             del self._running[key]
             queue.done(key)
+            took = time.monotonic() - start
             stats.reconciles += 1
-            stats.durations.append(time.monotonic() - start)
+            stats.durations.append(took)
+            stats.duration.observe(took)
 
     def _failed(self, key: K, kind: str) -> None:
-        self.stats.errors += 1
+        self.stats.failures["exception"] += 1
         delay = self.queue.add_rate_limited(key)
         log.exception(
             "reconcile_failed",
@@ -180,13 +214,16 @@ class Reconciler(Generic[K]):
             in_s=round(delay, 3),
         )
 
+    def longest_running_s(self) -> float:
+        """How long the oldest reconcile in flight has been running; 0 when none is."""
+        now = time.monotonic()
+        return now - min(self._running.values(), default=now)
+
     def report(self) -> None:
         """One ``reconcile_stats`` line for the window since the last report, when it saw work."""
         durations, total = self.stats.window()
         if not durations and not len(self.queue):
             return
-        now = time.monotonic()
-        oldest = min(self._running.values(), default=now)
         q, s = self.queue, self.stats
         log.event(
             "reconcile_stats",
@@ -202,5 +239,5 @@ class Reconciler(Generic[K]):
             p50_ms=round(durations[len(durations) // 2] * 1000, 3) if durations else 0,
             max_ms=round(durations[-1] * 1000, 3) if durations else 0,
             busy_ms=round(total * 1000, 3),
-            oldest_running_s=round(now - oldest, 3),
+            oldest_running_s=round(self.longest_running_s(), 3),
         )

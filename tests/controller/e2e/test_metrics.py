@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from tests.controller.fakes import ABNORMAL, NORMAL, FakeCoordinator, NodeAgent
+from tests.controller.test_reconcile_metrics import loop_value
 from tests.metrics import Scrape, ascrape, scrape_until
 from tests.poll import until
 from tests.ports import reserved_port
@@ -63,6 +64,11 @@ async def test_metrics_follow_nodes_engines_coordinators_and_the_disk(
     assert m.value("motor_controller_nodemanagers_connected") == 0
     assert m.value("motor_controller_instances", role="prefill", status="ACTIVE") == 0
     assert m.value("motor_controller_heartbeat_ack_seconds_count") == 0
+    # The failed pushes are failed reconciles of the coordinator loop, retried with backoff.
+    w = "motor_controller_workqueue_"
+    assert loop_value(m, w + "reconcile_errors_total", "coordinator", kind="retry") >= 1
+    assert loop_value(m, w + "retries_total", "coordinator") >= 1
+    assert loop_value(m, w + "reconcile_duration_seconds_count", "coordinator") >= 1
 
     # A node registers and beats: one ACTIVE prefill instance, one stream, beats acked.
     agent = NodeAgent(fields["grpc"], job="p", nm=nm)
@@ -70,17 +76,27 @@ async def test_metrics_follow_nodes_engines_coordinators_and_the_disk(
         await agent.register()
         await until(lambda: nm.starts)
         await agent.beat(NORMAL)
-        # The ack reaches the agent before the Controller counts it: polled for, like the rest.
+        # The ack reaches the agent before the Controller counts it: polled for, like the rest;
+        # so is the end of the reconciles that assembled the instance and made it ACTIVE.
         m = await scraped(
             lambda m: (
                 m.value("motor_controller_instances", role="prefill", status="ACTIVE") == 1
                 and m.value("motor_controller_heartbeats_total", kind="beat") == 1
+                and all(
+                    loop_value(m, w + "reconcile_duration_seconds_count", loop) >= 1
+                    for loop in ("assembly", "instance")
+                )
             )
         )
         assert m.value("motor_controller_nodemanagers_connected") == 1
         assert m.value("motor_controller_heartbeats_total", kind="event") == 0
         assert m.value("motor_controller_heartbeat_ack_seconds_count") == 1
         assert m.value("motor_controller_alarms_active", alarm_id=FAULT, severity=MAJOR) == 0
+        for loop in ("assembly", "instance"):
+            assert loop_value(m, w + "adds_total", loop) >= 1
+            assert loop_value(m, w + "reconcile_errors_total", loop, kind="exception") == 0
+            assert loop_value(m, w + "longest_running_reconcile_seconds", loop) >= 0
+            assert loop_value(m, w + "depth", loop) >= 0
 
         # Its engine turns ABNORMAL: INACTIVE, and the instance fault alarm is active.
         await agent.beat(ABNORMAL)
