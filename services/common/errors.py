@@ -126,6 +126,12 @@ def malformed_protobuf(method: str) -> MotorError:
     )
 
 
+def unknown_fields(method: str, found: list[tuple[str, str]]) -> MotorError:
+    """INVALID_ARGUMENT for a request carrying fields its schema does not know: ``found`` is
+    (field path, problem) per message that carries some (``motor_mesh.common.rpc``)."""
+    return bad_request(found, f"unknown fields in request to {method}: " + "; ".join(d for _, d in found))
+
+
 def error_info(code: grpc.StatusCode, reason: str, message: str, **metadata: str) -> MotorError:
     detail = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
     return MotorError(code, message, [detail])

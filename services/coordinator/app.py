@@ -23,7 +23,7 @@ from motor_mesh.coordinator.precision.reporter import AlarmReporter, service_ip
 from motor_mesh.coordinator.precision.sampler import GroupGone, PrecisionMonitor
 from motor_mesh.coordinator.routes import RoutingView, build_view
 from motor_mesh.coordinator.service import CoordinatorService
-from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.coordinator.table import RoutingTable, TableState
 from motor_mesh.coordinator.workers.pool import WorkerPool, WorkersUnavailable, worker_count
 from motor_mesh.gen.motor.v1 import coordinator_pb2
 
@@ -55,8 +55,7 @@ class Coordinator:
         else:
             use_own_process()
         self.metrics = Metrics()
-        self._ready_lock = asyncio.Lock()
-        self.service = CoordinatorService(self.table, self._on_change, self._dismiss_precision, self.pool)
+        self.service = CoordinatorService(self.table, self._route_by, self._dismiss_precision, self.pool)
         self.server = MotorServer(
             "coordinator",
             cfg,
@@ -144,30 +143,38 @@ class Coordinator:
     def _dismiss_precision(self, p: int, d: int) -> bool:
         return self.precision.dismiss(p, d) if self.precision is not None else False
 
-    async def _on_change(self) -> None:
-        """After every management write: swap in the routing view of the accepted table, make
-        every inference worker hold it, then publish readiness."""
-        state = self.table.state
-        if state.revision != self.view.revision:
-            view = build_view(state, self.view.targets)
-            self.view = view
+    async def _route_by(self, state: TableState | None) -> None:
+        """Before a management write changes the table: make every inference worker route by
+        ``state``, then publish readiness. None (the write changed nothing) makes sure the
+        workers hold the table as it is. UNAVAILABLE when a worker did not take it: the table
+        must then stay as it is, so the workers are put back on it."""
+        if self.pool is not None:
+            await self._publish(state)
+        if state is not None and state.revision != self.view.revision:
+            self.view = build_view(state, self.view.targets)
             if self.precision is not None:
                 self.precision.retain(set(state.instances))
-            self._set_gauges()
-        if self.pool is not None:
-            try:
-                await self.pool.publish(state)
-            except WorkersUnavailable as exc:
-                log.warn("workers_behind", revision=state.revision, error=str(exc))
-                raise errors.unavailable(
-                    f"revision {state.revision} is stored but {exc}; retry the request"
-                ) from None
-        async with self._ready_lock:
-            # Read the newest view under the lock: concurrent changes publish in order.
-            await self.server.set_ready(self.view.routable)
+            self._set_gauges(state)
+        # The service calls this for one write at a time, so readiness follows them in order.
+        await self.server.set_ready(self.view.routable)
 
-    def _set_gauges(self) -> None:
-        state, view, m = self.table.state, self.view, self.metrics
+    async def _publish(self, state: TableState | None) -> None:
+        assert self.pool is not None
+        # After a failed write the workers hold the table under a newer revision than its own
+        # (see below): that is the one an unchanged write waits for.
+        wanted = state if state is not None else self.pool.hub.state
+        try:
+            await self.pool.publish(wanted)
+        except WorkersUnavailable as exc:
+            log.warn("workers_behind", revision=wanted.revision, error=str(exc))
+            if state is not None:
+                # The workers that took ``state`` would route by a table ListInstances never
+                # shows: a newer revision of the table puts them back.
+                await self.pool.announce(self.table.reissue(state.revision))
+            raise errors.unavailable(f"{exc}; the table was not changed, retry the request") from None
+
+    def _set_gauges(self, state: TableState) -> None:
+        view, m = self.view, self.metrics
         m.revision.set(state.revision)
         m.routable.set(1 if view.routable else 0)
         for role, name in ROLE_NAMES.items():

@@ -6,15 +6,16 @@ errors); the generated servicer is the base class for its request and response t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from motor_mesh.common import errors, log
 from motor_mesh.common.interceptors import LEADER_TERM_METADATA
 from motor_mesh.coordinator import validation
-from motor_mesh.coordinator.table import RoutingTable
+from motor_mesh.coordinator.table import RoutingTable, TableState
 from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 
@@ -30,24 +31,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
         self,
         table: RoutingTable,
-        on_change: Callable[[], Awaitable[None]],
+        route_by: Callable[[TableState | None], Awaitable[None]],
         dismiss_precision: Callable[[int, int], bool] = lambda p, d: False,
         pool: WorkerPool | None = None,
     ) -> None:
         self.table = table
         # The inference worker processes; None when this process serves HTTP itself.
         self._pool = pool
-        self._on_change = on_change
+        # Makes the inference workers (and readiness) follow a new state, or, given None, makes
+        # sure they hold the table's own; raises MotorError when they could not.
+        self._route_by = route_by
         # Drops the precision-detection state of group (p, d); True when there was some.
         self._dismiss_precision = dismiss_precision
         # The highest Controller leader term seen on a push (0: none yet, or no HA).
         self.leader_term = 0
+        # One write at a time: each is drafted on the table the previous one committed.
+        self._writing = asyncio.Lock()
 
-    def _fence(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+    def _fence(self, rpc: str, term: int | None) -> None:
         """Refuse a push from a Controller whose leadership is older than one already seen: a
         paused or cut-off old leader must never overwrite what the new one pushed. A push
         without a term (one Controller on SQLite, ``motor register``) is not fenced."""
-        term = _term_of(context)
         if term is None:
             return
         if term < self.leader_term:
@@ -60,13 +64,48 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.event("leader_term", term=term, previous=self.leader_term)
             self.leader_term = term
 
-    async def _applied(self, rpc: str, changed: bool, resp_cls: Callable[..., R]) -> R:
-        state = self.table.state
-        if changed:
-            log.event("table_changed", rpc=rpc, revision=state.revision, instances=len(state.instances))
-        # Routing and readiness follow before the caller hears "done". Called for an unchanged
-        # table too: a retried write must still wait for inference workers that missed it.
-        await self._on_change()
+    async def _write(
+        self,
+        rpc: str,
+        context: grpc.aio.ServicerContext,
+        change: Callable[[RoutingTable], bool],
+        resp_cls: Callable[..., R],
+    ) -> R:
+        # Shielded: a caller that gives up (its deadline) must not stop a write halfway, with
+        # the workers holding a state the table never took; it ends as if the caller had waited.
+        # So the call's metadata is read now, while the call is sure to be alive.
+        write = asyncio.ensure_future(self._write_now(rpc, _term_of(context), change, resp_cls))
+        try:
+            return await asyncio.shield(write)
+        except asyncio.CancelledError:
+            write.add_done_callback(lambda done: _unwatched(rpc, done))
+            raise
+
+    async def _write_now(
+        self,
+        rpc: str,
+        term: int | None,
+        change: Callable[[RoutingTable], bool],
+        resp_cls: Callable[..., R],
+    ) -> R:
+        async with self._writing:
+            # Fenced under the lock: a write that waited here must not land after a newer leader's.
+            self._fence(rpc, term)
+            draft = self.table.draft()
+            changed = change(draft)  # a refused request raises here, changing nothing
+            # The workers first, then the table ListInstances shows: an instance listed is one
+            # every worker routes to. Called for an unchanged table too: a retried write must
+            # still wait for inference workers that missed it. When they fail, nothing changed.
+            await self._route_by(draft.state if changed else None)
+            if changed:
+                self.table.commit(draft.state)
+                log.event(
+                    "table_changed",
+                    rpc=rpc,
+                    revision=draft.state.revision,
+                    instances=len(draft.state.instances),
+                )
+            state = self.table.state
         return resp_cls(
             revision=state.revision, instance_count=len(state.instances), incarnation=self.table.incarnation
         )
@@ -74,34 +113,37 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def SetInstances(
         self, request: pb.SetInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetInstancesResponse:
-        self._fence("SetInstances", context)
-        return await self._applied("SetInstances", self.table.set(request.instances), pb.SetInstancesResponse)
+        return await self._write(
+            "SetInstances", context, lambda t: t.set(request.instances), pb.SetInstancesResponse
+        )
 
     async def AddInstances(
         self, request: pb.AddInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.AddInstancesResponse:
-        self._fence("AddInstances", context)
-        return await self._applied("AddInstances", self.table.add(request.instances), pb.AddInstancesResponse)
+        return await self._write(
+            "AddInstances", context, lambda t: t.add(request.instances), pb.AddInstancesResponse
+        )
 
     async def DeleteInstances(
         self, request: pb.DeleteInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteInstancesResponse:
-        self._fence("DeleteInstances", context)
-        changed = self.table.delete(request.instances)
-        return await self._applied("DeleteInstances", changed, pb.DeleteInstancesResponse)
+        return await self._write(
+            "DeleteInstances", context, lambda t: t.delete(request.instances), pb.DeleteInstancesResponse
+        )
 
     async def PauseInstances(
         self, request: pb.PauseInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseInstancesResponse:
-        self._fence("PauseInstances", context)
-        return await self._applied("PauseInstances", self.table.pause(request.ids), pb.PauseInstancesResponse)
+        return await self._write(
+            "PauseInstances", context, lambda t: t.pause(request.ids), pb.PauseInstancesResponse
+        )
 
     async def ResumeInstances(
         self, request: pb.ResumeInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResumeInstancesResponse:
-        self._fence("ResumeInstances", context)
-        changed = self.table.resume(request.ids)
-        return await self._applied("ResumeInstances", changed, pb.ResumeInstancesResponse)
+        return await self._write(
+            "ResumeInstances", context, lambda t: t.resume(request.ids), pb.ResumeInstancesResponse
+        )
 
     async def ListInstances(
         self, request: pb.CoordinatorListInstancesRequest, context: grpc.aio.ServicerContext
@@ -128,6 +170,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dismissed = self._dismiss_precision(p, d)
         log.event("precision_alarm_dismissed", p=p, d=d, dismissed=dismissed)
         return pb.ClearPrecisionAlarmResponse(dismissed=dismissed)
+
+
+def _unwatched(rpc: str, write: asyncio.Future[Any]) -> None:
+    """The end of a write whose caller went away: a bug is logged here, as nobody else sees it
+    (a refusal is the write's answer, and the caller no longer asks)."""
+    if write.cancelled():
+        return
+    try:
+        write.result()
+    except errors.MotorError:
+        pass
+    except Exception:
+        log.exception("rpc_failed", method=f"/motor.v1.Coordinator/{rpc}", caller="gone")
 
 
 def _term_of(context: grpc.aio.ServicerContext) -> int | None:

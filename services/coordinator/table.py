@@ -108,18 +108,42 @@ def _mismatch(inst: common_pb2.Instance, held: common_pb2.Instance) -> str | Non
 
 class RoutingTable:
     """The table behind the management RPCs. Each method returns whether the table changed;
-    ``state`` is swapped as one reference only after a request was accepted."""
+    ``state`` is swapped as one reference only after a request was accepted.
+
+    The Coordinator changes a :meth:`draft` and commits its state (:meth:`commit`) only once the
+    inference workers route by it, so ``state`` (what ListInstances shows) never runs ahead of
+    them. A revision is never reused: one the workers were given but that was not committed
+    stays spent (:meth:`reissue`)."""
 
     def __init__(self) -> None:
         self.incarnation = uuid.uuid4().hex
         self.state = TableState()
+        self._issued = 0  # the newest revision handed out, committed or not
+
+    def draft(self) -> RoutingTable:
+        """A copy to make a change on, leaving this table as it is until :meth:`commit`."""
+        copy = RoutingTable.__new__(RoutingTable)
+        copy.incarnation, copy.state, copy._issued = self.incarnation, self.state, self._issued
+        return copy
+
+    def commit(self, state: TableState) -> None:
+        """Make ``state`` (a draft's) this table's."""
+        self.state = state
+        self._issued = max(self._issued, state.revision)
+
+    def reissue(self, spent: int) -> TableState:
+        """This table's instances again under a revision after ``spent`` (a draft's that the
+        workers may hold but that was not committed): what puts them back on this table."""
+        self._issued = max(self._issued, spent) + 1
+        return TableState(self.state.instances, self.state.paused, self._issued)
 
     def _swap(self, instances: dict[int, common_pb2.Instance], paused: Iterable[int]) -> bool:
         paused_set = frozenset(paused) & instances.keys()
         old = self.state
         if instances == old.instances and paused_set == old.paused:
             return False
-        self.state = TableState(instances, paused_set, old.revision + 1)
+        self._issued += 1
+        self.state = TableState(instances, paused_set, self._issued)
         return True
 
     def set(self, instances: Sequence[common_pb2.Instance]) -> bool:

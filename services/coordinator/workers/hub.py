@@ -48,8 +48,9 @@ SampleSink = Callable[[int, int, Completed], None]
 
 
 class WorkersUnavailable(Exception):
-    """Live workers did not acknowledge ``revision`` in time. The table has the new state (a
-    worker that comes back gets it in its snapshot); the write is reported as UNAVAILABLE."""
+    """Live workers did not acknowledge ``revision`` in time. The hub keeps the new state (a
+    worker that comes back gets it in its snapshot) until it publishes another; the write is
+    reported as UNAVAILABLE."""
 
     def __init__(self, revision: int, missing: list[int]) -> None:
         super().__init__(
@@ -190,11 +191,15 @@ class WorkerHub:
 
         A worker that joins meanwhile gets the new state in its snapshot and must acknowledge it
         too; one that is forgotten (its process exited) is no longer waited for."""
+        await self.announce(state)
+        await self._acked_by_all(state.revision)
+
+    async def announce(self, state: TableState) -> None:
+        """Publish ``state`` (unless the hub has a newer one) without waiting for the acks."""
         if state.revision >= self._state.revision:
             self.set_state(state)
             if self._pub is not None:
                 await self._pub.send_multipart([codec.STATE, self.incarnation, self._encoded])
-        await self._acked_by_all(state.revision)
 
     async def _acked_by_all(self, revision: int) -> None:
         deadline = asyncio.get_running_loop().time() + self.ack_timeout_s

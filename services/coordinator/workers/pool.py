@@ -131,6 +131,10 @@ class WorkerPool:
         """Returns once every live worker holds ``state``; WorkersUnavailable otherwise."""
         await self.hub.publish(state)
 
+    async def announce(self, state: TableState) -> None:
+        """Give the workers ``state`` without waiting for them to take it."""
+        await self.hub.announce(state)
+
     def kill_now(self) -> None:
         """A forced exit: the workers and the private directory go with this process."""
         for pid in self.supervisor.pids().values():
