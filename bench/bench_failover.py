@@ -16,6 +16,15 @@ Everything runs twice: with engine relaunch (the default) and with it disabled
 (`controller.enable_engine_relaunch = false`: the NodeManager's pod-restart fallback instead).
 Targets: detection < 1 s, overhead < 2 s, no failed request while another pair exists.
 
+Then hung engines (5 rounds of each, relaunch on, `nodemanager.engine_probe_inference` on, every
+other setting at its default), on a cluster of their own: a decode engine's process group
+SIGSTOPped (/health stops answering), and the simulated engine's `hang` fault (a wedged
+scheduler: /health keeps answering, only the inference probe tells), beside engine SIGKILLs on
+the same cluster. Detection and overhead as above; "after detection" is serving again minus
+detection minus the engine's start. Target: a hang costs at most `engine_hang_timeout_s` + 1 s
+more than a crash once detected (its after-detection time, worst round, against the crash's
+median); detection itself is the probes' settings, reported as measured.
+
 Then the Controller (bench/loadgen/controller_failover.py): `motor up --ha` (etcd and two
 Controllers), 10 SIGKILLs of the leader, timing the new leader and the NodeManagers' re-attach.
 It needs etcd; without it the report says so and the rest runs.
@@ -24,7 +33,8 @@ Last, real engines (bench/loadgen/real_failover.py): vLLM's CPU build serving a 
 decode engine SIGKILLed 3 times, detection and the relaunch's overhead over the engine's own
 start. It needs `make real-engines`; without it the report says so.
 
-    python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,controller] [--out DIR]
+    python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,hang,controller,real]
+                                   [--out DIR]
     python -m bench failover   # everything, into bench/results
 """
 
@@ -52,14 +62,26 @@ from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.harness import machine, publish
 from bench.loadgen.up import CONTROLLER, NM, Up
 from motor_mesh.cli.up import HEALTHY_RUN_S
+from motor_mesh.common.config import DEFAULTS
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tools import real_engines
 
 RESULTS = Path(__file__).parent / "results"
 REPORT = "failover.md"
 KINDS = ("engine", "nodemanager")  # the instance faults; "controller" is the third part
-PARTS = (*KINDS, "controller", "real")  # real: real vLLM engines (make real-engines)
+# Hung engines, beside engine SIGKILLs on the same cluster: its process group stopped, and the
+# simulated engine's `hang` fault (a wedged scheduler the inference probe finds).
+HANG_KINDS = ("engine", "sigstop", "sim_hang")
+PARTS = (*KINDS, "hang", "controller", "real")  # real: real vLLM engines (make real-engines)
 REAL_ROUNDS = 3  # each waits for a real engine to load: tens of seconds
+HANG_ROUNDS = 5  # each waits out the hang timeout, the sim hang its detection (30 s) too
+HANG_TIMEOUT_S = DEFAULTS["nodemanager"]["engine_hang_timeout_s"]
+FAULTS = {
+    "engine": "engine SIGKILL",
+    "nodemanager": "nodemanager SIGKILL",
+    "sigstop": "engine SIGSTOP",
+    "sim_hang": "sim `hang` fault, inference probe",
+}
 DETECT_TARGET_S, OVERHEAD_TARGET_S = 1.0, 2.0
 ACTIVE = common_pb2.INSTANCE_STATUS_ACTIVE
 DECODE = common_pb2.ROLE_DECODE
@@ -106,10 +128,13 @@ def engine_start_s(runs: int = 5) -> float:
 
 
 class Cluster:
-    def __init__(self, relaunch: bool) -> None:
+    """``nodemanager``: settings of that section (the defaults otherwise)."""
+
+    def __init__(self, relaunch: bool, nodemanager: dict[str, object] | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory()
         cfg = Path(self.tmp.name) / "cfg.json"
-        cfg.write_text(json.dumps({"controller": {"enable_engine_relaunch": relaunch}}))
+        config = {"controller": {"enable_engine_relaunch": relaunch}, "nodemanager": nodemanager or {}}
+        cfg.write_text(json.dumps(config))
         self.up = Up(["--prefill", "1", "--decode", "2", "--config", str(cfg)], Path(self.tmp.name))
         self.channel = grpc.insecure_channel(self.up.addr(CONTROLLER))
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
@@ -138,8 +163,27 @@ class Cluster:
         self.tmp.cleanup()
 
 
+def inject(kind: str, victim: common_pb2.Instance, nm_pid: int) -> None:
+    """The fault ``kind`` (a FAULTS key) on the decode instance ``victim``."""
+    ep = victim.endpoints[0]
+    if kind == "engine":
+        os.killpg(ep.pid, signal.SIGKILL)
+    elif kind == "nodemanager":
+        os.kill(nm_pid, signal.SIGKILL)
+    elif kind == "sigstop":
+        os.killpg(ep.pid, signal.SIGSTOP)
+    else:
+        arm = urllib.request.Request(
+            f"http://127.0.0.1:{ep.port}/sim/fault",
+            data=b'{"mode": "hang"}',
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(arm, timeout=5) as resp:
+            assert resp.status == 200
+
+
 def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
-    """Kill decode instance number ``target`` (0 or 1 by job) the ``kind`` way; time it."""
+    """Hit decode instance number ``target`` (0 or 1 by job) the ``kind`` way; time it."""
     decodes = sorted((i for i in c.all_active() if i.role == DECODE), key=lambda i: i.job_name)
     victim = decodes[target]
     nm_index = 1 + target  # motor up numbers NodeManagers prefill, decode, decode
@@ -150,10 +194,7 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     time.sleep(max(0.0, HEALTHY_RUN_S + 1 - process_age_s(nm_pid)))
     failed_before = load.failed
     start = time.perf_counter()
-    if kind == "engine":
-        os.killpg(victim.endpoints[0].pid, signal.SIGKILL)
-    else:
-        os.kill(nm_pid, signal.SIGKILL)
+    inject(kind, victim, nm_pid)
     detect = serving = 0.0
     while True:
         now = time.perf_counter() - start
@@ -176,8 +217,13 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     return result
 
 
-def run_mode(relaunch: bool, rounds: int, kinds: list[str]) -> list[Round]:
-    c = Cluster(relaunch)
+def run_mode(
+    relaunch: bool,
+    rounds: int,
+    kinds: list[str] | tuple[str, ...],
+    nodemanager: dict[str, object] | None = None,
+) -> list[Round]:
+    c = Cluster(relaunch, nodemanager)
     load = Load(c.url)
     thread = threading.Thread(target=load.run, daemon=True)
     try:
@@ -205,6 +251,42 @@ def summary(rounds: list[Round], kind: str, engine_s: float) -> list[str]:
     ]
 
 
+def after_detection(rounds: list[Round], kind: str, engine_s: float) -> list[float]:
+    """Detection → serving again, minus the engine's own start, of each ``kind`` round, sorted."""
+    return sorted(max(0.0, r.serving_s - r.detect_s - engine_s) for r in rounds if r.kind == kind)
+
+
+def hang_section(rounds: list[Round], engine_s: float) -> list[str]:
+    rows = []
+    for kind in HANG_KINDS:
+        *timings, failed = summary(rounds, kind, engine_s)
+        tail = after_detection(rounds, kind, engine_s)
+        cells = [*timings, f"{statistics.median(tail):.2f}", f"{tail[-1]:.2f}", failed]
+        rows.append(f"| {FAULTS[kind]} | " + " | ".join(cells) + " |")
+    crash = statistics.median(after_detection(rounds, "engine", engine_s))
+    limit = crash + HANG_TIMEOUT_S + 1
+    verdicts = []
+    for kind in HANG_KINDS[1:]:
+        worst = after_detection(rounds, kind, engine_s)[-1]
+        met = "met" if worst <= limit else "**missed**"
+        verdicts.append(f"- {FAULTS[kind]}: {met} (worst {worst:.2f} s after detection, limit {limit:.2f} s)")
+    return [
+        "| fault | detection p50 s | detection max s | overhead p50 s | overhead max s"
+        " | after detection p50 s | after detection max s | failed requests |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Target: a hang costs at most engine_hang_timeout_s + 1 s = {HANG_TIMEOUT_S + 1:g} s more "
+        f"than a crash once detected: worst after-detection time ≤ the crash's median ({crash:.2f} s) "
+        f"+ {HANG_TIMEOUT_S + 1:g} s = {limit:.2f} s. Detection is the probes' own: two failed health "
+        "probes (one a second, each with a 2 s deadline) for a stopped engine, six failed inference "
+        "probes (one every 5 s, each with a 5 s deadline) for a wedged scheduler.",
+        "",
+        *verdicts,
+        "",
+    ]
+
+
 def verdict(rounds: list[Round], engine_s: float) -> str:
     detect = max(r.detect_s for r in rounds)
     overhead = max(r.serving_s - engine_s for r in rounds)
@@ -223,7 +305,9 @@ def verdict(rounds: list[Round], engine_s: float) -> str:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.bench_failover")
-    p.add_argument("--rounds", type=int, default=10, help="kills of each kind per mode")
+    p.add_argument(
+        "--rounds", type=int, default=10, help=f"kills of each kind per mode (hangs: {HANG_ROUNDS} at most)"
+    )
     p.add_argument(
         "--only",
         default=",".join(PARTS),
@@ -265,6 +349,7 @@ def instance_section(results: dict[str, list[Round]], kinds: list[str], engine_s
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv or [])  # `python -m bench failover` runs the defaults: everything
     kinds = [k for k in KINDS if k in args.only]
+    hang_rounds = min(args.rounds, HANG_ROUNDS)
     lines = [
         "# Failover under load",
         "",
@@ -273,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *([] if args.only == list(PARTS) else [f"Parts run: {', '.join(args.only)} (--only).", ""]),
     ]
+    engine_s = engine_start_s() if kinds or "hang" in args.only else 0.0
     if kinds:
         lines += [
             "## Simulated engines: engine and NodeManager SIGKILLs (motor up --prefill 1 --decode 2)",
@@ -280,10 +366,22 @@ def main(argv: list[str] | None = None) -> int:
             "Engine: the simulated engine (`motor engine-sim`, every latency at zero).",
             "",
         ]
-        engine_s = engine_start_s()
         modes = ("relaunch on", "relaunch off")
         results = {mode: run_mode(mode == "relaunch on", args.rounds, kinds) for mode in modes}
         lines += instance_section(results, kinds, engine_s)
+    if "hang" in args.only:
+        lines += [
+            "## Simulated engines: hung engines (motor up --prefill 1 --decode 2, relaunch on)",
+            "",
+            f"{hang_rounds} rounds of each fault on a decode engine, "
+            "`nodemanager.engine_probe_inference` on and every other setting at its default "
+            f"(engine_hang_timeout_s {HANG_TIMEOUT_S:g} s), the same client load. Engine's own start "
+            f"time: {engine_s:.2f} s, subtracted as above. After detection: serving "
+            "again minus detection minus the engine's start.",
+            "",
+        ]
+        hung = run_mode(True, hang_rounds, HANG_KINDS, {"engine_probe_inference": True})
+        lines += hang_section(hung, engine_s)
     if "controller" in args.only:
         ran = controller_failover.run(args.rounds) if controller_failover.available() else None
         lines += controller_failover.section(ran)

@@ -49,7 +49,8 @@ CONTRACT_KEYS = {
     "nodemanager": """port controller controller_key_file job_name role model served_model_name
         engine_type sim_protocol ports device_count device_env cpu_cores ucx_port_range node_rank parallel state_dir
         status_poll_interval_s status_probe_timeout_s max_probe_failures engine_startup_timeout_s
-        engine_hang_timeout_s engine_stop_grace_s suicide_check_interval_s suicide_threshold
+        engine_hang_timeout_s engine_probe_inference probe_inference_interval_s probe_inference_failures
+        engine_stop_grace_s suicide_check_interval_s suicide_threshold
         engine_restart_wait_timeout_s engine_restart_freeze_s metrics_port""",
     "engine": "args kv_connector kv_transfer_config env cpu_kvcache_space_gib data_parallel_group",
 }
@@ -495,6 +496,43 @@ def test_the_etcd_store_needs_endpoints(tmp_path: Path) -> None:
     assert refused.startswith("command line: controller.etcd_endpoints[0]: ")
     given = load_config(path, env={"MOTOR_CONTROLLER_ETCD_ENDPOINTS": '["127.0.0.1:2379"]'})
     assert given["controller"]["etcd_endpoints"] == ["127.0.0.1:2379"]
+
+
+def test_a_hang_timeout_the_pod_restart_fallback_would_beat_is_refused(tmp_path: Path) -> None:
+    """The fallback may act suicide_check_interval_s * (suicide_threshold - 1) after an engine
+    turned ABNORMAL (its first check can come right then): a hung engine must be killed, and so
+    relaunched in place, before that."""
+    defaults = load_config(env={})["nodemanager"]
+    assert defaults["engine_hang_timeout_s"] == 9
+    assert (defaults["suicide_check_interval_s"], defaults["suicide_threshold"]) == (3, 5)
+    assert (defaults["engine_probe_inference"], defaults["probe_inference_interval_s"]) == (False, 5)
+    assert defaults["probe_inference_failures"] == 6
+
+    path = write(tmp_path, {"nodemanager": {"engine_hang_timeout_s": 12}})
+    assert errors_of(path) == [
+        f"{path}: nodemanager.engine_hang_timeout_s: engine_hang_timeout_s 12 is not shorter than "
+        "suicide_check_interval_s 3 * (suicide_threshold 5 - 1) = 12 s: the pod-restart fallback "
+        "could end the node before a hung engine is killed and relaunched in place; lower "
+        "engine_hang_timeout_s or raise suicide_check_interval_s or suicide_threshold"
+    ]
+    # Said where the operator set a value, whichever of the three it was.
+    [line] = errors_of(env={"MOTOR_NODEMANAGER_SUICIDE_THRESHOLD": "3"})
+    assert line.startswith("env MOTOR_NODEMANAGER_SUICIDE_THRESHOLD: engine_hang_timeout_s 9 ")
+    assert "suicide_check_interval_s 3 * (suicide_threshold 3 - 1) = 6 s" in line
+    [line] = errors_of(overrides={"nodemanager": {"suicide_check_interval_s": 0.5}})
+    assert line.startswith("command line: nodemanager.suicide_check_interval_s: ")
+    # Either way out is accepted.
+    assert (
+        load_config(path, env={"MOTOR_NODEMANAGER_SUICIDE_THRESHOLD": "6"})["nodemanager"][
+            "engine_hang_timeout_s"
+        ]
+        == 12
+    )
+    fast = {"engine_hang_timeout_s": 2, "suicide_check_interval_s": 1, "suicide_threshold": 5}
+    assert load_config(overrides={"nodemanager": fast}, env={})["nodemanager"]["suicide_threshold"] == 5
+    # A refused value is reported as refused, not again here.
+    [refused] = errors_of(overrides={"nodemanager": {"engine_hang_timeout_s": 12, "suicide_threshold": 0}})
+    assert refused.startswith("command line: nodemanager.suicide_threshold: must be between 1 and")
 
 
 def test_an_etcd_controller_on_a_wildcard_host_needs_an_advertise_address(tmp_path: Path) -> None:

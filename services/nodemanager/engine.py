@@ -2,12 +2,18 @@
 
 Status: INITIAL until the process runs, WAIT_TO_START until ``/health`` answers 200 and
 ``/v1/models`` lists the model (probed every 0.1 s until then), then NORMAL. Headless engines
-have no HTTP server and are NORMAL while alive. Once an endpoint was NORMAL,
-``max_probe_failures`` consecutive failures make it ABNORMAL, and ``engine_hang_timeout_s`` of
-that gets it killed. Until it first is, failures do not count (a model may take minutes to load),
-but only within its start-up window (``engine_startup_timeout_s``): an engine not healthy by its
-end is killed the same way, with one warning quoting its last output lines. Either kill is then
-reported as a death, which the Controller answers with a relaunch.
+have no HTTP server and are NORMAL while alive. Once an endpoint was NORMAL, it is ABNORMAL
+while ``max_probe_failures`` consecutive health probes have failed, or, with
+``engine_probe_inference`` on, ``probe_inference_failures`` consecutive inference probes (a
+one-token completion, inference_probe.py: a wedged scheduler behind a ``/health`` that still
+answers); it is NORMAL again once neither holds. ``engine_hang_timeout_s`` after it turned
+ABNORMAL it is killed, on a timer rather than at the next probe, so the kill comes at a known
+time, before the pod-restart fallback (arbiter.py) can act; the config loader refuses a hang
+timeout that would not. Until an endpoint first is NORMAL, failures do not count (a model may
+take minutes to load), but only within its start-up window (``engine_startup_timeout_s``): an
+engine not healthy by its end is killed the same way, with one warning quoting its last output
+lines. Either kill is then reported as a death, which the Controller answers with a relaunch
+in place.
 
 The engine's stdout and stderr always come through us (engine_output.py): on to our stdout, and
 the last lines kept for GetStatus.
@@ -27,7 +33,7 @@ import aiohttp
 from motor_mesh.common import enums, log, procgroup, tasks
 from motor_mesh.common.config import NodeManagerConfig
 from motor_mesh.gen.motor.v1 import common_pb2
-from motor_mesh.nodemanager import devices, launch
+from motor_mesh.nodemanager import devices, inference_probe, launch
 from motor_mesh.nodemanager.engine_output import LINE_LIMIT, STDOUT, Tail, pump
 from motor_mesh.nodemanager.launch import EndpointSpec, LaunchParams, kv_events_ports
 
@@ -45,7 +51,10 @@ class Timing:
     probe_timeout_s: float = 2.0
     max_failures: int = 2
     startup_timeout_s: float = 1800.0
-    hang_timeout_s: float = 30.0
+    hang_timeout_s: float = 9.0
+    probe_inference: bool = False
+    inference_interval_s: float = 5.0  # also each inference probe's deadline
+    max_inference_failures: int = 6
 
     @classmethod
     def from_config(cls, c: NodeManagerConfig) -> Timing:
@@ -55,6 +64,9 @@ class Timing:
             max_failures=c.max_probe_failures,
             startup_timeout_s=c.engine_startup_timeout_s,
             hang_timeout_s=c.engine_hang_timeout_s,
+            probe_inference=c.engine_probe_inference,
+            inference_interval_s=c.probe_inference_interval_s,
+            max_inference_failures=c.probe_inference_failures,
         )
 
 
@@ -66,6 +78,8 @@ class EngineHooks(Protocol):
     def engine_unhealthy(self, engine: Engine, detail: str) -> None: ...
 
     def probed(self, seconds: float, ok: bool) -> None: ...
+
+    def inference_probed(self, ok: bool) -> None: ...
 
 
 class Engine:
@@ -93,9 +107,13 @@ class Engine:
         self.last_pid = 0
         self.alive = False
         self.ever_normal = False
-        self.failures = 0
+        self.failures = 0  # consecutive failed health probes
+        self.inference_failures = 0  # consecutive failed inference probes
+        self._health_why = ""  # the reason of each probe's last failure
+        self._inference_why = ""
         self.started_at = 0.0
         self.abnormal_since: float | None = None
+        self._hang_clock: asyncio.TimerHandle | None = None
         self.stopping = False
         self._hung = ""
         self._proc: asyncio.subprocess.Process | None = None
@@ -191,6 +209,10 @@ class Engine:
         else:
             self._set(enums.EP_WAIT)
             self._tasks.append(tasks.spawn(f"engine-{self.spec.id}-probe", self._probe_loop))
+            if inference_probe.wanted(self.timing.probe_inference, self.spec):
+                self._tasks.append(
+                    tasks.spawn(f"engine-{self.spec.id}-inference-probe", self._inference_probe_loop)
+                )
         return proc.pid
 
     def _pin(self, pid: int) -> None:
@@ -208,6 +230,7 @@ class Engine:
         self.reaper.unwatch(proc.pid)
         self.alive = False
         self.pid = 0
+        self._stop_hang_clock()
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -230,11 +253,12 @@ class Engine:
     async def stop(self, grace_s: float) -> None:
         """Stop the process group; returns once no member is left (ESRCH)."""
         self.stopping = True
+        self._stop_hang_clock()
         proc = self._proc
         if proc is None:
             return
         for task in self._tasks:
-            if task.get_name().endswith("-probe"):
+            if task.get_name().endswith("-probe"):  # the health and the inference probe
                 task.cancel()
         await procgroup.stop_group(proc.pid, grace_s, self.reaper)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -273,31 +297,92 @@ class Engine:
                     self.hooks.probed(time.monotonic() - started, ok)
                 self.observe(ok, why)
 
+    async def _inference_probe_loop(self) -> None:
+        """One inference probe every ``inference_interval_s`` (start to start), once the engine
+        has been NORMAL; each waits at most the interval, so none is ever stacked on another."""
+        every = self.timing.inference_interval_s
+        while self.alive and not self.stopping:
+            started = time.monotonic()
+            if self.ever_normal and not self._hung:
+                ok, why = await inference_probe.ask(self.http, self.base_url, self.params, every)
+                if not self.alive or self.stopping:
+                    return
+                self.hooks.inference_probed(ok)
+                self.observe_inference(ok, why)
+            await asyncio.sleep(max(0.0, every - (time.monotonic() - started)))
+
     def observe(self, ok: bool, why: str) -> None:
-        now = time.monotonic()
+        """One health probe's outcome."""
         if ok:
             self.failures = 0
-            self.abnormal_since = None
-            self._set(enums.EP_NORMAL)
-            return
-        if self._hung:
+        elif self._hung:
             return  # being killed already: its exit watcher reports it
-        if not self.ever_normal:
-            waited = now - self.started_at
+        elif not self.ever_normal:
+            waited = time.monotonic() - self.started_at
             if waited >= self.timing.startup_timeout_s:
                 self._startup_timed_out(waited, why)
             return  # still loading: failures do not count in the start-up window
-        self.failures += 1
-        if self.status != enums.EP_ABNORMAL:
-            if self.failures >= self.timing.max_failures:
-                self.abnormal_since = now
-                self._set(enums.EP_ABNORMAL)
-                self.hooks.engine_unhealthy(self, why)
+        else:
+            self.failures += 1
+            self._health_why = why
+        self._judge()
+
+    def observe_inference(self, ok: bool, why: str) -> None:
+        """One inference probe's outcome (sent only once the engine was NORMAL)."""
+        if ok:
+            self.inference_failures = 0
+        else:
+            self.inference_failures += 1
+            self._inference_why = why
+            log.warn(
+                "inference_probe_failed",
+                endpoint_id=self.spec.id,
+                pid=self.pid,
+                failures=self.inference_failures,
+                threshold=self.timing.max_inference_failures,
+                reason=why,
+            )
+        self._judge()
+
+    def _broken(self) -> str:
+        """Why the endpoint is ABNORMAL now, or "" when it is not."""
+        if self.failures >= self.timing.max_failures:
+            return self._health_why
+        if self.inference_failures >= self.timing.max_inference_failures:
+            return f"{self.inference_failures} inference probes failed in a row, last: {self._inference_why}"
+        return ""
+
+    def _judge(self) -> None:
+        """NORMAL or ABNORMAL from both probes' counts; turning ABNORMAL starts the hang clock."""
+        why = self._broken()
+        if not why:
+            self._stop_hang_clock()
+            self.abnormal_since = None
+            self._set(enums.EP_NORMAL)
             return
-        since = self.abnormal_since or now
-        if now - since >= self.timing.hang_timeout_s:
-            log.error("engine_hung", endpoint_id=self.spec.id, pid=self.pid, abnormal_s=round(now - since, 1))
-            self.kill_now(f"hung: ABNORMAL for {now - since:.0f}s ({why})")
+        if self.status == enums.EP_ABNORMAL or self._hung:
+            return
+        self.abnormal_since = time.monotonic()
+        self._set(enums.EP_ABNORMAL)
+        self.hooks.engine_unhealthy(self, why)
+        loop = asyncio.get_running_loop()
+        self._hang_clock = loop.call_later(self.timing.hang_timeout_s, self._hang_timed_out)
+
+    def _stop_hang_clock(self) -> None:
+        if self._hang_clock is not None:
+            self._hang_clock.cancel()
+            self._hang_clock = None
+
+    def _hang_timed_out(self) -> None:
+        self._hang_clock = None
+        if not self.alive or self.stopping or self.status != enums.EP_ABNORMAL:
+            return
+        since = time.monotonic() - (self.abnormal_since or self.started_at)
+        why = self._broken()
+        log.error(
+            "engine_hung", endpoint_id=self.spec.id, pid=self.pid, abnormal_s=round(since, 1), reason=why
+        )
+        self.kill_now(f"hung: ABNORMAL for {since:.0f}s ({why})")
 
     def _startup_timed_out(self, waited: float, why: str) -> None:
         """Never healthy within its start-up window: a real engine stuck loading (or waiting for
@@ -316,13 +401,18 @@ class Engine:
         )
         self.kill_now(f"not healthy within {self.timing.startup_timeout_s:g}s of start-up ({why})")
 
-    async def _probe(self) -> tuple[bool, str]:
+    @property
+    def base_url(self) -> str:
+        """Where this node reaches the engine's HTTP server."""
         host = self.spec.host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         if ":" in host:
             host = f"[{host}]"
-        base = f"http://{host}:{self.spec.port}"
+        return f"http://{host}:{self.spec.port}"
+
+    async def _probe(self) -> tuple[bool, str]:
+        base = self.base_url
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_timeout_s)
         try:
             async with self.http.get(base + "/health", timeout=timeout) as resp:

@@ -72,6 +72,12 @@ class NodeManagerCollector(Collector):
             "Health probes that failed, of engines that were up once or are past their start-up window.",
             sup.probe_failures,
         )
+        yield _counter(
+            "inference_probe_failures",
+            "Inference probes (nodemanager.engine_probe_inference: a one-token completion sent to DP "
+            "rank 0) that failed or missed their deadline.",
+            sup.inference_probe_failures,
+        )
         yield _gauge(
             "frozen",
             "1 while the pod-restart fallback is held off (frozen_until in the future).",

@@ -94,10 +94,11 @@ class EngineSupervisor:
         self.closed = False
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()
-        # Since the start, for /metrics: health probes of started engines, the failed ones, and
-        # engine process groups that died unasked.
+        # Since the start, for /metrics: health probes of started engines, the failed ones,
+        # failed inference probes, and engine process groups that died unasked.
         self.probe_latency = LatencyHistogram(PROBE_BUCKETS)
         self.probe_failures = 0
+        self.inference_probe_failures = 0
         self.engine_exits = 0
 
     # --- what we report ----------------------------------------------------------------------
@@ -154,6 +155,10 @@ class EngineSupervisor:
         self.probe_latency.observe(seconds)
         if not ok:
             self.probe_failures += 1
+
+    def inference_probed(self, ok: bool) -> None:
+        if not ok:
+            self.inference_probe_failures += 1
 
     async def _freeze_when_acked(self, acked: asyncio.Future[bool], pid: int) -> None:
         # Freeze only when the Controller has the report and will relaunch; otherwise the

@@ -14,7 +14,9 @@ PD hand-off:
          sending those back (do_remote_prefill: true) makes a decode leg.
   SGLang request `bootstrap_host`, `bootstrap_port`, `bootstrap_room`; a prefill-role engine
          registers the room on its bootstrap port, a decode-role engine long-polls
-         `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py).
+         `GET http://bootstrap_host:bootstrap_port/room/{room}?timeout_s=T` (see pd.py); with
+         SGLang's fake host `2.2.2.2` (warm-up, the NodeManager's inference probe) either role
+         serves the request alone.
 
 Prefix cache (prefix_cache.py): a prompt's full `--block-size` blocks (default 16) are cached,
 LRU, up to `--num-gpu-blocks-override` blocks (default 65536); a cached prefix is not prefilled

@@ -114,7 +114,7 @@ class Engine:
                 ("POST", "/v1/completions"): functools.partial(c.handle, False),
                 ("GET", "/v1/models"): self.models,
                 ("GET", "/health"): self.health,
-                ("GET", "/health_generate"): self.health,
+                ("GET", "/health_generate"): self.health_generate,
                 ("GET", "/metrics"): self.prom,
                 ("GET", "/get_model_info"): self.model_info,
                 ("GET", "/get_server_info"): self.server_info,
@@ -156,13 +156,11 @@ class Engine:
         return self._ticket_fmt[1] % (blocks, ticket.encode())
 
     # -- small routes ----------------------------------------------------------------------
-    # A hung engine answers nothing: every route first waits out an active `hang` fault.
+    # A `hang` fault wedges the scheduler, not the API server: these keep answering (faults.py).
 
     async def health(self, req: Request, out: Responder) -> None:
         faults = self.faults
         if faults.mode != "none":
-            if faults.hanging():
-                await hang()
             if faults.mode == "unhealthy" and faults.is_active():
                 out.send(503, b"unhealthy", TEXT_CT)
                 return
@@ -170,6 +168,12 @@ class Engine:
             out.send(503, b"starting", TEXT_CT)
             return
         out.send(200, b"", TEXT_CT)
+
+    async def health_generate(self, req: Request, out: Responder) -> None:
+        """SGLang's: it runs a one-token generation, so a wedged scheduler stalls it."""
+        if self.faults.hanging():
+            await hang()
+        await self.health(req, out)
 
     def starting(self) -> bool:
         """Still in its --startup-s. Says so in one line the first time it is asked (after the
@@ -184,25 +188,17 @@ class Engine:
         return True
 
     async def models(self, req: Request, out: Responder) -> None:
-        if self.faults.hanging():
-            await hang()
         out.send(200, self._models_body)
 
     async def prom(self, req: Request, out: Responder) -> None:
-        if self.faults.hanging():
-            await hang()
         out.send(200, self.metrics.render(), PROM_CT)
 
     async def model_info(self, req: Request, out: Responder) -> None:
-        if self.faults.hanging():
-            await hang()
         out.send(
             200, _json({"model_path": self.model_id, "tokenizer_path": self.model_id, "is_generation": True})
         )
 
     async def server_info(self, req: Request, out: Responder) -> None:
-        if self.faults.hanging():
-            await hang()
         cfg = self.cfg
         info = {
             "model_path": self.model_id,
@@ -218,8 +214,6 @@ class Engine:
         out.send(200, _json(info))
 
     async def version(self, req: Request, out: Responder) -> None:
-        if self.faults.hanging():
-            await hang()
         out.send(200, b'{"version": "motor-sim"}')
 
     def _clear_prefix_cache(self) -> None:
@@ -229,16 +223,12 @@ class Engine:
 
     async def flush_cache(self, req: Request, out: Responder) -> None:
         # SGLang's: flushes its radix cache, here the prefix cache.
-        if self.faults.hanging():
-            await hang()
         self._clear_prefix_cache()
         out.send(200, b"Cache flushed.", TEXT_CT)
 
     async def reset_prefix_cache(self, req: Request, out: Responder) -> None:
         # vLLM's (a dev-mode route there): nothing is running mid-prefill in the sim, so it
         # always succeeds.
-        if self.faults.hanging():
-            await hang()
         self._clear_prefix_cache()
         out.send(200, b"", TEXT_CT)
 
@@ -262,15 +252,11 @@ class Engine:
 
     async def get_fault(self, req: Request, out: Responder) -> None:
         self._check_loopback(req)
-        if self.faults.hanging():
-            await hang()
         out.send(200, _json(self.faults.snapshot()))
 
     async def post_ready(self, req: Request, out: Responder) -> None:
         """End the --startup-s start-up now: a test decides when a slow engine is ready."""
         self._check_loopback(req)
-        if self.faults.hanging():
-            await hang()
         was_starting = bool(self.cfg.startup_s) and self.ready_at > time.monotonic()
         self.ready_at = time.monotonic()
         if was_starting:
@@ -279,8 +265,6 @@ class Engine:
 
     async def post_fault(self, req: Request, out: Responder) -> None:
         self._check_loopback(req)
-        if self.faults.hanging():
-            await hang()
         try:
             mode, after_requests, after_s, status = parse_fault_body(json.loads(req.body))
         except ValueError as exc:  # FaultError and JSONDecodeError alike

@@ -129,7 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--bootstrap-timeout-s", type=_nonneg_float, default=30.0)
     proc = p.add_argument_group("process tree and faults")
     proc.add_argument("--workers", type=_nonneg_int, default=0, help="child processes living with the leader")
-    proc.add_argument("--fault", choices=MODES, default="none")
+    proc.add_argument(
+        "--fault",
+        choices=MODES,
+        default="none",
+        help="fault to inject (see faults.py); hang: a wedged scheduler, completions never answer "
+        "while /health keeps answering 200",
+    )
     proc.add_argument("--fault-after-requests", type=_nonneg_int, default=0)
     proc.add_argument("--fault-after-s", type=_nonneg_float, default=0.0)
     proc.add_argument("--fault-status", type=_status, default=500)

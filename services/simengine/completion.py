@@ -410,7 +410,8 @@ class Completions:
                 return "prefill", "vllm"
             if kv.get("do_remote_prefill") is True:
                 return "decode", "vllm"
-        if req.bootstrap and self.cfg.role != "union":
+        fake = all(b.host == pd.FAKE_BOOTSTRAP_HOST for b in req.bootstrap)
+        if req.bootstrap and self.cfg.role != "union" and not fake:
             return self.cfg.role, "sglang"
         return None, None
 

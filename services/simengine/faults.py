@@ -5,10 +5,16 @@ completion requests have been served AND S seconds have passed since arming (0 =
 Request number N+1 is the first one that sees the fault. Only completion requests are counted,
 so health probes and metric scrapes never move a fault forward.
 
-`hang` is absolute: once active every route on the business port stops answering, `/sim/fault`
-included, exactly like a wedged engine; the only way out is to kill the process (what the
-NodeManager does after `engine_hang_timeout_s`). The SGLang bootstrap port keeps answering, but a
-hung prefill engine registers no more rooms, so its decode peers time out as they would for real.
+`hang` is a wedged scheduler: once active, completion requests (`/v1/completions`,
+`/v1/chat/completions`, and `/health_generate`, which generates in SGLang) never answer, and a
+stream already flowing stops between two tokens; requests caught by it stay stuck until the
+process dies. Every other route keeps answering as the engine's API server would: `/health`
+200, `/v1/models`, `/metrics`, `/sim/fault`. Only a real request tells, which is what the
+NodeManager's inference probe (`nodemanager.engine_probe_inference`) sends; it then kills the
+engine `engine_hang_timeout_s` later. The SGLang bootstrap port keeps answering, but a hung
+prefill engine registers no more rooms, so its decode peers time out as they would for real. A
+whole process that stops answering (a SIGSTOP, a machine that froze) is no mode here: stop
+the engine's process group itself (`kill -STOP -<pgid>`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ process, so an unknown ticket is accepted (and counted), never refused.
 SGLang: both legs carry (bootstrap_host, bootstrap_port, bootstrap_room). The prefill engine runs
 a tiny HTTP rendezvous server on its bootstrap port and registers the room once its prefill is
 done; the decode engine long-polls `GET /room/{room}?timeout_s=T` on that server. Either leg may
-arrive first. Protocol (bootstrap port):
+arrive first. A request naming SGLang's fake bootstrap host (2.2.2.2, what SGLang's warm-up and
+the NodeManager's inference probe send) runs alone on either role, with no rendezvous. Protocol
+(bootstrap port):
   GET  /room/{room}?timeout_s=T  200 {"room", "engine_id", "prompt_tokens", ...} once registered
                                  (the room is consumed), 408 OpenAI error body after T seconds
   POST /room/{room}              register a room by hand (body: optional JSON object)
@@ -33,6 +35,7 @@ from motor_mesh.common.httpmessages import Handler, Request, Responder, method_n
 BLOCK_SIZE = 16
 MAX_POLL_S = 600.0
 CONNECT_TIMEOUT_S = 5.0  # a decode's connect to a bootstrap server (also bounded by its deadline)
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's: no KV transfer, the request is served alone
 
 
 class TicketStore:

@@ -159,8 +159,10 @@ def nm_config(tmp_path: Path, ports: list[int], **overrides: Any) -> dict[str, A
         "max_probe_failures": 2,
         "engine_stop_grace_s": 3,
         "engine_hang_timeout_s": 1,
-        "suicide_check_interval_s": 0.2,
-        "suicide_threshold": 3,
+        # The fallback may act 0.5 * (4 - 1) = 1.5 s after an engine turns ABNORMAL: after the
+        # hang timeout, as the config loader insists.
+        "suicide_check_interval_s": 0.5,
+        "suicide_threshold": 4,
         **overrides,
     }
     return {"nodemanager": nm_cfg, "engine": engine}

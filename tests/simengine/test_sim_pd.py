@@ -167,6 +167,24 @@ async def test_sglang_room_timeout_is_a_clear_error(spawn_engine) -> None:
     assert metric(m, "motor_sim_pd_legs_total", side="decode", protocol="sglang") == 0
 
 
+async def test_sglangs_fake_bootstrap_host_is_served_alone_on_either_role(spawn_engine) -> None:
+    """What SGLang's warm-up and the NodeManager's inference probe send: no rendezvous, no wait
+    for a peer (the decode has no prefill to meet here), one answer of its own."""
+    p, d = sglang_pair(spawn_engine, "--bootstrap-timeout-s", "30")
+    fake = {"bootstrap_host": "2.2.2.2", "bootstrap_room": random.getrandbits(63)}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        for eng in (p, d):
+            body = {"model": "motor-sim", "prompt": "1", "max_tokens": 1, **fake}
+            async with s.post(eng.v1 + "/completions", json=body) as r:
+                answer = await r.json()
+            assert r.status == 200 and answer["usage"]["completion_tokens"] == 1
+            assert "kv_transfer_params" not in answer
+        pm, dm = await metrics(s, p), await metrics(s, d)
+    assert metric(pm, "motor_sim_pd_legs_total", side="prefill", protocol="sglang") == 0
+    assert metric(dm, "motor_sim_pd_legs_total", side="decode", protocol="sglang") == 0
+    assert metric(dm, "motor_sim_bootstrap_timeouts_total") == 0
+
+
 async def test_bootstrap_port_flag_and_manual_room(spawn_engine) -> None:
     p = spawn_engine(
         "--protocol", "sglang", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"

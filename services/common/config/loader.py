@@ -118,6 +118,12 @@ def _together(
 ) -> list[str]:
     """Problems of values that are each valid but not together. A refused value is reported
     already, not again as missing."""
+    return _etcd_together(config, origin, refused) + _hang_before_suicide(config, origin, refused)
+
+
+def _etcd_together(
+    config: dict[str, dict[str, Any]], origin: Mapping[tuple[str, str], str], refused: set[tuple[str, str]]
+) -> list[str]:
     c = config["controller"]
     if c["store"] != "etcd":
         return []
@@ -132,6 +138,34 @@ def _together(
             "(the address clients reach this Controller at)"
         )
     return problems
+
+
+_HANG_KEYS = ("engine_hang_timeout_s", "suicide_check_interval_s", "suicide_threshold")
+
+
+def _hang_before_suicide(
+    config: dict[str, dict[str, Any]], origin: Mapping[tuple[str, str], str], refused: set[tuple[str, str]]
+) -> list[str]:
+    """A hung engine must be killed (and so relaunched in place) before the pod-restart
+    fallback ends the whole node. The fallback counts consecutive checks from the first one
+    that sees the engine ABNORMAL, which may come right after it turned so: it can act
+    ``suicide_check_interval_s * (suicide_threshold - 1)`` after that, not sooner."""
+    if any(("nodemanager", key) in refused for key in _HANG_KEYS):
+        return []
+    n = config["nodemanager"]
+    hang, every, threshold = (n[key] for key in _HANG_KEYS)
+    window = every * (threshold - 1)
+    if hang < window:
+        return []
+    # Said where the operator set one of them; the hang timeout first, as the usual fix.
+    key = next((k for k in _HANG_KEYS if ("nodemanager", k) in origin), _HANG_KEYS[0])
+    where = origin.get(("nodemanager", key), f"nodemanager.{key}")
+    return [
+        f"{where}: engine_hang_timeout_s {hang:g} is not shorter than suicide_check_interval_s "
+        f"{every:g} * (suicide_threshold {threshold} - 1) = {window:g} s: the pod-restart fallback "
+        "could end the node before a hung engine is killed and relaunched in place; lower "
+        "engine_hang_timeout_s or raise suicide_check_interval_s or suicide_threshold"
+    ]
 
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")

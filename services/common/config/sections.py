@@ -346,8 +346,29 @@ class NodeManagerConfig(ServerConfig):
     """Start-up window: probe failures do not count while a model loads. An engine not healthy by
     its end is named in one `engine_startup_timeout` warning (pid, seconds waited, its last
     output lines), killed and reported dead, so the Controller relaunches it like a hung one."""
-    engine_hang_timeout_s: float = setting(30, c.DURATION)
-    """An engine ABNORMAL this long is killed and reported dead."""
+    engine_hang_timeout_s: float = setting(9, c.DURATION)
+    """An engine ABNORMAL this long (after it had been NORMAL) is killed and reported dead, so
+    the Controller relaunches it in place. Must be shorter than
+    `suicide_check_interval_s * (suicide_threshold - 1)`, the least time the pod-restart
+    fallback may take to act on an ABNORMAL engine (its first check may come right after the
+    engine turned ABNORMAL); a config where it is not is refused."""
+    engine_probe_inference: bool = setting(False, c.BOOLEAN)
+    """Also probe with a real request, for an engine whose `/health` answers while its
+    scheduler is wedged: every `probe_inference_interval_s`, `POST /v1/completions` with
+    `{"model": <served name>, "prompt": "1", "max_tokens": 1}` and `X-Request-Id:
+    <unix time>_virtual` (SGLang prefill and decode engines also get SGLang's fake
+    bootstrap host, so no KV transfer is attempted). Only the NodeManager running DP rank 0 of
+    the instance (endpoint 0) sends it, and only once that engine has been NORMAL.
+    `probe_inference_failures` failures in a row make the endpoint ABNORMAL, and
+    `engine_hang_timeout_s` later it is killed like any hung engine."""
+    probe_inference_interval_s: float = setting(5, c.DURATION)
+    """How often the inference probe is sent. It is also each probe's deadline: one not
+    answered 200 within it fails and the next starts at once (never two at a time). A
+    loaded engine must answer a one-token request within this; raise it for engines that run
+    at full batch for long."""
+    probe_inference_failures: int = setting(6, c.COUNT)
+    """Consecutive failed inference probes that make the endpoint ABNORMAL; one success resets
+    the count."""
     engine_stop_grace_s: float = setting(10, c.seconds(0, c.WEEK))  # 0: kill at once
     """Time between SIGTERM and SIGKILL when engines are stopped."""
     suicide_check_interval_s: float = setting(3, c.DURATION)

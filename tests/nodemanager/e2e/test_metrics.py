@@ -41,6 +41,8 @@ async def test_metrics_follow_engines_probes_relaunches_and_the_controller_link(
         status_probe_timeout_s=0.2,
         engine_hang_timeout_s=600,  # a stopped engine stays ABNORMAL until the test kills it
         suicide_check_interval_s=600,
+        engine_probe_inference=True,
+        probe_inference_interval_s=0.2,
     )
     nm = await start_nm(cfg)
     line = await nm.wait_line("event=listening")
@@ -61,12 +63,14 @@ async def test_metrics_follow_engines_probes_relaunches_and_the_controller_link(
     m = await scraped(lambda m: m.value("motor_nodemanager_probe_duration_seconds_count") >= 2)
     assert m.value("motor_nodemanager_engines", status="NORMAL") == 1
     assert m.value("motor_nodemanager_probe_failures_total") == 0
+    assert m.value("motor_nodemanager_inference_probe_failures_total") == 0
     assert m.value("motor_nodemanager_engine_exits_total") == 0
 
     # The engine stops answering: its probes fail and it turns ABNORMAL; then it dies.
     os.killpg(pid, signal.SIGSTOP)
     m = await scraped(lambda m: m.value("motor_nodemanager_engines", status="ABNORMAL") == 1)
     assert m.value("motor_nodemanager_probe_failures_total") >= 2
+    await scraped(lambda m: m.value("motor_nodemanager_inference_probe_failures_total") >= 1)
     os.killpg(pid, signal.SIGKILL)
     m = await scraped(lambda m: m.value("motor_nodemanager_engine_exits_total") == 1)
     assert m.value("motor_nodemanager_engine_restarts_total") == 0
