@@ -23,23 +23,15 @@ from motor_mesh.gen.motor.v1 import common_pb2 as c
 from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
 from motor_mesh.nodemanager import validation as nodemanager_validation
 from tests.controller.fakes import FakeNodeManager, running_controller
+from tests.fuzz.protogen import tag, varint
 from tests.stub_controller import StubController, section
 
 NODEMANAGER = nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"]
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def unknown_varint(number: int, value: int = 1) -> bytes:
     """The bytes of field ``number`` (wire type varint) holding ``value``."""
-    return varint(number << 3) + varint(value)
+    return tag(number, 0) + varint(value)
 
 
 def append_unknown(message: Message, number: int) -> bytes:

@@ -6,8 +6,10 @@ Handlers (Register, the heartbeat streams) record what they observe and enqueue 
 reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops"):
 
 - ``assembly`` (key: job name): a pending assembly becomes an instance;
-- ``instance`` (key: instance id): heartbeat timeout, the state machine, StartEngines, and the
-  fault manager's recovery strategies;
+- ``instance`` (key: instance id): teardowns of doomed instances, heartbeat timeout, the state
+  machine, StartEngines, and the fault manager's recovery strategies;
+- ``precision`` (key: PD group): automatic recovery of precision alarms, and the clearing of
+  those whose instances are gone;
 - ``coordinator`` (key: address): each Coordinator's table follows the routable instances.
 
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
@@ -39,7 +41,7 @@ from motor_mesh.controller.alarms.sources import COORDINATOR_ALARM_AFTER_S, Coor
 from motor_mesh.controller.alarms.store import AlarmStore
 from motor_mesh.controller.alarms.watch import AlarmWatchHub
 from motor_mesh.controller.faults.manager import FaultManager
-from motor_mesh.controller.faults.recovery import Recovery
+from motor_mesh.controller.faults.recovery import CoordinatorClears, Group, Recovery
 from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.leader.election import Leadership
 from motor_mesh.controller.nodes.client import NodeManagerClients
@@ -53,6 +55,7 @@ from motor_mesh.controller.push.pusher import CoordinatorSync
 from motor_mesh.controller.reconcile.assembler import Assembler
 from motor_mesh.controller.reconcile.instances import InstanceReconciler
 from motor_mesh.controller.reconcile.runner import Reconciler
+from motor_mesh.controller.reconcile.teardown import Teardowns
 from motor_mesh.controller.service import ControllerService
 from motor_mesh.controller.store.db import StateCorrupt
 from motor_mesh.controller.store.interface import StateStore
@@ -120,7 +123,8 @@ class Controller:
         # The timer reads the clock every tick, so a gap of several ticks (and at least one
         # heartbeat interval) is the loop not running, not NodeManagers being silent.
         self.clock = LiveClock(stall_s=max(cfg.heartbeat_interval_s, 3 * self._tick_s))
-        self.table = InstanceTable(self.store)
+        # The instance reconcile carries out what the table is asked (doom): bound once it exists.
+        self.table = InstanceTable(self.store, lambda iid: self.instance_loop.enqueue(iid))
         self.alarms = AlarmStore(self.store)
         self.alarm_watch = AlarmWatchHub(self.alarms)
         self.instance_alarms = InstanceAlarms(self.table, self.alarms)
@@ -133,7 +137,8 @@ class Controller:
         self.pending = PendingAssemblies(self.store, self.sessions)
         self.nm_clients = NodeManagerClients(nm_key, cfg, cfg.max_message_bytes)
         # TerminateInstance, and what a reported precision alarm leads to.
-        self.recovery = Recovery(cfg, self.table, self.nm_clients, self.alarms, coord_key)
+        self.clears = CoordinatorClears(cfg, coord_key)
+        self.recovery = Recovery(cfg, self.table, self.alarms, self.clears)
         self.alert_sink: AlertmanagerSink | None = None
         if cfg.alarm_webhook_url:
             self.alert_sink = AlertmanagerSink(
@@ -141,19 +146,28 @@ class Controller:
             )
             self.alarms.subscribe(self.alert_sink)
 
-        # The fault manager enqueues instances on the loop that calls it: bound once the loop exists.
-        self.faults = FaultManager(
-            cfg, self.table, self.nm_clients, lambda iid: self.instance_loop.enqueue(iid), self.store
+        self.faults = FaultManager(cfg, self.table, self.nm_clients, self.store)
+        self.teardowns = Teardowns(self.table, self.nm_clients, self.alarms, self.clears)
+        self.instances = InstanceReconciler(
+            cfg, self.table, self.nm_clients, self.faults, self.teardowns, self.clock.now
         )
-        self.instances = InstanceReconciler(cfg, self.table, self.nm_clients, self.faults, self.clock.now)
         self.instance_loop: Reconciler[int] = Reconciler(
             "instance",
             self.instances.reconcile,
             workers=WORKERS,
             backoff=Backoff(0.5, 5.0),
             resync_s=RESYNC_S,
-            keys=lambda: list(self.table.live),
+            keys=lambda: [*self.table.live, *self.teardowns.pending()],
         )
+        self.precision_loop: Reconciler[Group] = Reconciler(
+            "precision",
+            self.recovery.reconcile,
+            workers=WORKERS,
+            backoff=Backoff(1.0, 30.0),
+            resync_s=RESYNC_S,
+            keys=self.recovery.groups,
+        )
+        self.recovery.enqueue_group = self.precision_loop.enqueue
         self.assembler = Assembler(
             cfg,
             self.pending,
@@ -191,6 +205,7 @@ class Controller:
         self.table.subscribe(self.registrar)
         self.table.subscribe(self.faults)
         self.table.subscribe(self.instance_alarms)
+        self.table.subscribe(self.recovery)
         self.coordinators = CoordinatorSync(
             self.coordinator_set.current,
             self.table,
@@ -202,8 +217,13 @@ class Controller:
             on_reachability=self.coordinator_alarms.on_reachability,
             push_metadata=self.leadership.push_metadata if self.leadership else None,
         )
-        self.recovery.coordinators = lambda: self.coordinator_set.current
-        self.loops = (self.assembly_loop, self.instance_loop, self.coordinators.reconciler)
+        self.clears.coordinators = lambda: self.coordinator_set.current
+        self.loops = (
+            self.assembly_loop,
+            self.instance_loop,
+            self.precision_loop,
+            self.coordinators.reconciler,
+        )
         self.servicer = ControllerService(self)
 
         now = self.clock.now()
@@ -242,6 +262,7 @@ class Controller:
         self.coordinator_set.start()
         self.assembly_loop.start()
         self.instance_loop.start()
+        self.precision_loop.start()
         self._reconcile_alarms()
         self._timer = spawn("controller-timer", self._tick)
 
@@ -284,8 +305,8 @@ class Controller:
             await asyncio.gather(self._timer, return_exceptions=True)
         await self.assembly_loop.stop()
         await self.instance_loop.stop()
-        await self.faults.close()
-        await self.recovery.close()
+        await self.precision_loop.stop()
+        await self.clears.close()
         if self.alert_sink is not None:
             await self.alert_sink.close()  # before the database closes: its resend reads it
         await self.coordinator_set.close()

@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from motor_mesh.common import enums
 from motor_mesh.common.enums import InstanceStatus
-from motor_mesh.controller.model import Instance, JobSpec, Member, Pending
+from motor_mesh.controller.model import Instance, JobSpec, Member, Pending, Removal, StrategyRecord, Teardown
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -100,11 +101,46 @@ def _member_from_json(d: dict[str, Any]) -> Member:
     )
 
 
+def _strategy_json(r: StrategyRecord) -> dict[str, Any]:
+    d = dataclasses.asdict(r)
+    d["base"] = {a: list(v) for a, v in r.base.items()}
+    return d
+
+
+def _strategy_from_json(d: dict[str, Any]) -> StrategyRecord:
+    known = {f.name for f in dataclasses.fields(StrategyRecord)}
+    d = {k: v for k, v in d.items() if k in known}
+    d["base"] = {a: (int(v[0]), int(v[1])) for a, v in d.get("base", {}).items()}
+    for k in ("dispatched", "accepted", "failed_accepted"):
+        d[k] = tuple(d.get(k, ()))
+    return StrategyRecord(**d)
+
+
+def _teardown_json(t: Teardown) -> dict[str, Any]:
+    return dataclasses.asdict(t)
+
+
+def _teardown_from_json(d: dict[str, Any]) -> Teardown:
+    known = {f.name for f in dataclasses.fields(Teardown)}
+    d = {k: v for k, v in d.items() if k in known}
+    d["reason"] = Removal(d["reason"])
+    for k in ("stop", "unreached"):
+        d[k] = tuple(d.get(k, ()))
+    if d.get("precision") is not None:
+        d["precision"] = (int(d["precision"][0]), int(d["precision"][1]))
+    return Teardown(**d)
+
+
 def instance_row(inst: Instance, status: InstanceStatus | None = None) -> tuple[bytes, str]:
-    """(the Instance message, the members as JSON); ``status`` overrides the record's own, so a
-    transition can be written before memory changes."""
-    members = json.dumps({"spec": _spec_json(inst.spec), "members": [_member_json(m) for m in inst.members]})
-    return instance_pb(inst, status).SerializeToString(), members
+    """(the Instance message; the members, the recovery strategy and the teardown as JSON);
+    ``status`` overrides the record's own, so a transition can be written before memory changes
+    (a new strategy or teardown is written from a copy: InstanceTable.update)."""
+    meta: dict[str, Any] = {"spec": _spec_json(inst.spec), "members": [_member_json(m) for m in inst.members]}
+    if inst.strategy != StrategyRecord():
+        meta["strategy"] = _strategy_json(inst.strategy)
+    if inst.teardown is not None:
+        meta["teardown"] = _teardown_json(inst.teardown)
+    return instance_pb(inst, status).SerializeToString(), json.dumps(meta)
 
 
 def instance_from_row(id_: int, blob: bytes, members_json: str) -> Instance:
@@ -113,6 +149,9 @@ def instance_from_row(id_: int, blob: bytes, members_json: str) -> Instance:
     endpoints = [common_pb2.Endpoint() for _ in pb.endpoints]
     for ep, stored in zip(endpoints, pb.endpoints, strict=True):
         ep.CopyFrom(stored)
+        # A row written by a newer version may carry fields this one does not know: pushed on,
+        # they would be refused by every Coordinator and NodeManager (unknown fields).
+        ep.DiscardUnknownFields()
     members = []
     by_id = {ep.id: ep for ep in endpoints}
     for d in meta["members"]:
@@ -127,6 +166,8 @@ def instance_from_row(id_: int, blob: bytes, members_json: str) -> Instance:
         status=pb.status,
         endpoints=endpoints,
         members=members,
+        strategy=_strategy_from_json(meta["strategy"]) if "strategy" in meta else StrategyRecord(),
+        teardown=_teardown_from_json(meta["teardown"]) if "teardown" in meta else None,
     )
 
 

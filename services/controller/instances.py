@@ -7,16 +7,24 @@ Transitions are serialized, so one decided on a status that changed during anoth
 decided again rather than applied blindly. Observers are objects with
 ``on_transition(instance, old_status, new_status, reason)``; the calls are synchronous and must
 not block: an observer that needs I/O enqueues a key for its reconciler.
+
+One deletion path: whoever wants an instance gone (the reconcile on a heartbeat timeout or a
+failed start, a re-registering NodeManager, TerminateInstance, the fault manager's escalation, a
+precision recovery) calls :meth:`InstanceTable.doom` with a typed reason; the wish is stored with
+the instance first, then the instance reconcile carries it out (reconcile/teardown.py) and
+:meth:`wait_deleted`/:meth:`wait_torn_down` let a caller wait for that.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from motor_mesh.common import log
 from motor_mesh.common.enums import DELETED, STATUS_UNSPECIFIED, InstanceStatus, status_name
-from motor_mesh.controller.model import Instance
+from motor_mesh.controller.model import Instance, Removal, Teardown
 from motor_mesh.controller.state_machine import is_routable
 from motor_mesh.controller.store.db import StateWriteError
 from motor_mesh.controller.store.interface import KEEP_DELETED, StateStore
@@ -29,14 +37,17 @@ class Observer(Protocol):
 
 
 class InstanceTable:
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, enqueue: Callable[[int], None] = lambda _: None) -> None:
         self.store = store
+        self.enqueue = enqueue  # the instance reconcile's
         self.live: dict[int, Instance] = {}
         self.deleted: dict[int, Instance] = {}  # oldest first
         self.keep_deleted = KEEP_DELETED
         self.by_job: dict[str, Instance] = {}
         self._observers: list[Observer] = []
         self._lock = asyncio.Lock()
+        # Callers of wait_deleted / wait_torn_down, by instance id.
+        self._waiters: dict[int, list[tuple[bool, asyncio.Future[Teardown]]]] = {}
 
     def subscribe(self, observer: Observer) -> None:
         self._observers.append(observer)
@@ -70,6 +81,7 @@ class InstanceTable:
         self._notify(inst, STATUS_UNSPECIFIED, inst.status, "assembled")
 
     async def transition(self, inst: Instance, new: InstanceStatus, reason: str) -> None:
+        assert new != DELETED or inst.teardown is not None, "deletion goes through doom()"
         async with self._lock:
             old = inst.status
             if old == new or old == DELETED:
@@ -91,9 +103,75 @@ class InstanceTable:
             reason=reason,
         )
         self._notify(inst, old, new, reason)
+        if new == DELETED:
+            self._wake(inst)
 
-    async def delete(self, inst: Instance, reason: str) -> None:
-        await self.transition(inst, DELETED, reason)
+    async def update(self, inst: Instance, **changes: Any) -> None:
+        """Change stored fields of the instance (its ``strategy``, ``teardown``): the changed copy
+        is written first, then the instance changes in memory."""
+        async with self._lock:
+            await self.store.save_instance(dataclasses.replace(inst, **changes))
+            for name, value in changes.items():
+                setattr(inst, name, value)
+        if inst.teardown is not None:
+            self._wake(inst)
+
+    async def doom(
+        self,
+        inst: Instance,
+        reason: Removal,
+        detail: str = "",
+        *,
+        stop: Iterable[str] = (),
+        after: int = 0,
+        precision: tuple[int, int] | None = None,
+    ) -> None:
+        """Record that the instance must go (and which NodeManagers get Stop); the instance
+        reconcile deletes it. The first reason stands: a second wish changes nothing."""
+        if inst.teardown is not None or inst.status == DELETED:
+            return
+        td = Teardown(reason, detail, stop=tuple(stop), after=after, precision=precision)
+        await self.update(inst, teardown=td)
+        log.event(
+            "instance_doomed", instance_id=inst.id, reason=str(reason), detail=detail, stop=",".join(td.stop)
+        )
+        self.enqueue(inst.id)
+
+    async def remove(self, inst: Instance) -> None:
+        """Delete a doomed instance (the teardown's first step)."""
+        assert inst.teardown is not None
+        td = inst.teardown
+        await self.transition(inst, DELETED, f"{td.reason}: {td.detail}" if td.detail else str(td.reason))
+
+    async def wait_deleted(self, inst: Instance) -> None:
+        """Until the doomed instance is DELETED."""
+        if inst.status != DELETED:
+            await self._wait(inst, whole=False)
+
+    async def wait_torn_down(self, inst: Instance) -> Teardown:
+        """Until the doomed instance's teardown is done (deleted, Stop sent, alarm cleared)."""
+        return await self._wait(inst, whole=True)
+
+    async def _wait(self, inst: Instance, whole: bool) -> Teardown:
+        fut: asyncio.Future[Teardown] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(inst.id, []).append((whole, fut))
+        self._wake(inst)
+        try:
+            return await fut
+        finally:
+            waiters = self._waiters.get(inst.id, [])
+            if (whole, fut) in waiters:
+                waiters.remove((whole, fut))
+            if not waiters:
+                self._waiters.pop(inst.id, None)
+
+    def _wake(self, inst: Instance) -> None:
+        td = inst.teardown
+        if td is None:
+            return
+        for whole, fut in self._waiters.get(inst.id, []):
+            if not fut.done() and (td.done if whole else inst.status == DELETED):
+                fut.set_result(td)
 
     async def _prune_deleted(self) -> None:
         """Keep the newest ``keep_deleted`` DELETED instances, in memory and on disk. A failed
@@ -107,6 +185,13 @@ class InstanceTable:
             gone = self.deleted.pop(oldest)
             for m in gone.members:  # no cycle left: freed at once, even from a frozen heap
                 m.instance = None
+
+    def gone(self, instance_id: int) -> bool:
+        """The instance existed and does not any more: DELETED, or older than every DELETED one
+        kept (pruned). An id this Controller never saw is not gone."""
+        if instance_id in self.live:
+            return False
+        return instance_id in self.deleted or bool(self.deleted and instance_id < next(iter(self.deleted)))
 
     def find(self, role: int = 0, status: int = 0) -> list[Instance]:
         pool: list[Instance] = list(self.live.values())

@@ -9,7 +9,7 @@ durations) and :class:`ControllerCollector` turns them, with the instance table,
 streams, the active alarms and the reconciles in flight, into metric families. Coordinators are
 read from the pushers present at scrape time, so one added or removed at run time appears or
 disappears. The reconcile loops' families follow client-go's workqueue and controller-runtime's
-reconcile metrics, labelled ``name`` by loop (assembly, instance, coordinator).
+reconcile metrics, labelled ``name`` by loop (assembly, instance, precision, coordinator).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ fresh Instance.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from motor_mesh.common.enums import InstanceStatus
@@ -110,6 +112,72 @@ class Pending:
     last_registration: float = 0.0  # wall clock, so the expiry survives a restart
 
 
+class Removal(enum.StrEnum):
+    """Why an instance is (to be) deleted: stored with it, and what its alarm is decided on."""
+
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"  # a NodeManager silent for the timeout
+    START_FAILED = "start_failed"  # StartEngines failed for good
+    NODE_MANAGER_RESTARTED = "node_manager_restarted"  # a member registered as a new process
+    RELAUNCH_FAILED = "relaunch_failed"  # the fault manager's escalation after a failed relaunch
+    TERMINATED = "terminated"  # TerminateInstance: an operator's removal
+    PRECISION_RECOVERY = "precision_recovery"  # automatic recovery of a precision alarm
+
+    @property
+    def on_purpose(self) -> bool:
+        """A deliberate removal clears the instance's fault alarm; any other raises it."""
+        return self in (Removal.TERMINATED, Removal.PRECISION_RECOVERY)
+
+
+@dataclass(frozen=True)
+class Teardown:
+    """The wish to delete an instance, stored with it before anything is done, and how far the
+    instance reconcile (reconcile/teardown.py) has carried it out. Every deletion goes this way."""
+
+    reason: Removal
+    detail: str = ""
+    # NodeManagers still to get Stop (their pods restart); once the round is over, the ones it
+    # did not reach.
+    stop: tuple[str, ...] = ()
+    unreached: tuple[str, ...] = ()
+    stopped: bool = False  # the Stop round is over
+    # The instance that must be deleted first (a PD group goes decode first, then prefill).
+    after: int = 0
+    # The group's precision alarm is cleared with this (p, d) and every Coordinator told.
+    precision: tuple[int, int] | None = None
+    precision_cleared: bool = False
+    precision_moi: str = ""  # of the alarm it cleared
+    coordinators_told: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped and (self.precision is None or self.coordinators_told)
+
+
+@dataclass(frozen=True)
+class StrategyRecord:
+    """The recovery strategy an instance runs and how far it got, stored with the instance so a
+    restarted Controller or a new leader goes on from there (faults/manager.py)."""
+
+    name: str = ""  # "" = none running
+    phase: str = ""
+    level: int = 0  # the fault level it answers
+    started: float = 0.0  # wall clock
+    deadline: float = 0.0  # wall clock: the relaunch's engines must be ready by then
+    # Per NodeManager: (incarnation, relaunch_count) before the RESTART, so a RESTART whose answer
+    # was lost with the Controller is recognised as accepted instead of sent twice.
+    base: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    dispatched: tuple[str, ...] = ()  # RESTART sent (the answer may not have been recorded)
+    accepted: tuple[str, ...] = ()
+    attempts: Mapping[str, int] = field(default_factory=dict)  # failed calls in this phase
+    misses: Mapping[str, int] = field(default_factory=dict)  # unanswered polls in a row
+    crashes: int = 0  # steps that raised something unexpected (a bug)
+    why: str = ""  # why it failed (phase "abort")
+    # The strategy that ran last, when it failed (escalation), and the NodeManagers that had
+    # accepted its restart: they are left to recover, never stopped by the escalation.
+    failed: str = ""
+    failed_accepted: tuple[str, ...] = ()
+
+
 @dataclass(eq=False)
 class Instance:
     """An assembled instance (any status, DELETED included)."""
@@ -124,6 +192,8 @@ class Instance:
     separated: bool = False
     # Failed StartEngines rounds since the last one that went through.
     start_failures: int = 0
+    strategy: StrategyRecord = field(default_factory=StrategyRecord)
+    teardown: Teardown | None = None
 
     @property
     def node_managers(self) -> list[str]:

@@ -49,12 +49,12 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         # A failed write raises StateWriteError (UNAVAILABLE): nothing was stored, so sending
         # the same report again is safe.
         stored = await self._c.alarms.report(request.alarms)
-        return await self._c.recovery.after_report(stored)
+        return self._c.recovery.after_report(stored)
 
     async def TerminateInstance(
         self, request: pb.TerminateInstanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.TerminateInstanceResponse:
-        return await self._c.recovery.terminate(request)
+        return await self._c.recovery.terminate(request, context.time_remaining())
 
     async def ListAlarms(
         self, request: pb.ListAlarmsRequest, context: grpc.aio.ServicerContext
@@ -70,13 +70,14 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
     async def GetFaultToleranceStatus(
         self, request: pb.GetFaultToleranceStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetFaultToleranceStatusResponse:
+        live = self._c.table.live
         if request.instance_id:
-            if request.instance_id not in self._c.table.live:
+            if request.instance_id not in live:
                 raise errors.not_found("instance", str(request.instance_id), "no live instance with this id")
             ids = [request.instance_id]
         else:
-            ids = sorted(self._c.table.live)
-        return pb.GetFaultToleranceStatusResponse(instances=self._c.faults.status(ids))
+            ids = sorted(live)
+        return pb.GetFaultToleranceStatusResponse(instances=self._c.faults.status([live[i] for i in ids]))
 
     async def ReportFaults(
         self, request: pb.ReportFaultsRequest, context: grpc.aio.ServicerContext

@@ -42,7 +42,6 @@ __all__ = [
     "INACTIVE",
     "INITIAL",
     "PAUSED",
-    "after_heartbeat_timeout",
     "is_routable",
     "name",
     "next_status",
@@ -89,11 +88,6 @@ def next_status(
     if current == PAUSED and all_normal:
         return ACTIVE, "endpoints_resumed"
     return current, ""
-
-
-def after_heartbeat_timeout(current: InstanceStatus) -> InstanceStatus:
-    """No heartbeat from one of the instance's NodeManagers for the timeout: gone for good."""
-    return DELETED
 
 
 def is_routable(status: int) -> bool:

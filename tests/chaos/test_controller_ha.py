@@ -7,7 +7,12 @@ one client sending completions throughout):
 - the leader is SIGSTOPped past its lease: the standby leads and changes the instance set (a
   NodeManager started here adds a decode instance); then the old leader is let go (SIGCONT)
   and steps down (exit 3, restarted as a standby) without one write landing in etcd or one
-  push landing in the Coordinator.
+  push landing in the Coordinator;
+- the leader is SIGKILLed in the middle of an engine relaunch (waiting for the relaunched
+  engine): the new leader continues it from the record stored in etcd, and the NodeManager
+  relaunches exactly once.
+
+The engines take 2 s to load, so a relaunch has a waiting phase to be caught in.
 
 A short lease and heartbeat keep the failovers short. Times (to a new leader, to every
 NodeManager re-attached) are measured and printed, not asserted: bench/bench_failover.py
@@ -21,11 +26,18 @@ import signal
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from motor_mesh.controller.store.etcd_client import EtcdClient
-from tests.chaos.harness import DELETED, Cluster, Load, pid_of, scenario
-from tests.e2e.cluster import CONTROLLER, CONTROLLER_METRICS, ETCD_CLIENT
+from motor_mesh.gen.motor.v1 import (
+    controller_pb2,
+    controller_pb2_grpc,
+    nodemanager_pb2,
+    nodemanager_pb2_grpc,
+)
+from tests.chaos.harness import ACTIVE, DELETED, Cluster, Load, pid_of, scenario
+from tests.e2e.cluster import CONTROLLER, CONTROLLER_METRICS, ETCD_CLIENT, NM
 from tests.etcd import NOT_INSTALLED
 from tests.metrics import scrape
 from tests.poll import wait_until
@@ -37,7 +49,10 @@ pytestmark = [
 ]
 
 LEASE_S, HEARTBEAT_S = 2, 1
-CONFIG = {"controller": {"leader_lease_s": LEASE_S, "heartbeat_interval_s": HEARTBEAT_S}}
+CONFIG = {
+    "controller": {"leader_lease_s": LEASE_S, "heartbeat_interval_s": HEARTBEAT_S},
+    "engine": {"args": {"startup_s": 2}},
+}
 PREFIX = b"/motor/"
 
 
@@ -193,3 +208,59 @@ def _quiet_revision(c: Cluster) -> int:
         return seen[-1] if len(seen) >= 5 and len(set(seen[-5:])) == 1 else None
 
     return wait_until(settled, 30, "etcd's revision settled", every=0.25)
+
+
+def _phase(addr: str, instance_id: int) -> tuple[str, str]:
+    """(strategy, phase) of the instance, as the Controller at ``addr`` says; ("", "") when it
+    does not answer as the leader."""
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            resp = controller_pb2_grpc.ControllerStub(ch).GetFaultToleranceStatus(
+                controller_pb2.GetFaultToleranceStatusRequest(instance_id=instance_id), timeout=2
+            )
+        except grpc.RpcError:
+            return "", ""
+    return resp.instances[0].strategy, resp.instances[0].phase
+
+
+def _relaunches(c: Cluster, i: int) -> int:
+    with grpc.insecure_channel(c.addr(NM + i)) as ch:
+        status = nodemanager_pb2_grpc.NodeManagerStub(ch).GetStatus(
+            nodemanager_pb2.GetStatusRequest(), timeout=5
+        )
+    return status.relaunch_count
+
+
+def test_a_relaunch_interrupted_by_killing_the_leader_finishes_once(cluster: Cluster, load: Load) -> None:
+    c = cluster
+    # Two instances of motor up, and the one the SIGSTOP test added, if it ran.
+    before = c.steady(len(c.instances(ACTIVE)))
+    victim = next(i for i in before if i.job_name == "motor-sim-decode-0")
+    nm = 1  # motor up starts the prefill NodeManager first
+    old_pid, nm_pid, relaunches = pid_of(victim), c.nodemanager_pid(nm), _relaunches(c, nm)
+    leader, _ = _roles(c)
+    with scenario(
+        "controller_leader_sigkill_mid_relaunch", load, "SIGKILL the leader mid-relaunch", cluster=c
+    ) as sc:
+        sc.fault()
+        os.killpg(old_pid, signal.SIGKILL)
+        wait_until(
+            lambda: _phase(leader, victim.id) == ("EngineRelaunch", "wait_ready"),
+            30,
+            "the relaunch waiting for its engine",
+            every=0.02,
+        )
+        os.kill(_pid(c, leader), signal.SIGKILL)
+
+        def relaunched() -> bool:
+            inst = next((i for i in c.instances() if i.id == victim.id), None)
+            return inst is not None and inst.status == ACTIVE and pid_of(inst) not in (0, old_pid)
+
+        wait_until(relaunched, 60, "the instance ACTIVE again with a new engine", every=0.05)
+        sc.recovered()
+        assert c.leader()  # a new leader (the standby, or the killed one restarted) finished it
+        # Continued, not started over nor escalated: one relaunch, the same NodeManager.
+        assert _relaunches(c, nm) == relaunches + 1
+        assert c.nodemanager_pid(nm) == nm_pid
+        assert [i.id for i in c.steady(len(before))] == [i.id for i in before] and not c.instances(DELETED)
+        wait_until(lambda: _phase(c.leader(), victim.id) == ("", ""), 30, "the relaunch finished")

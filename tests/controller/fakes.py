@@ -18,6 +18,8 @@ from motor_mesh.common.config import ControllerConfig, load
 from motor_mesh.common.rpc import service_handler
 from motor_mesh.common.server import MotorServer
 from motor_mesh.controller.app import Controller
+from motor_mesh.controller.instances import InstanceTable
+from motor_mesh.controller.model import Instance, Removal
 from motor_mesh.gen.motor.v1 import (
     common_pb2,
     controller_pb2,
@@ -88,8 +90,12 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.start_error = errors.error_info(grpc.StatusCode.INTERNAL, "LAUNCH_FAILED", "test: launch failed")
         self.restarts: list[int] = []  # RestartAction of every RestartEngines, in order
         self.restart_error: errors.MotorError | None = None  # answer every RESTART with it
+        self.restart_errors: list[errors.MotorError] = []  # answer the next RESTARTs with these
+        self.relaunches = 0  # RESTARTs accepted (GetStatus relaunch_count)
+        self.restart_delay = 0.0  # seconds between accepting a RESTART and answering it
         self.stops: list[str] = []  # reasons
         self.stopped_at: list[float] = []  # monotonic, to tell which NodeManager stopped first
+        self.stop_delay = 0.0  # seconds Stop takes to answer
         self.ready = False
         self.status_error: errors.MotorError | None = None
         self.incarnation = 0  # what GetStatus says this process is
@@ -131,10 +137,21 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                 for e in cmd.endpoints
             ]
             return nodemanager_pb2.GetStatusResponse(
-                ready=False, endpoints=dead, incarnation=self.incarnation
+                ready=False, endpoints=dead, incarnation=self.incarnation, relaunch_count=self.relaunches
             )
         if not self.ready:
-            return nodemanager_pb2.GetStatusResponse(ready=False, incarnation=self.incarnation)
+            # Engines loading (WAIT_TO_START), as a NodeManager reports them after a start or
+            # a relaunch.
+            cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
+            loading = [
+                common_pb2.Endpoint(
+                    id=e.id, pid=50000 + e.id, status=common_pb2.ENDPOINT_STATUS_WAIT_TO_START
+                )
+                for e in cmd.endpoints
+            ]
+            return nodemanager_pb2.GetStatusResponse(
+                ready=False, endpoints=loading, incarnation=self.incarnation, relaunch_count=self.relaunches
+            )
         # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.
         cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
         endpoints = [
@@ -149,16 +166,21 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
             for e in cmd.endpoints
         ]
         return nodemanager_pb2.GetStatusResponse(
-            ready=True, endpoints=endpoints, incarnation=self.incarnation
+            ready=True, endpoints=endpoints, incarnation=self.incarnation, relaunch_count=self.relaunches
         )
 
     async def RestartEngines(
         self, req: nodemanager_pb2.RestartEnginesRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.RestartEnginesResponse:
         self.restarts.append(req.action)
-        if req.action == nodemanager_pb2.RESTART_ACTION_RESTART and self.restart_error is not None:
-            raise self.restart_error
-        return nodemanager_pb2.RestartEnginesResponse(relaunch_count=len(self.restarts))
+        if req.action == nodemanager_pb2.RESTART_ACTION_RESTART:
+            if self.restart_errors:
+                raise self.restart_errors.pop(0)
+            if self.restart_error is not None:
+                raise self.restart_error
+            self.relaunches += 1
+            await asyncio.sleep(self.restart_delay)  # relaunched, the answer not sent yet
+        return nodemanager_pb2.RestartEnginesResponse(relaunch_count=self.relaunches)
 
     async def Pause(
         self, req: nodemanager_pb2.PauseRequest, ctx: grpc.aio.ServicerContext
@@ -175,6 +197,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
     ) -> nodemanager_pb2.StopResponse:
         self.stops.append(req.reason)
         self.stopped_at.append(time.monotonic())
+        await asyncio.sleep(self.stop_delay)  # engines slow to stop
         return nodemanager_pb2.StopResponse()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeNodeManager:
@@ -519,3 +542,9 @@ async def running_controller(
         await h.channel.close()
         await server.stop()
         await controller.stop()
+
+
+async def delete(table: InstanceTable, inst: Instance, reason: Removal = Removal.HEARTBEAT_TIMEOUT) -> None:
+    """Delete the instance at once, the way the instance reconcile does a doomed one."""
+    await table.doom(inst, reason)
+    await table.remove(inst)

@@ -11,7 +11,7 @@ from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance, JobSpec, Member, Pending
 from motor_mesh.controller.store.sqlite import Store
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
-from tests.controller.fakes import ACTIVE, DELETED, NORMAL, running_controller
+from tests.controller.fakes import ACTIVE, DELETED, NORMAL, delete, running_controller
 from tests.poll import until
 
 
@@ -126,7 +126,7 @@ async def test_deleted_history_is_bounded_in_memory_and_on_disk(tmp_path: Path) 
         table.add(inst)
         made.append(inst)
     for inst in made:
-        await table.delete(inst, "test")
+        await delete(table, inst)
     assert [i.id for i in table.find(status=DELETED)] == [3, 4]
     await store.close()
     again = Store(tmp_path / "s")

@@ -72,11 +72,6 @@ def test_separated_instance_does_not_come_back() -> None:
     assert sm.next_status(sm.INACTIVE, r(N), separated=False)[0] == sm.ACTIVE
 
 
-@pytest.mark.parametrize("current", [sm.INITIAL, sm.ACTIVE, sm.INACTIVE, sm.PAUSED, sm.DELETED])
-def test_heartbeat_timeout_deletes_from_any_state(current: int) -> None:
-    assert sm.after_heartbeat_timeout(current) == sm.DELETED  # type: ignore[arg-type]
-
-
 def test_reasons_name_the_cause() -> None:
     assert sm.next_status(sm.INITIAL, r(N))[1] == "endpoints_ready"
     assert sm.next_status(sm.ACTIVE, r(A))[1] == "endpoint_abnormal"

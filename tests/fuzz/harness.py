@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from motor_mesh.common import errors
 from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
-from tests.fuzz.protogen import messages, wire_bytes
+from tests.fuzz.protogen import messages, tag, varint, wire_bytes
 
 Code = grpc.StatusCode
 PB2_MODULES = (controller_pb2, coordinator_pb2, nodemanager_pb2)
@@ -343,18 +343,9 @@ def bad_log_lines(lines: Iterable[str]) -> list[str]:
 
 async def check_oversized(target: Target, method: MethodDescriptor) -> None:
     """A request over max_message_bytes (4 MiB): RESOURCE_EXHAUSTED, and the server goes on."""
-    big = _varint_bytes((999 << 3) | 2) + _varint_bytes(OVERSIZED) + b"\x00" * OVERSIZED  # unknown field 999
+    big = tag(999, 2) + varint(OVERSIZED) + b"\x00" * OVERSIZED  # unknown field 999
     await check_call(target, method, [big], open_s=CALL_TIMEOUT_S)
     assert target.outcomes[f"{method.name}/RESOURCE_EXHAUSTED"], f"{full_path(method)} took {len(big)} bytes"
-
-
-def _varint_bytes(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def finally_clean(target: Target) -> None:

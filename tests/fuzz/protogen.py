@@ -213,7 +213,8 @@ def messages(
 # -- wire-level garbage ---------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint (negative numbers as their 64-bit two's complement)."""
     n &= (1 << 64) - 1
     out = bytearray()
     while True:
@@ -226,8 +227,8 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _tag(number: int, wire_type: int) -> bytes:
-    return _varint((number << 3) | wire_type)
+def tag(number: int, wire_type: int) -> bytes:
+    return varint((number << 3) | wire_type)
 
 
 def _fragments(desc: Descriptor) -> list[bytes]:
@@ -235,32 +236,32 @@ def _fragments(desc: Descriptor) -> list[bytes]:
     out = [
         b"\x80" * 11,  # a varint that never ends
         b"\xff" * 10 + b"\x01",  # a varint past 64 bits
-        _tag(536870911, 0) + b"\x01",  # the largest field number
+        tag(536870911, 0) + b"\x01",  # the largest field number
         b"\x00\x01",  # field number 0
-        _tag(7, 3) * 5000,  # groups opened and never closed, nested past any recursion limit
-        _tag(7, 4),  # a group closed that was never opened
-        _tag(7, 6) + b"\x00",  # wire type 6 and 7 do not exist
-        _tag(7, 7) + b"\x00",
-        _tag(9, 2) + _varint(2**31),  # a length far past the end
-        _tag(9, 2) + _varint(2**64 - 1),
-        _tag(9, 5) + b"\x00\x00",  # fixed32 cut short
-        _tag(9, 1) + b"\x00" * 3,  # fixed64 cut short
+        tag(7, 3) * 5000,  # groups opened and never closed, nested past any recursion limit
+        tag(7, 4),  # a group closed that was never opened
+        tag(7, 6) + b"\x00",  # wire type 6 and 7 do not exist
+        tag(7, 7) + b"\x00",
+        tag(9, 2) + varint(2**31),  # a length far past the end
+        tag(9, 2) + varint(2**64 - 1),
+        tag(9, 5) + b"\x00\x00",  # fixed32 cut short
+        tag(9, 1) + b"\x00" * 3,  # fixed64 cut short
     ]
     for field in desc.fields:
         n = field.number
         if field.type == F.TYPE_STRING:
-            out.append(_tag(n, 2) + b"\x04\xff\xfe\xc0\x80")  # not UTF-8: proto3 refuses it
-            out.append(_tag(n, 2) + b"\x03\xed\xa0\x80")  # an encoded surrogate
+            out.append(tag(n, 2) + b"\x04\xff\xfe\xc0\x80")  # not UTF-8: proto3 refuses it
+            out.append(tag(n, 2) + b"\x03\xed\xa0\x80")  # an encoded surrogate
         if field.type in (F.TYPE_MESSAGE, F.TYPE_GROUP):
             # A message field holding itself-shaped bytes nested deeper than any parser allows.
             nested = b""
             for _ in range(200):
-                nested = _tag(n, 2) + _varint(len(nested)) + nested
+                nested = tag(n, 2) + varint(len(nested)) + nested
             out.append(nested)
-            out.append(_tag(n, 2) + b"\x05\x80\x80\x80")  # an inner message that is cut short
+            out.append(tag(n, 2) + b"\x05\x80\x80\x80")  # an inner message that is cut short
         # The field's number with each wrong wire type.
         for wt in (0, 1, 2, 5):
-            out.append(_tag(n, wt) + (b"\x05ab" if wt == 2 else b""))
+            out.append(tag(n, wt) + (b"\x05ab" if wt == 2 else b""))
     return out
 
 

@@ -189,7 +189,9 @@ class _EndpointStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Endpoi
     """Serving. A headless endpoint is NORMAL while its process is alive."""
     ENDPOINT_STATUS_ABNORMAL: _EndpointStatus.ValueType  # 4
     """Its process died (or was killed: hung, or not healthy within its start-up window), or
-    nodemanager.max_probe_failures consecutive health probes failed after it had been NORMAL.
+    after it had been NORMAL, nodemanager.max_probe_failures consecutive health probes failed
+    or (with nodemanager.engine_probe_inference) probe_inference_failures consecutive
+    one-token inference probes did. ABNORMAL for engine_hang_timeout_s, it is killed.
     """
     ENDPOINT_STATUS_PAUSED: _EndpointStatus.ValueType  # 5
     """Running but paused by the NodeManager's Pause RPC."""
@@ -213,7 +215,9 @@ ENDPOINT_STATUS_NORMAL: EndpointStatus.ValueType  # 3
 """Serving. A headless endpoint is NORMAL while its process is alive."""
 ENDPOINT_STATUS_ABNORMAL: EndpointStatus.ValueType  # 4
 """Its process died (or was killed: hung, or not healthy within its start-up window), or
-nodemanager.max_probe_failures consecutive health probes failed after it had been NORMAL.
+after it had been NORMAL, nodemanager.max_probe_failures consecutive health probes failed
+or (with nodemanager.engine_probe_inference) probe_inference_failures consecutive
+one-token inference probes did. ABNORMAL for engine_hang_timeout_s, it is killed.
 """
 ENDPOINT_STATUS_PAUSED: EndpointStatus.ValueType  # 5
 """Running but paused by the NodeManager's Pause RPC."""

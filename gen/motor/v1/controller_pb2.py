@@ -27,19 +27,19 @@ from motor_mesh.gen.motor.v1 import alarm_pb2 as motor_dot_v1_dot_alarm__pb2
 from motor_mesh.gen.motor.v1 import common_pb2 as motor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19motor/v1/controller.proto\x12\x08motor.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14motor/v1/alarm.proto\x1a\x15motor/v1/common.proto\"\xd8\x02\n\x0fRegisterRequest\x12\x10\n\x08job_name\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.motor.v1.Role\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12)\n\x0b\x65ngine_type\x18\x04 \x01(\x0e\x32\x14.motor.v1.EngineType\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0f\n\x07nm_port\x18\x06 \x01(\r\x12\r\n\x05ports\x18\x07 \x03(\r\x12\x14\n\x0c\x64\x65vice_count\x18\x08 \x01(\r\x12*\n\x08parallel\x18\t \x01(\x0b\x32\x18.motor.v1.ParallelConfig\x12\x11\n\tnode_rank\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04\x12)\n\x0bpd_protocol\x18\x0c \x01(\x0e\x32\x14.motor.v1.PdProtocol\x12\x13\n\x0bincarnation\x18\r \x01(\x04\"\x8f\x01\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x15\n\rsession_epoch\x18\x02 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x1f\n\x17\x65ngine_relaunch_enabled\x18\x04 \x01(\x08\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04\"b\n\x04\x42\x65\x61t\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x15\n\rsession_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12%\n\tendpoints\x18\x04 \x03(\x0b\x32\x12.motor.v1.Endpoint\"\x9d\x01\n\x0b\x45ngineEvent\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\'\n\x04type\x18\x03 \x01(\x0e\x32\x19.motor.v1.EngineEventType\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x0f\n\x07node_id\x18\x06 \x01(\x04\x12\x15\n\rsession_epoch\x18\x07 \x01(\x04\"i\n\x10HeartbeatRequest\x12\x1e\n\x04\x62\x65\x61t\x18\x01 \x01(\x0b\x32\x0e.motor.v1.BeatH\x00\x12-\n\x0c\x65ngine_event\x18\x02 \x01(\x0b\x32\x15.motor.v1.EngineEventH\x00\x42\x06\n\x04kind\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"c\n\x11HeartbeatResponse\x12\x1c\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\r.motor.v1.AckH\x00\x12(\n\tdirective\x18\x02 \x01(\x0e\x32\x13.motor.v1.DirectiveH\x00\x42\x06\n\x04kind\"6\n\x13ReportAlarmsRequest\x12\x1f\n\x06\x61larms\x18\x01 \x03(\x0b\x32\x0f.motor.v1.Alarm\"\x8a\x01\n\x14ReportAlarmsResponse\x12\x1f\n\x17precision_alarm_cleared\x18\x01 \x01(\x08\x12\x30\n(precision_alarm_cleared_by_auto_recovery\x18\x02 \x01(\x08\x12\x1f\n\x17scheduler_state_cleared\x18\x03 \x01(\x08\"u\n\x18TerminateInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rp_instance_id\x18\x03 \x01(\x04\x12\x1d\n\x15precision_alarm_clear\x18\x04 \x01(\x08\"~\n\x19TerminateInstanceResponse\x12\x12\n\nterminated\x18\x01 \x01(\x08\x12\x1f\n\x17precision_alarm_cleared\x18\x02 \x01(\x08\x12\x1f\n\x17scheduler_state_cleared\x18\x03 \x01(\x08\x12\x0b\n\x03moi\x18\x04 \x01(\t\"^\n\x14ListInstancesRequest\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.motor.v1.Role\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.motor.v1.InstanceStatus\">\n\x15ListInstancesResponse\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"a\n\x11ListAlarmsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\x12\x10\n\x08\x61larm_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"N\n\x12ListAlarmsResponse\x12\x1f\n\x06\x61larms\x18\x01 \x03(\x0b\x32\x0f.motor.v1.Alarm\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\",\n\x12WatchAlarmsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\"5\n\x13WatchAlarmsResponse\x12\x1e\n\x05\x61larm\x18\x01 \x01(\x0b\x32\x0f.motor.v1.Alarm\"5\n\x1eGetFaultToleranceStatusRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\"\x9c\x01\n\x13\x46\x61ultToleranceEntry\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66\x61ult_level\x18\x02 \x01(\r\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0f\n\x07history\x18\x05 \x03(\t\x12)\n\x05since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x1fGetFaultToleranceStatusResponse\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.motor.v1.FaultToleranceEntry\"~\n\tNodeFault\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07nm_port\x18\x02 \x01(\r\x12#\n\x05level\x18\x03 \x01(\x0e\x32\x14.motor.v1.FaultLevel\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07\x63leared\x18\x06 \x01(\x08\":\n\x13ReportFaultsRequest\x12#\n\x06\x66\x61ults\x18\x01 \x03(\x0b\x32\x13.motor.v1.NodeFault\"5\n\x14ReportFaultsResponse\x12\x1d\n\x15\x61\x66\x66\x65\x63ted_instance_ids\x18\x01 \x03(\x04*q\n\x0f\x45ngineEventType\x12!\n\x1d\x45NGINE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NGINE_EVENT_TYPE_DEAD\x10\x01\x12\x1f\n\x1b\x45NGINE_EVENT_TYPE_UNHEALTHY\x10\x02*@\n\tDirective\x12\x19\n\x15\x44IRECTIVE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44IRECTIVE_REREGISTER\x10\x01*\xa1\x01\n\nFaultLevel\x12\x1b\n\x17\x46\x41ULT_LEVEL_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46\x41ULT_LEVEL_L1\x10\x01\x12\x12\n\x0e\x46\x41ULT_LEVEL_L2\x10\x02\x12\x12\n\x0e\x46\x41ULT_LEVEL_L3\x10\x03\x12\x12\n\x0e\x46\x41ULT_LEVEL_L4\x10\x04\x12\x12\n\x0e\x46\x41ULT_LEVEL_L5\x10\x05\x12\x12\n\x0e\x46\x41ULT_LEVEL_L6\x10\x06\x32\xee\x05\n\nController\x12\x41\n\x08Register\x12\x19.motor.v1.RegisterRequest\x1a\x1a.motor.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1a.motor.v1.HeartbeatRequest\x1a\x1b.motor.v1.HeartbeatResponse(\x01\x30\x01\x12M\n\x0cReportAlarms\x12\x1d.motor.v1.ReportAlarmsRequest\x1a\x1e.motor.v1.ReportAlarmsResponse\x12\\\n\x11TerminateInstance\x12\".motor.v1.TerminateInstanceRequest\x1a#.motor.v1.TerminateInstanceResponse\x12P\n\rListInstances\x12\x1e.motor.v1.ListInstancesRequest\x1a\x1f.motor.v1.ListInstancesResponse\x12G\n\nListAlarms\x12\x1b.motor.v1.ListAlarmsRequest\x1a\x1c.motor.v1.ListAlarmsResponse\x12L\n\x0bWatchAlarms\x12\x1c.motor.v1.WatchAlarmsRequest\x1a\x1d.motor.v1.WatchAlarmsResponse0\x01\x12n\n\x17GetFaultToleranceStatus\x12(.motor.v1.GetFaultToleranceStatusRequest\x1a).motor.v1.GetFaultToleranceStatusResponse\x12M\n\x0cReportFaults\x12\x1d.motor.v1.ReportFaultsRequest\x1a\x1e.motor.v1.ReportFaultsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19motor/v1/controller.proto\x12\x08motor.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14motor/v1/alarm.proto\x1a\x15motor/v1/common.proto\"\xd8\x02\n\x0fRegisterRequest\x12\x10\n\x08job_name\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.motor.v1.Role\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12)\n\x0b\x65ngine_type\x18\x04 \x01(\x0e\x32\x14.motor.v1.EngineType\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0f\n\x07nm_port\x18\x06 \x01(\r\x12\r\n\x05ports\x18\x07 \x03(\r\x12\x14\n\x0c\x64\x65vice_count\x18\x08 \x01(\r\x12*\n\x08parallel\x18\t \x01(\x0b\x32\x18.motor.v1.ParallelConfig\x12\x11\n\tnode_rank\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04\x12)\n\x0bpd_protocol\x18\x0c \x01(\x0e\x32\x14.motor.v1.PdProtocol\x12\x13\n\x0bincarnation\x18\r \x01(\x04\"\x8f\x01\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x15\n\rsession_epoch\x18\x02 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x1f\n\x17\x65ngine_relaunch_enabled\x18\x04 \x01(\x08\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04\"b\n\x04\x42\x65\x61t\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x15\n\rsession_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12%\n\tendpoints\x18\x04 \x03(\x0b\x32\x12.motor.v1.Endpoint\"\x9d\x01\n\x0b\x45ngineEvent\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\'\n\x04type\x18\x03 \x01(\x0e\x32\x19.motor.v1.EngineEventType\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x0f\n\x07node_id\x18\x06 \x01(\x04\x12\x15\n\rsession_epoch\x18\x07 \x01(\x04\"i\n\x10HeartbeatRequest\x12\x1e\n\x04\x62\x65\x61t\x18\x01 \x01(\x0b\x32\x0e.motor.v1.BeatH\x00\x12-\n\x0c\x65ngine_event\x18\x02 \x01(\x0b\x32\x15.motor.v1.EngineEventH\x00\x42\x06\n\x04kind\"\x12\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"c\n\x11HeartbeatResponse\x12\x1c\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\r.motor.v1.AckH\x00\x12(\n\tdirective\x18\x02 \x01(\x0e\x32\x13.motor.v1.DirectiveH\x00\x42\x06\n\x04kind\"6\n\x13ReportAlarmsRequest\x12\x1f\n\x06\x61larms\x18\x01 \x03(\x0b\x32\x0f.motor.v1.Alarm\"\xae\x01\n\x14ReportAlarmsResponse\x12\x1f\n\x17precision_alarm_cleared\x18\x01 \x01(\x08\x12\x30\n(precision_alarm_cleared_by_auto_recovery\x18\x02 \x01(\x08\x12\x1f\n\x17scheduler_state_cleared\x18\x03 \x01(\x08\x12\"\n\x1aprecision_recovery_pending\x18\x04 \x01(\x08\"u\n\x18TerminateInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rp_instance_id\x18\x03 \x01(\x04\x12\x1d\n\x15precision_alarm_clear\x18\x04 \x01(\x08\"~\n\x19TerminateInstanceResponse\x12\x12\n\nterminated\x18\x01 \x01(\x08\x12\x1f\n\x17precision_alarm_cleared\x18\x02 \x01(\x08\x12\x1f\n\x17scheduler_state_cleared\x18\x03 \x01(\x08\x12\x0b\n\x03moi\x18\x04 \x01(\t\"^\n\x14ListInstancesRequest\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.motor.v1.Role\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.motor.v1.InstanceStatus\">\n\x15ListInstancesResponse\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"a\n\x11ListAlarmsRequest\x12\x13\n\x0b\x61\x63tive_only\x18\x01 \x01(\x08\x12\x10\n\x08\x61larm_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"N\n\x12ListAlarmsResponse\x12\x1f\n\x06\x61larms\x18\x01 \x03(\x0b\x32\x0f.motor.v1.Alarm\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\",\n\x12WatchAlarmsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\"5\n\x13WatchAlarmsResponse\x12\x1e\n\x05\x61larm\x18\x01 \x01(\x0b\x32\x0f.motor.v1.Alarm\"5\n\x1eGetFaultToleranceStatusRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\"\xba\x01\n\x13\x46\x61ultToleranceEntry\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66\x61ult_level\x18\x02 \x01(\r\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0f\n\x07history\x18\x05 \x03(\t\x12)\n\x05since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1c\n\x14prev_strategy_failed\x18\x07 \x01(\t\"S\n\x1fGetFaultToleranceStatusResponse\x12\x30\n\tinstances\x18\x01 \x03(\x0b\x32\x1d.motor.v1.FaultToleranceEntry\"~\n\tNodeFault\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07nm_port\x18\x02 \x01(\r\x12#\n\x05level\x18\x03 \x01(\x0e\x32\x14.motor.v1.FaultLevel\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07\x63leared\x18\x06 \x01(\x08\":\n\x13ReportFaultsRequest\x12#\n\x06\x66\x61ults\x18\x01 \x03(\x0b\x32\x13.motor.v1.NodeFault\"5\n\x14ReportFaultsResponse\x12\x1d\n\x15\x61\x66\x66\x65\x63ted_instance_ids\x18\x01 \x03(\x04*q\n\x0f\x45ngineEventType\x12!\n\x1d\x45NGINE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45NGINE_EVENT_TYPE_DEAD\x10\x01\x12\x1f\n\x1b\x45NGINE_EVENT_TYPE_UNHEALTHY\x10\x02*@\n\tDirective\x12\x19\n\x15\x44IRECTIVE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44IRECTIVE_REREGISTER\x10\x01*\xa1\x01\n\nFaultLevel\x12\x1b\n\x17\x46\x41ULT_LEVEL_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46\x41ULT_LEVEL_L1\x10\x01\x12\x12\n\x0e\x46\x41ULT_LEVEL_L2\x10\x02\x12\x12\n\x0e\x46\x41ULT_LEVEL_L3\x10\x03\x12\x12\n\x0e\x46\x41ULT_LEVEL_L4\x10\x04\x12\x12\n\x0e\x46\x41ULT_LEVEL_L5\x10\x05\x12\x12\n\x0e\x46\x41ULT_LEVEL_L6\x10\x06\x32\xee\x05\n\nController\x12\x41\n\x08Register\x12\x19.motor.v1.RegisterRequest\x1a\x1a.motor.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1a.motor.v1.HeartbeatRequest\x1a\x1b.motor.v1.HeartbeatResponse(\x01\x30\x01\x12M\n\x0cReportAlarms\x12\x1d.motor.v1.ReportAlarmsRequest\x1a\x1e.motor.v1.ReportAlarmsResponse\x12\\\n\x11TerminateInstance\x12\".motor.v1.TerminateInstanceRequest\x1a#.motor.v1.TerminateInstanceResponse\x12P\n\rListInstances\x12\x1e.motor.v1.ListInstancesRequest\x1a\x1f.motor.v1.ListInstancesResponse\x12G\n\nListAlarms\x12\x1b.motor.v1.ListAlarmsRequest\x1a\x1c.motor.v1.ListAlarmsResponse\x12L\n\x0bWatchAlarms\x12\x1c.motor.v1.WatchAlarmsRequest\x1a\x1d.motor.v1.WatchAlarmsResponse0\x01\x12n\n\x17GetFaultToleranceStatus\x12(.motor.v1.GetFaultToleranceStatusRequest\x1a).motor.v1.GetFaultToleranceStatusResponse\x12M\n\x0cReportFaults\x12\x1d.motor.v1.ReportFaultsRequest\x1a\x1e.motor.v1.ReportFaultsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor_mesh.gen.motor.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEEVENTTYPE']._serialized_start=2524
-  _globals['_ENGINEEVENTTYPE']._serialized_end=2637
-  _globals['_DIRECTIVE']._serialized_start=2639
-  _globals['_DIRECTIVE']._serialized_end=2703
-  _globals['_FAULTLEVEL']._serialized_start=2706
-  _globals['_FAULTLEVEL']._serialized_end=2867
+  _globals['_ENGINEEVENTTYPE']._serialized_start=2590
+  _globals['_ENGINEEVENTTYPE']._serialized_end=2703
+  _globals['_DIRECTIVE']._serialized_start=2705
+  _globals['_DIRECTIVE']._serialized_end=2769
+  _globals['_FAULTLEVEL']._serialized_start=2772
+  _globals['_FAULTLEVEL']._serialized_end=2933
   _globals['_REGISTERREQUEST']._serialized_start=118
   _globals['_REGISTERREQUEST']._serialized_end=462
   _globals['_REGISTERRESPONSE']._serialized_start=465
@@ -57,35 +57,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTALARMSREQUEST']._serialized_start=1098
   _globals['_REPORTALARMSREQUEST']._serialized_end=1152
   _globals['_REPORTALARMSRESPONSE']._serialized_start=1155
-  _globals['_REPORTALARMSRESPONSE']._serialized_end=1293
-  _globals['_TERMINATEINSTANCEREQUEST']._serialized_start=1295
-  _globals['_TERMINATEINSTANCEREQUEST']._serialized_end=1412
-  _globals['_TERMINATEINSTANCERESPONSE']._serialized_start=1414
-  _globals['_TERMINATEINSTANCERESPONSE']._serialized_end=1540
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1542
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1636
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1638
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1700
-  _globals['_LISTALARMSREQUEST']._serialized_start=1702
-  _globals['_LISTALARMSREQUEST']._serialized_end=1799
-  _globals['_LISTALARMSRESPONSE']._serialized_start=1801
-  _globals['_LISTALARMSRESPONSE']._serialized_end=1879
-  _globals['_WATCHALARMSREQUEST']._serialized_start=1881
-  _globals['_WATCHALARMSREQUEST']._serialized_end=1925
-  _globals['_WATCHALARMSRESPONSE']._serialized_start=1927
-  _globals['_WATCHALARMSRESPONSE']._serialized_end=1980
-  _globals['_GETFAULTTOLERANCESTATUSREQUEST']._serialized_start=1982
-  _globals['_GETFAULTTOLERANCESTATUSREQUEST']._serialized_end=2035
-  _globals['_FAULTTOLERANCEENTRY']._serialized_start=2038
-  _globals['_FAULTTOLERANCEENTRY']._serialized_end=2194
-  _globals['_GETFAULTTOLERANCESTATUSRESPONSE']._serialized_start=2196
-  _globals['_GETFAULTTOLERANCESTATUSRESPONSE']._serialized_end=2279
-  _globals['_NODEFAULT']._serialized_start=2281
-  _globals['_NODEFAULT']._serialized_end=2407
-  _globals['_REPORTFAULTSREQUEST']._serialized_start=2409
-  _globals['_REPORTFAULTSREQUEST']._serialized_end=2467
-  _globals['_REPORTFAULTSRESPONSE']._serialized_start=2469
-  _globals['_REPORTFAULTSRESPONSE']._serialized_end=2522
-  _globals['_CONTROLLER']._serialized_start=2870
-  _globals['_CONTROLLER']._serialized_end=3620
+  _globals['_REPORTALARMSRESPONSE']._serialized_end=1329
+  _globals['_TERMINATEINSTANCEREQUEST']._serialized_start=1331
+  _globals['_TERMINATEINSTANCEREQUEST']._serialized_end=1448
+  _globals['_TERMINATEINSTANCERESPONSE']._serialized_start=1450
+  _globals['_TERMINATEINSTANCERESPONSE']._serialized_end=1576
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1578
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1672
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1674
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1736
+  _globals['_LISTALARMSREQUEST']._serialized_start=1738
+  _globals['_LISTALARMSREQUEST']._serialized_end=1835
+  _globals['_LISTALARMSRESPONSE']._serialized_start=1837
+  _globals['_LISTALARMSRESPONSE']._serialized_end=1915
+  _globals['_WATCHALARMSREQUEST']._serialized_start=1917
+  _globals['_WATCHALARMSREQUEST']._serialized_end=1961
+  _globals['_WATCHALARMSRESPONSE']._serialized_start=1963
+  _globals['_WATCHALARMSRESPONSE']._serialized_end=2016
+  _globals['_GETFAULTTOLERANCESTATUSREQUEST']._serialized_start=2018
+  _globals['_GETFAULTTOLERANCESTATUSREQUEST']._serialized_end=2071
+  _globals['_FAULTTOLERANCEENTRY']._serialized_start=2074
+  _globals['_FAULTTOLERANCEENTRY']._serialized_end=2260
+  _globals['_GETFAULTTOLERANCESTATUSRESPONSE']._serialized_start=2262
+  _globals['_GETFAULTTOLERANCESTATUSRESPONSE']._serialized_end=2345
+  _globals['_NODEFAULT']._serialized_start=2347
+  _globals['_NODEFAULT']._serialized_end=2473
+  _globals['_REPORTFAULTSREQUEST']._serialized_start=2475
+  _globals['_REPORTFAULTSREQUEST']._serialized_end=2533
+  _globals['_REPORTFAULTSRESPONSE']._serialized_start=2535
+  _globals['_REPORTFAULTSRESPONSE']._serialized_end=2588
+  _globals['_CONTROLLER']._serialized_start=2936
+  _globals['_CONTROLLER']._serialized_end=3686
 # @@protoc_insertion_point(module_scope)

@@ -441,15 +441,21 @@ class ReportAlarmsResponse(_message.Message):
     PRECISION_ALARM_CLEARED_FIELD_NUMBER: _builtins.int
     PRECISION_ALARM_CLEARED_BY_AUTO_RECOVERY_FIELD_NUMBER: _builtins.int
     SCHEDULER_STATE_CLEARED_FIELD_NUMBER: _builtins.int
+    PRECISION_RECOVERY_PENDING_FIELD_NUMBER: _builtins.int
     precision_alarm_cleared: _builtins.bool
-    """A precision alarm of the report was cleared."""
+    """A precision CLEAR of the report cleared an active precision alarm (the other Coordinators
+    are then told to reset their state for the group, after the answer).
+    """
     precision_alarm_cleared_by_auto_recovery: _builtins.bool
-    """The precision alarm was cleared by the Controller's automatic recovery of the PD group
-    (controller.precision_auto_recovery_enabled).
+    """Never set: the automatic recovery runs after the answer (see precision_recovery_pending);
+    its CLEAR reaches WatchAlarms and the webhook with reason "cleared by recovery: ...".
     """
     scheduler_state_cleared: _builtins.bool
-    """The Coordinator's precision state for the group was reset (its ClearPrecisionAlarm
-    succeeded).
+    """Never set: the Coordinators are called after the answer, each until it answers."""
+    precision_recovery_pending: _builtins.bool
+    """A precision ALARM of the report is being recovered automatically
+    (controller.precision_auto_recovery_enabled): the PD group is terminated and the alarm
+    cleared after the answer.
     """
     def __init__(
         self,
@@ -457,10 +463,11 @@ class ReportAlarmsResponse(_message.Message):
         precision_alarm_cleared: _builtins.bool = ...,
         precision_alarm_cleared_by_auto_recovery: _builtins.bool = ...,
         scheduler_state_cleared: _builtins.bool = ...,
+        precision_recovery_pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["precision_alarm_cleared", b"precision_alarm_cleared", "precision_alarm_cleared_by_auto_recovery", b"precision_alarm_cleared_by_auto_recovery", "scheduler_state_cleared", b"scheduler_state_cleared"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["precision_alarm_cleared", b"precision_alarm_cleared", "precision_alarm_cleared_by_auto_recovery", b"precision_alarm_cleared_by_auto_recovery", "precision_recovery_pending", b"precision_recovery_pending", "scheduler_state_cleared", b"scheduler_state_cleared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -734,6 +741,7 @@ class FaultToleranceEntry(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
+    PREV_STRATEGY_FAILED_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.int
     """The instance."""
     fault_level: _builtins.int
@@ -744,6 +752,8 @@ class FaultToleranceEntry(_message.Message):
     """Name of the running recovery strategy; "" = none."""
     phase: _builtins.str
     """Phase of the running strategy; "" = none."""
+    prev_strategy_failed: _builtins.str
+    """The strategy that ran last, when it failed and its escalation has not run yet; "" = none."""
     @_builtins.property
     def history(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Earlier strategies and their outcomes, human-readable."""
@@ -761,10 +771,11 @@ class FaultToleranceEntry(_message.Message):
         phase: _builtins.str = ...,
         history: _abc.Iterable[_builtins.str] | None = ...,
         since: _timestamp_pb2.Timestamp | None = ...,
+        prev_strategy_failed: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fault_level", b"fault_level", "history", b"history", "instance_id", b"instance_id", "phase", b"phase", "since", b"since", "strategy", b"strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fault_level", b"fault_level", "history", b"history", "instance_id", b"instance_id", "phase", b"phase", "prev_strategy_failed", b"prev_strategy_failed", "since", b"since", "strategy", b"strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

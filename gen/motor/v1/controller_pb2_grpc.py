@@ -159,9 +159,12 @@ class ControllerServicer:
         plus, for precision alarms (0xFC001009), their moi, and for the others their instance_id, or
         their moi when instance_id is 0: an ALARM repeated while its key is active updates the active
         one (reason, occur_time) and is not stored again. A CLEAR removes the active ALARM with its
-        key; it is stored (and passed on) even when nothing was active. With
+        key; it is stored (and passed on) even when nothing was active. The answer comes once the
+        report is stored: what it leads to runs after it. With
         controller.precision_auto_recovery_enabled a precision ALARM makes the Controller recover
-        the PD group and clear the alarm.
+        the PD group (terminate both instances, clear the alarm with the same moi, call every
+        Coordinator's ClearPrecisionAlarm), retried until done, across Controller restarts. A
+        precision alarm whose instances no longer exist is cleared with reason "instance_gone".
 
         Errors: INVALID_ARGUMENT (BadRequest field alarms[i].<field>) for an alarm without alarm_id
         or category, an unknown enum value, a precision alarm without moi, or more than 1000 alarms
@@ -175,10 +178,13 @@ class ControllerServicer:
     def TerminateInstance(self, request, context):
         """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
         stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
-        group, decode first, then prefill. With precision_alarm_clear it then
-        clears the group's active precision alarm (reports the ALARM and its CLEAR, and calls the
-        Coordinator's ClearPrecisionAlarm); a failed terminate skips the clear. INVALID_ARGUMENT for
-        a zero instance_id; an unknown instance gets NOT_FOUND.
+        group, decode first, then prefill. With precision_alarm_clear it then clears the group's
+        active precision alarm (a CLEAR with the same moi) and calls every Coordinator's
+        ClearPrecisionAlarm. The termination is recorded first and carried out by the Controller's
+        reconcile, which finishes it even if the call's deadline passes or the Controller restarts;
+        the answer says what was done by the deadline (a second call for an instance being
+        terminated waits for the same teardown). INVALID_ARGUMENT for a zero instance_id; an unknown
+        instance gets NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

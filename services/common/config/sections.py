@@ -133,8 +133,10 @@ class ControllerConfig(ServerConfig):
     engine_relaunch_nm_unreachable_threshold: int = setting(3, c.integer(1, 10))
     """Consecutive unreachable polls of one NodeManager after which a relaunch fails."""
     precision_auto_recovery_enabled: bool = setting(False, c.BOOLEAN)
-    """When a Coordinator reports a precision alarm, terminate its prefill/decode group at once
-    (decode first; the NodeManagers stop and their pods restart) and clear the alarm."""
+    """When a Coordinator reports a precision alarm, terminate its prefill/decode group (decode
+    first; the NodeManagers stop and their pods restart), clear the alarm and tell every
+    Coordinator. Recorded at once and carried out by the Controller's reconcile, which finishes
+    it across a restart or a leader change."""
     alarm_webhook_url: str = setting("", c.URL)
     """Alertmanager-compatible URL (`…/api/v2/alerts`) alarms are posted to; "" = none. An ALARM
     is a firing alert (re-sent while active), its CLEAR resolves it."""

@@ -2,13 +2,9 @@
 
 **Instance fault** (``0xFC001002``, MAJOR, one per instance id): raised when an instance turns
 INACTIVE, or is DELETED by a fault; cleared when it is ACTIVE (or PAUSED) again, or removed on
-purpose. Whether a removal is on purpose is read from the reason handed to
-``InstanceTable.transition``/``delete``:
-
-    a reason that starts with ``terminated:`` (ON_PURPOSE) is an operator's or a recovery's
-    deliberate removal (TerminateInstance deletes with ``"terminated: <why>"``); every other
-    reason (``heartbeat_timeout``, ``start_failed``, ``node_manager_restarted``, and the fault
-    strategy's ``terminated``, without the colon) is a fault.
+purpose. Whether a removal is on purpose is the stored reason of its teardown (model.Removal):
+TERMINATED (an operator's TerminateInstance) and PRECISION_RECOVERY are; every other reason (a
+heartbeat timeout, a failed start, a restarted NodeManager, a failed relaunch) is a fault.
 
 A DELETED instance never comes back, so its alarm is cleared when its job is served again (a
 later instance of the same job ACTIVE or PAUSED), when the instance leaves the Controller's
@@ -53,13 +49,12 @@ from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
-ON_PURPOSE = "terminated:"
 COORDINATOR_ALARM_AFTER_S = 10.0
 _HEALTHY = (ACTIVE, PAUSED)
 
 
-def on_purpose(reason: str) -> bool:
-    return reason.startswith(ON_PURPOSE)
+def on_purpose(inst: Instance) -> bool:
+    return inst.teardown is not None and inst.teardown.reason.on_purpose
 
 
 def instance_moi(inst: Instance) -> str:
@@ -124,7 +119,7 @@ class InstanceAlarms:
         """What a transition raises or clears, from the alarms as they are when it is reported."""
         batch: list[alarm_pb2.Alarm] = []
         what = f"instance {inst.id} ({inst.job_name}) {status_name(new)}: {reason}"
-        if new == INACTIVE or (new == DELETED and not on_purpose(reason)):
+        if new == INACTIVE or (new == DELETED and not on_purpose(inst)):
             batch.append(instance_alarm(inst, ALARM, what))
         elif new == DELETED or new in _HEALTHY:
             active = self._alarms.find_active(instance_alarm(inst, ALARM, ""))

@@ -1,55 +1,57 @@
 """The fault manager: each instance's fault level and the one recovery strategy it runs.
 
-Level-triggered: :meth:`FaultManager.reconcile` (called by the instance reconcile, so after every
-beat or engine event that changed something, and on every resync) looks at what the heartbeats
-show now and decides which strategy the instance wants:
+Level-triggered: :meth:`FaultManager.step` (called by the instance reconcile, so after every
+beat or engine event that changed something, on every resync and when the strategy asked to be
+looked at again) looks at what the heartbeats show now and at the strategy record stored with
+the instance (model.StrategyRecord), and does one step:
 
 - the instance's level is the highest of its NodeManagers' reported faults (ReportFaults, L1-L6)
   and L2 for an engine that died (its endpoint ABNORMAL with no process);
 - above L2 the instance is separated (INACTIVE, not routed) until the faults are cleared, and a
-  running relaunch is stopped;
+  running relaunch is stopped (its unaccepted NodeManagers get ABORT);
 - L2 (a dead engine, or a restart request) → ``EngineRelaunch`` when ``enable_engine_relaunch``
   (off: nothing; the NodeManager's pod-restart fallback acts); a relaunch that succeeds has
   honoured the restart requests of its NodeManagers, which are cleared;
-- the strategy that ran last failed → escalate: a failed ``EngineRelaunch`` → ``Terminate``.
+- the strategy that ran last failed (``failed`` in the record: prev_strategy_failed) →
+  escalate: a failed ``EngineRelaunch`` → ``Terminate``.
 
 At most one strategy runs per instance: a higher-ranked one stops the running one and starts;
-an equal or lower one leaves it. A strategy that crashes (an exception other than
-``StrategyFailed``: a bug) is logged with its traceback and run again after a backoff, up to
-``STRATEGY_RESTARTS`` times; crashing once more counts as failed (and escalates). A finished
-strategy is recorded in the instance's bounded history (with its outcome and duration) and its
-instance is reconciled again. Reported faults and the history are stored first (they survive a
-restart), then applied. A deleted instance's strategy is stopped and its record dropped.
+an equal or lower one leaves it. Every step's record is stored before it takes effect, and the
+next step reads only the stored record, so a Controller restart or a new leader continues (or
+escalates) exactly where the last one stopped, and a relaunch that had failed is escalated, not
+retried as new. A step that raises something unexpected (a bug) is logged with its traceback
+and tried again after a backoff, up to ``STRATEGY_RESTARTS`` times; once more and the strategy
+has failed (and escalates). A finished strategy is recorded in the instance's bounded history
+(with its outcome and duration). Reported faults are stored first (they survive a restart),
+then applied.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
-from motor_mesh.common import enums, log, tasks
+from motor_mesh.common import enums, log
 from motor_mesh.common.config import ControllerConfig
-from motor_mesh.common.retry import Backoff
-from motor_mesh.controller.faults.strategies import EngineRelaunch, Strategy, StrategyFailed, Terminate
+from motor_mesh.controller.faults.strategies import EngineRelaunch, Step, StrategyFailed, Terminate
 from motor_mesh.controller.instances import InstanceTable
-from motor_mesh.controller.model import Instance
+from motor_mesh.controller.model import Instance, StrategyRecord
 from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.controller.store.db import StateWriteError
 from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 
 HISTORY = 20  # finished strategies kept per instance
-STRATEGY_RESTARTS = 3  # after a crash; one more crash and the strategy has failed
+STRATEGY_RESTARTS = 3  # steps that crashed; one more crash and the strategy has failed
 # Long enough for a crash caused by something passing (a peer mid-restart) to have passed.
 RESTART_BACKOFF = (1.0, 5.0)
 L1, L2 = pb.FAULT_LEVEL_L1, pb.FAULT_LEVEL_L2
+NONE = StrategyRecord()
 
 
 @dataclass(frozen=True)
@@ -59,18 +61,11 @@ class ReportedFault:
 
 
 @dataclass(eq=False)
-class Running:
-    strategy: Strategy
-    task: asyncio.Task[None]
-    level: int
-
-
-@dataclass(eq=False)
 class FaultState:
+    """What is kept in memory only: derived from the stored state at every step."""
+
     level: int = 0
     since: float = 0.0  # wall clock: when the level or the strategy last changed
-    running: Running | None = None
-    failed: str = ""  # the strategy that ran last, when it failed (prev_strategy_failed)
     history: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
 
 
@@ -85,15 +80,13 @@ class FaultManager:
         cfg: ControllerConfig,
         table: InstanceTable,
         clients: NodeManagerClients,
-        enqueue: Callable[[int], None],
         store: StateStore,
     ) -> None:
         self.cfg = cfg
         self.table = table
-        self.clients = clients
-        self.enqueue = enqueue
         self.store = store
         self.relaunch = cfg.enable_engine_relaunch
+        self.strategies = {s.name: s for s in (EngineRelaunch(clients, cfg), Terminate(table))}
         self._states: dict[int, FaultState] = {}
         # Reported faults by NodeManager address, then by code: they outlive the instance (a
         # rebuilt instance on a bad device is separated again) until cleared, and a restart.
@@ -163,14 +156,11 @@ class FaultManager:
 
     # --- deciding --------------------------------------------------------------------------
 
-    def reconcile(self, inst: Instance) -> bool:
-        """Act on the instance's faults; True when its separation changed (the caller runs the
-        state machine again)."""
+    def separate(self, inst: Instance) -> bool:
+        """Set the instance's level and separation from what is observed now; True when its
+        separation changed (the caller runs the state machine again)."""
         state = self._state(inst.id)
-        reported = max((self.node_level(a) for a in inst.node_managers), default=0)
-        level = max(reported, L2 if dead_engines(inst) else 0)
-        if state.running is not None:
-            level = max(level, state.running.level)
+        level = self._level(inst)
         if level != state.level:
             state.level, state.since = level, time.time()
         separated = level > L2
@@ -180,18 +170,112 @@ class FaultManager:
             log.event(
                 "instance_separated" if separated else "instance_reunited", instance_id=inst.id, level=level
             )
-        running = state.running
-        if running is not None:
-            running.strategy.poke()  # something changed: let it look now
-        if separated and running is not None and running.strategy.rank < level:
-            self._preempt(inst, state, f"L{level} fault")
-            running = None
-        want = self._wanted(inst, state, level)
-        if want is None or (running is not None and want.rank <= running.strategy.rank):
-            return changed  # nothing wanted, or equal keeps the running one and lower is ignored
-        self._preempt(inst, state, want.name)
-        self._start(inst, state, want, level)
         return changed
+
+    def _level(self, inst: Instance) -> int:
+        reported = max((self.node_level(a) for a in inst.node_managers), default=0)
+        level = max(reported, L2 if dead_engines(inst) else 0)
+        return max(level, inst.strategy.level) if inst.strategy.name else level
+
+    async def step(self, inst: Instance) -> float | None:
+        """One step of the instance's recovery; seconds until it wants the next one (0: at
+        once), None when nothing runs."""
+        level = self._level(inst)
+        rec = inst.strategy
+        running = self.strategies.get(rec.name)
+        if running is not None and level > L2 and running.rank < level:
+            await self._finish(inst, "stopped", f"L{level} fault", abort=True)
+            rec, running = inst.strategy, None
+        want = self._wanted(rec, level)
+        if want is not None and (running is None or want.rank > running.rank):
+            if running is not None:
+                await self._finish(inst, "stopped", want.name, abort=True)
+            fresh = StrategyRecord(
+                name=want.name,
+                phase=want.first_phase,
+                level=level,
+                started=time.time(),
+                failed_accepted=inst.strategy.failed_accepted if want is self.strategies["Terminate"] else (),
+            )
+            await self.table.update(inst, strategy=fresh)
+            self._state(inst.id).since = time.time()
+            log.event("strategy_started", instance_id=inst.id, strategy=want.name)
+            rec, running = fresh, want
+        if running is None:
+            return None
+        return await self._advance(inst, running, rec)
+
+    def _wanted(self, rec: StrategyRecord, level: int) -> EngineRelaunch | Terminate | None:
+        if rec.failed == EngineRelaunch.name:
+            return self.strategies[Terminate.name]
+        if level == L2 and self.relaunch and not rec.name:
+            return self.strategies[EngineRelaunch.name]
+        return None
+
+    async def _advance(
+        self, inst: Instance, strategy: EngineRelaunch | Terminate, rec: StrategyRecord
+    ) -> float | None:
+        if isinstance(strategy, EngineRelaunch):
+            ahead = strategy.before_restart(inst, rec)
+            if ahead is not None:
+                await self.table.update(inst, strategy=ahead)
+                rec = ahead
+        try:
+            step: Step = await strategy.advance(inst, rec)
+        except StrategyFailed as exc:
+            log.error("strategy_failed", instance_id=inst.id, strategy=rec.name, reason=str(exc))
+            await self._finish(inst, f"failed: {exc}", "", abort=True, record=exc.record or rec)
+            return 0
+        except StateWriteError:
+            raise
+        except Exception as exc:  # a bug: tried again, then counted as a failure
+            crashes = rec.crashes + 1
+            log.exception("strategy_crashed", instance_id=inst.id, strategy=rec.name, crashes=crashes)
+            if crashes > STRATEGY_RESTARTS:
+                why = f"failed {crashes} times, last: {type(exc).__name__}: {exc}"
+                log.error("strategy_failed", instance_id=inst.id, strategy=rec.name, reason=why)
+                await self._finish(inst, f"failed: {why}", "", abort=True, record=rec)
+                return 0
+            await self.table.update(inst, strategy=dataclasses.replace(rec, crashes=crashes))
+            return min(RESTART_BACKOFF[0] * 2 ** (crashes - 1), RESTART_BACKOFF[1])
+        if step.succeeded:
+            log.event("strategy_succeeded", instance_id=inst.id, strategy=rec.name)
+            if rec.name == EngineRelaunch.name:
+                await self._clear_restart_requests(inst)
+            await self._finish(inst, "succeeded", "", record=step.record)
+            return 0
+        if step.record != rec:
+            await self.table.update(inst, strategy=step.record)
+        return step.after
+
+    async def _finish(
+        self,
+        inst: Instance,
+        outcome: str,
+        by: str,
+        *,
+        abort: bool = False,
+        record: StrategyRecord | None = None,
+    ) -> None:
+        """The running strategy ends: ABORT where needed, the record cleared (keeping ``failed``
+        for the escalation), history and counters."""
+        rec = record or inst.strategy
+        strategy = self.strategies[rec.name]
+        if abort:
+            await strategy.abort(inst, rec)
+        if by:
+            log.event("strategy_preempted", instance_id=inst.id, strategy=rec.name, by=by)
+        failed = outcome.startswith("failed")
+        after = NONE
+        if failed:
+            after = StrategyRecord(failed=rec.name, failed_accepted=rec.accepted)
+        await self.table.update(inst, strategy=after)
+        state = self._state(inst.id)
+        state.since = time.time()
+        self.finished[rec.name, outcome.split(":", 1)[0]] += 1
+        elapsed = time.time() - rec.started if rec.started else 0.0
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self._record(inst, state, f"{stamp} {rec.name} {outcome} after {elapsed:.1f}s")
 
     def _state(self, instance_id: int) -> FaultState:
         state = self._states.get(instance_id)
@@ -200,124 +284,47 @@ class FaultManager:
             state.history.extend(self._history.pop(instance_id, []))
         return state
 
-    def _wanted(self, inst: Instance, state: FaultState, level: int) -> Strategy | None:
-        if state.failed == EngineRelaunch.name:
-            return Terminate(inst, self.clients, self.table, f"engine relaunch failed for instance {inst.id}")
-        if level == L2 and self.relaunch:
-            return EngineRelaunch(inst, self.clients, self.cfg)
-        return None
-
-    def _preempt(self, inst: Instance, state: FaultState, by: str) -> None:
-        running = state.running
-        if running is None:
-            return
-        log.event("strategy_preempted", instance_id=inst.id, strategy=running.strategy.name, by=by)
-        state.running = None
-        self._stop(running)
-
-    # --- running ---------------------------------------------------------------------------
-
-    def _start(self, inst: Instance, state: FaultState, strategy: Strategy, level: int) -> None:
-        state.failed = ""
-        state.since = time.time()
-        task = tasks.start(f"strategy-{strategy.name}-{inst.id}", self._run(inst, state, strategy))
-        state.running = Running(strategy, task, level)
-
-    async def _run(self, inst: Instance, state: FaultState, strategy: Strategy) -> None:
-        started = time.monotonic()
-        log.event("strategy_started", instance_id=inst.id, strategy=strategy.name)
-        outcome = "succeeded"
-        try:
-            # A transient bug must not escalate a relaunch to Terminate; one that keeps crashing
-            # counts as failed instead of looping.
-            await tasks.supervise(
-                f"strategy-{strategy.name}-{inst.id}",
-                strategy.run,
-                Backoff(*RESTART_BACKOFF),
-                restarts=STRATEGY_RESTARTS,
-                expected=(StrategyFailed,),
-            )
-            log.event("strategy_succeeded", instance_id=inst.id, strategy=strategy.name)
-            if strategy.name == EngineRelaunch.name:
-                await self._clear_restart_requests(inst)
-        except (StrategyFailed, tasks.GaveUp) as exc:
-            outcome = f"failed: {exc}"
-            log.error("strategy_failed", instance_id=inst.id, strategy=strategy.name, reason=str(exc))
-        except asyncio.CancelledError:
-            outcome = "stopped"
-            raise
-        finally:
-            self.finished[strategy.name, outcome.split(":", 1)[0]] += 1
-            elapsed = time.monotonic() - started
-            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            entry = f"{stamp} {strategy.name} {outcome} after {elapsed:.1f}s"
-            # Its own task: this may be a cancelled task's last act, which must not wait on disk.
-            tasks.start(f"fault-history-{inst.id}", self._record(inst, state, entry))
-            if state.running is not None and state.running.strategy is strategy:
-                state.running = None
-                state.since = time.time()
-                if outcome.startswith("failed"):
-                    state.failed = strategy.name
-                if inst.status != enums.DELETED:
-                    self.enqueue(inst.id)  # look again: escalate, or clear the level
-
     async def _record(self, inst: Instance, state: FaultState, entry: str) -> None:
-        """Stored, then kept in memory; an instance deleted meanwhile keeps no history. A failed
-        write loses the entry (the store logged why): history is an operator's aid, not state."""
-        if inst.id not in self._states:
-            return
+        """Stored, then kept in memory. A failed write loses the entry (the store logged why):
+        history is an operator's aid, not state."""
         try:
             await self.store.add_fault_history(inst.id, entry, HISTORY)
         except StateWriteError:
             return
-        if inst.id in self._states:
-            state.history.append(entry)
-
-    def _stop(self, running: Running) -> None:
-        running.task.cancel()
-        running.strategy.stopped()
+        state.history.append(entry)
 
     # --- observers and status --------------------------------------------------------------
 
     def on_transition(
         self, inst: Instance, old: enums.InstanceStatus, new: enums.InstanceStatus, reason: str
     ) -> None:
-        if new != enums.DELETED:
-            return
-        state = self._states.pop(inst.id, None)
-        self._history.pop(inst.id, None)  # on disk it went with the DELETED write
-        if state is not None and state.running is not None:
-            # Terminate deletes its own instance; it must finish, not be cancelled by that.
-            if state.running.task is not asyncio.current_task():
-                self._stop(state.running)
+        if new == enums.DELETED:
+            self._states.pop(inst.id, None)
+            self._history.pop(inst.id, None)  # on disk it went with the DELETED write
 
     def running(self) -> collections.Counter[str]:
         """How many of each strategy are running now."""
-        return collections.Counter(s.running.strategy.name for s in self._states.values() if s.running)
+        return collections.Counter(i.strategy.name for i in self.table.live.values() if i.strategy.name)
 
-    def status(self, instance_ids: list[int]) -> list[pb.FaultToleranceEntry]:
+    def status(self, instances: list[Instance]) -> list[pb.FaultToleranceEntry]:
         out = []
-        for iid in instance_ids:
-            state = self._states.get(iid) or FaultState(history=collections.deque(self._history.get(iid, [])))
+        for inst in instances:
+            state = self._states.get(inst.id) or FaultState(
+                history=collections.deque(self._history.get(inst.id, []))
+            )
             since = timestamp_pb2.Timestamp()
             if state.since:
                 since.FromNanoseconds(int(state.since * 1e9))
-            running = state.running
+            rec = inst.strategy
             out.append(
                 pb.FaultToleranceEntry(
-                    instance_id=iid,
-                    fault_level=state.level,
-                    strategy=running.strategy.name if running else "",
-                    phase=running.strategy.phase if running else "",
+                    instance_id=inst.id,
+                    fault_level=max(state.level, self._level(inst)),
+                    strategy=rec.name,
+                    phase=rec.phase,
                     history=list(state.history),
                     since=since if state.since else None,
+                    prev_strategy_failed=rec.failed,
                 )
             )
         return out
-
-    async def close(self) -> None:
-        running = [s.running.task for s in self._states.values() if s.running is not None]
-        for task in running:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*running, return_exceptions=True)

@@ -1,53 +1,57 @@
-"""Recovery strategies the fault manager runs for one instance, each as a cancellable task.
+"""Recovery strategies, as steps over a stored record (model.StrategyRecord).
 
-A strategy's ``run()`` returns when it succeeded and raises :class:`StrategyFailed` when it did
-not; after any other exception (a bug) the fault manager calls it again, so it starts over from
-its first phase. ``phase`` says where it is (GetFaultToleranceStatus shows it). ``rank`` orders
-strategies and fault levels: a higher one preempts a lower one. When a strategy is stopped from
-outside (preempted, or its instance deleted) its task is cancelled and :meth:`stopped` does what
-must still be done without waiting for anyone.
+The fault manager calls :meth:`advance` from the instance reconcile; each call does one step
+(a round of calls to the NodeManagers) and returns the record as it is after it, which the
+manager stores before anything else happens, and when to look again. A strategy holds no state
+of its own, so a restarted Controller or a new leader continues from the stored record.
+``advance`` raises :class:`StrategyFailed` when the strategy cannot recover the instance.
+``rank`` orders strategies and fault levels: a higher one preempts a lower one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import time
-from typing import Protocol
+from dataclasses import dataclass
 
 import grpc
 
-from motor_mesh.common import enums, errors, log, tasks
+from motor_mesh.common import enums, errors, log, retry
 from motor_mesh.common.config import ControllerConfig
 from motor_mesh.controller.instances import InstanceTable
-from motor_mesh.controller.model import Instance, observe_kv_ports
+from motor_mesh.controller.model import Instance, Removal, StrategyRecord, observe_kv_ports
 from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.gen.motor.v1 import nodemanager_pb2
 
 PROBE_RETRY_S = 0.5
+# RestartEngines answers a retry cannot change.
+RESTART_POLICY = retry.policy(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 class StrategyFailed(Exception):
-    """The strategy could not recover the instance; the message says why."""
+    """The strategy could not recover the instance; the message says why, and ``record`` is
+    the strategy's record as the failing step left it (None: as it was before the step)."""
+
+    def __init__(self, why: str, record: StrategyRecord | None = None) -> None:
+        super().__init__(why)
+        self.record = record
 
 
-class Strategy(Protocol):
-    name: str
-    rank: int
-    phase: str
-
-    async def run(self) -> None: ...
-
-    def stopped(self) -> None: ...
-
-    def poke(self) -> None: ...
-
-
-def _accepted(result: object) -> bool:
-    """RestartEngines went through, or one is already running there (ABORTED), which is as good."""
-    if isinstance(result, grpc.RpcError):
-        return errors.RpcFailure.of(result).code == grpc.StatusCode.ABORTED
-    return not isinstance(result, BaseException)
+@dataclass(frozen=True)
+class Step:
+    record: StrategyRecord
+    # Seconds until the next step; 0 = at once.
+    after: float
+    succeeded: bool = False
 
 
 def _why(result: BaseException) -> str:
@@ -61,175 +65,210 @@ class EngineRelaunch:
     """Relaunch the instance's engines in place, on every NodeManager together (the ranks of a
     collective group restart together or not at all).
 
-    Phase 1: probe every NodeManager (any unreachable → phase 2 for all), ``RestartEngines
-    (RESTART)`` to all, then poll ``GetStatus(relaxed)`` until all are ready. It fails after the
-    complete timeout, or when one NodeManager misses the unreachable threshold of polls in a
-    row. Phase 2: ``RestartEngines(ABORT)`` to the NodeManagers whose restart was not accepted,
-    so their pod-restart fallback goes ahead; the accepted ones stay held while their engines
-    come up."""
+    - ``probe``: GetStatus of every NodeManager (each retried ``engine_relaunch_dispatch_retries``
+      times), recording its incarnation and relaunch count;
+    - ``restart``: ``RestartEngines(RESTART)`` to each, a retryable failure retried as many times;
+      one whose answer was lost (a Controller restart) is recognised by its relaunch count;
+    - ``wait_ready``: ``GetStatus(relaxed)`` until all are ready. It fails after the complete
+      timeout, when one NodeManager misses the unreachable threshold of polls in a row, or when
+      a relaunched engine dies again;
+    - ``abort`` (after a failure, or when preempted): ``RestartEngines(ABORT)`` to the
+      NodeManagers whose restart was not accepted, so their pod-restart fallback goes ahead. The
+      accepted ones stay frozen while their engines come up: never stopped by the escalation.
+    """
 
     name = "EngineRelaunch"
     rank = 2  # the fault level it answers: an L3+ fault (separation) stops it
+    first_phase = "probe"
 
-    def __init__(self, inst: Instance, clients: NodeManagerClients, cfg: ControllerConfig) -> None:
-        self.inst = inst
+    def __init__(self, clients: NodeManagerClients, cfg: ControllerConfig) -> None:
         self.clients = clients
-        self.addresses = list(inst.node_managers)
         self.timeout_s = cfg.engine_relaunch_complete_timeout_s
         self.poll_s = cfg.engine_relaunch_poll_interval_s
         self.retries = cfg.engine_relaunch_dispatch_retries
         self.threshold = cfg.engine_relaunch_nm_unreachable_threshold
-        self.accepted: set[str] = set()
-        self.phase = "probe"
-        self._wake = asyncio.Event()
 
-    async def run(self) -> None:
-        try:
-            await self._relaunch()
-        except StrategyFailed:
-            self.phase = "abort"
-            await self._abort()
-            raise
+    async def advance(self, inst: Instance, rec: StrategyRecord) -> Step:
+        if rec.phase == "probe":
+            return await self._probe(inst, rec)
+        if rec.phase == "restart":
+            return await self._restart(inst, rec)
+        if rec.phase == "wait_ready":
+            return await self._wait_ready(inst, rec)
+        raise AssertionError(f"EngineRelaunch has no phase {rec.phase!r}")
 
-    async def _relaunch(self) -> None:
-        self.phase = "probe"
-        reachable = await asyncio.gather(*(self._probe(a) for a in self.addresses))
-        gone = [a for a, ok in zip(self.addresses, reachable, strict=True) if not ok]
+    def _count_failures(self, rec: StrategyRecord, failed: dict[str, str], what: str) -> StrategyRecord:
+        attempts = dict(rec.attempts)
+        for a in failed:
+            attempts[a] = attempts.get(a, 0) + 1
+        gone = [f"{a} ({why})" for a, why in failed.items() if attempts[a] > self.retries]
+        rec = dataclasses.replace(rec, attempts=attempts)
         if gone:
-            raise StrategyFailed(f"unreachable before the relaunch: {', '.join(gone)}")
-        self.phase = "restart"
-        results = await asyncio.gather(
-            *(self.clients.restart_engines(a, enums.RESTART, self.inst.id) for a in self.addresses),
-            return_exceptions=True,
-        )
-        refused = []
-        for a, result in zip(self.addresses, results, strict=True):
-            if _accepted(result):
-                self.accepted.add(a)
+            raise StrategyFailed(f"{what}: {', '.join(gone)}", rec)
+        return rec
+
+    async def _probe(self, inst: Instance, rec: StrategyRecord) -> Step:
+        todo = [a for a in inst.node_managers if a not in rec.base]
+        answers = await asyncio.gather(*(self.clients.get_status(a) for a in todo), return_exceptions=True)
+        base = dict(rec.base)
+        failed: dict[str, str] = {}
+        for a, answer in zip(todo, answers, strict=True):
+            if isinstance(answer, BaseException):
+                failed[a] = _why(answer)
             else:
-                assert isinstance(result, BaseException)
-                refused.append(f"{a} ({_why(result)})")
-        if refused:
-            raise StrategyFailed(f"restart refused by {', '.join(refused)}")
-        self.phase = "wait_ready"
-        await self._wait_ready()
+                base[a] = (answer.incarnation, answer.relaunch_count)
+        rec = self._count_failures(
+            dataclasses.replace(rec, base=base), failed, "unreachable before the relaunch"
+        )
+        if failed:
+            return Step(rec, PROBE_RETRY_S)
+        return Step(dataclasses.replace(rec, phase="restart", attempts={}), 0)
 
-    async def _probe(self, address: str) -> bool:
-        for attempt in range(self.retries + 1):
-            if await self.clients.reachable(address):
-                return True
-            if attempt < self.retries:
-                await asyncio.sleep(PROBE_RETRY_S)
-        return False
-
-    async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        misses = dict.fromkeys(self.addresses, 0)
-        while True:
+    async def _restart(self, inst: Instance, rec: StrategyRecord) -> Step:
+        todo = [a for a in inst.node_managers if a not in rec.accepted]
+        accepted = list(rec.accepted)
+        # Sent before the last Controller stopped, answer unknown: the relaunch count tells.
+        unsure = [a for a in todo if a in rec.dispatched]
+        if unsure:
             answers = await asyncio.gather(
-                *(self.clients.get_status(a) for a in self.addresses), return_exceptions=True
+                *(self.clients.get_status(a) for a in unsure), return_exceptions=True
             )
-            ready = True
-            for a, answer in zip(self.addresses, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    misses[a] += 1
-                    ready = False
-                    if misses[a] >= self.threshold:
-                        raise StrategyFailed(
-                            f"{a} unreachable for {misses[a]} polls in a row ({_why(answer)})"
-                        )
-                else:
-                    misses[a] = 0
-                    ready = ready and answer.ready
-                    died = [e.id for e in answer.endpoints if e.status == enums.EP_ABNORMAL and not e.pid]
-                    if died:
-                        # The relaunched engines died again: waiting out the timeout would not help.
-                        raise StrategyFailed(f"engine(s) {died} on {a} died again after the relaunch")
-            if ready:
-                # What every NodeManager just said is newer than the last beats: recorded now,
-                # the next look at the instance does not take the dead engines for still dead.
-                for a, answer in zip(self.addresses, answers, strict=True):
-                    assert not isinstance(answer, BaseException)
-                    self._observe(a, answer)
-                return
-            if time.monotonic() >= deadline:
-                raise StrategyFailed(f"engines not ready {self.timeout_s:.0f}s after the relaunch")
-            self._wake.clear()
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-            # arrives as the event is set, and a preempted strategy must stop.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_s):
-                    await self._wake.wait()
+            for a, answer in zip(unsure, answers, strict=True):
+                if not isinstance(answer, BaseException) and self._restarted(rec, a, answer):
+                    accepted.append(a)
+                    log.event("relaunch_found_accepted", instance_id=inst.id, node_manager=a)
+            todo = [a for a in todo if a not in accepted]
+        results = await asyncio.gather(
+            *(self.clients.restart_engines(a, enums.RESTART, inst.id) for a in todo), return_exceptions=True
+        )
+        failed: dict[str, str] = {}
+        refused: list[str] = []
+        for a, result in zip(todo, results, strict=True):
+            if not isinstance(result, BaseException):
+                accepted.append(a)
+                continue
+            failure = errors.RpcFailure.of(result) if isinstance(result, grpc.RpcError) else None
+            if failure is not None and failure.code == grpc.StatusCode.ABORTED:
+                accepted.append(a)  # one is already running there, which is as good
+            elif failure is not None and not RESTART_POLICY.retryable(failure.code):
+                refused.append(f"{a} ({_why(result)})")
+            else:
+                failed[a] = _why(result)
+                log.warn("relaunch_dispatch_failed", instance_id=inst.id, node_manager=a, reason=failed[a])
+        # An answer came for each of these: none is left to be found out after a restart.
+        dispatched = tuple(a for a in rec.dispatched if a not in todo)
+        rec = dataclasses.replace(rec, accepted=tuple(accepted), dispatched=dispatched)
+        if refused:
+            raise StrategyFailed(f"restart refused by {', '.join(refused)}", rec)
+        rec = self._count_failures(rec, failed, "restart refused by")
+        if failed:
+            return Step(rec, PROBE_RETRY_S)
+        deadline = time.time() + self.timeout_s
+        return Step(dataclasses.replace(rec, phase="wait_ready", attempts={}, deadline=deadline), 0)
 
-    def poke(self) -> None:
-        """The instance changed (a beat): poll now rather than at the next interval, so the
-        strategy ends as soon as the engines are up and a later fault starts a new one."""
-        self._wake.set()
+    @staticmethod
+    def _restarted(rec: StrategyRecord, address: str, answer: nodemanager_pb2.GetStatusResponse) -> bool:
+        """The same NodeManager process relaunched since the probe, and that relaunch did not
+        fail (a failed one leaves no engines and lifts the freeze)."""
+        incarnation, count = rec.base.get(address, (0, 0))
+        same = answer.incarnation == incarnation and answer.relaunch_count > count
+        return same and not _relaunch_failed(answer)
 
-    def _observe(self, address: str, answer: nodemanager_pb2.GetStatusResponse) -> None:
-        member = next((m for m in self.inst.members if m.address == address), None)
-        if member is None:
-            return
-        for reported in answer.endpoints:
-            ep = member.by_id.get(reported.id)
-            if ep is not None:
-                ep.status, ep.pid = reported.status, reported.pid
-                observe_kv_ports(ep, reported)
+    def before_restart(self, inst: Instance, rec: StrategyRecord) -> StrategyRecord | None:
+        """The record to store before a ``restart`` step sends anything: which NodeManagers are
+        about to get RESTART (None: nothing new to record)."""
+        if rec.phase != "restart":
+            return None
+        todo = tuple(a for a in inst.node_managers if a not in rec.accepted and a not in rec.dispatched)
+        if not todo:
+            return None
+        return dataclasses.replace(rec, dispatched=rec.dispatched + todo)
 
-    async def _abort(self) -> None:
+    async def _wait_ready(self, inst: Instance, rec: StrategyRecord) -> Step:
+        addresses = inst.node_managers
+        answers = await asyncio.gather(
+            *(self.clients.get_status(a) for a in addresses), return_exceptions=True
+        )
+        misses = dict(rec.misses)
+        ready = True
+        for a, answer in zip(addresses, answers, strict=True):
+            if isinstance(answer, BaseException):
+                misses[a] = misses.get(a, 0) + 1
+                ready = False
+                if misses[a] >= self.threshold:
+                    raise StrategyFailed(f"{a} unreachable for {misses[a]} polls in a row ({_why(answer)})")
+                continue
+            misses[a] = 0
+            ready = ready and answer.ready
+            died = [e.id for e in answer.endpoints if e.status == enums.EP_ABNORMAL and not e.pid]
+            if died:
+                # The relaunched engines died again: waiting out the timeout would not help.
+                raise StrategyFailed(f"engine(s) {died} on {a} died again after the relaunch")
+            if _relaunch_failed(answer):
+                raise StrategyFailed(f"the relaunch on {a} failed: it runs no engines")
+        rec = dataclasses.replace(rec, misses=misses)
+        if ready:
+            # What every NodeManager just said is newer than the last beats: recorded now, the
+            # next look at the instance does not take the dead engines for still dead.
+            for a, answer in zip(addresses, answers, strict=True):
+                assert not isinstance(answer, BaseException)
+                _observe(inst, a, answer)
+            return Step(rec, 0, succeeded=True)
+        if time.time() >= rec.deadline:
+            raise StrategyFailed(f"engines not ready {self.timeout_s:.0f}s after the relaunch")
+        return Step(rec, min(self.poll_s, max(0.0, rec.deadline - time.time())))
+
+    async def abort(self, inst: Instance, rec: StrategyRecord) -> None:
         """ABORT to every NodeManager whose restart was not accepted; an error line names each
-        one it did not reach. Nothing is left to abort once the instance is deleted."""
-        targets = [a for a in self.addresses if a not in self.accepted]
-        if not targets or self.inst.status == enums.DELETED:
+        one it did not reach (its freeze, if any, expires on its own)."""
+        targets = [a for a in inst.node_managers if a not in rec.accepted]
+        if not targets:
             return
         results = await asyncio.gather(
-            *(self.clients.restart_engines(a, enums.ABORT, self.inst.id) for a in targets),
+            *(self.clients.restart_engines(a, enums.ABORT, inst.id) for a in targets),
             return_exceptions=True,
         )
         for a, result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
                 log.error(
-                    "relaunch_abort_unreached", instance_id=self.inst.id, node_manager=a, reason=_why(result)
+                    "relaunch_abort_unreached", instance_id=inst.id, node_manager=a, reason=_why(result)
                 )
 
-    def stopped(self) -> None:
-        tasks.start(f"relaunch-abort-{self.inst.id}", self._abort())
+
+def _relaunch_failed(answer: nodemanager_pb2.GetStatusResponse) -> bool:
+    """No engines and no freeze: a relaunch that could not launch (RELAUNCH_FAILED) leaves the
+    NodeManager so; one still running holds the freeze."""
+    return not answer.endpoints and not answer.HasField("frozen_until")
+
+
+def _observe(inst: Instance, address: str, answer: nodemanager_pb2.GetStatusResponse) -> None:
+    member = next((m for m in inst.members if m.address == address), None)
+    if member is None:
+        return
+    for reported in answer.endpoints:
+        ep = member.by_id.get(reported.id)
+        if ep is not None:
+            ep.status, ep.pid = reported.status, reported.pid
+            observe_kv_ports(ep, reported)
 
 
 class Terminate:
-    """The last resort: ``Stop`` every NodeManager of the instance (each stops its engines and
-    exits, so its pod restarts and registers anew) and delete the instance."""
+    """The last resort after a failed relaunch: the instance is doomed (reason RELAUNCH_FAILED)
+    with Stop for the NodeManagers that had not accepted the relaunch (each stops its engines and
+    exits, so its pod restarts and registers anew). The ones that accepted it are left to finish
+    recovering or to let their freeze expire, when their own arbiter decides."""
 
     name = "Terminate"
     rank = 7  # above every fault level: once started it finishes
+    first_phase = "stop"
 
-    def __init__(
-        self, inst: Instance, clients: NodeManagerClients, table: InstanceTable, reason: str
-    ) -> None:
-        self.inst = inst
-        self.clients = clients
+    def __init__(self, table: InstanceTable) -> None:
         self.table = table
-        self.reason = reason
-        self.phase = "stop"
 
-    async def run(self) -> None:
-        addresses = list(self.inst.node_managers)
-        results = await asyncio.gather(
-            *(self.clients.stop(a, self.reason) for a in addresses), return_exceptions=True
-        )
-        unreached = [
-            f"{a} ({_why(r)})"
-            for a, r in zip(addresses, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        self.phase = "delete"
-        await self.table.delete(self.inst, "terminated")
-        if unreached:
-            # Deleted all the same: those NodeManagers are told to register again on their next beat.
-            raise StrategyFailed(f"Stop did not reach {', '.join(unreached)}")
+    async def advance(self, inst: Instance, rec: StrategyRecord) -> Step:
+        stop = [a for a in inst.node_managers if a not in rec.failed_accepted]
+        await self.table.doom(inst, Removal.RELAUNCH_FAILED, "engine relaunch failed", stop=stop)
+        return Step(rec, 0, succeeded=True)
 
-    def stopped(self) -> None:
-        pass
-
-    def poke(self) -> None:
+    async def abort(self, inst: Instance, rec: StrategyRecord) -> None:
         pass

@@ -5,11 +5,13 @@ and assembling it is the assembler's reconcile, which this only enqueues. A Node
 registers again carrying the id of a live instance (after a Controller restart or a lost stream)
 is re-attached: new session, engines untouched. A NodeManager that restarted (a new process at
 the same address, proven by that address answering with the new incarnation) retires its old
-instance at once, which is then assembled again.
+instance at once (doomed; the instance reconcile deletes it while the registration waits), and
+it is then assembled again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from motor_mesh.common.config import ControllerConfig
 from motor_mesh.common.enums import DELETED, InstanceStatus, status_name
 from motor_mesh.controller import assembly, convert
 from motor_mesh.controller.instances import InstanceTable
-from motor_mesh.controller.model import Instance, Member, Pending
+from motor_mesh.controller.model import Instance, Member, Pending, Removal
 from motor_mesh.controller.nodes.client import NodeManagerClients
 from motor_mesh.controller.nodes.pending import PendingAssemblies
 from motor_mesh.controller.nodes.sessions import SessionTable
@@ -32,6 +34,9 @@ from motor_mesh.gen.motor.v1 import controller_pb2 as pb
 # reconcile for up to instance_assemble_timeout_s, so a caller inventing job names must hit a
 # wall; a real fleet assembles within seconds of registering and stays far below it.
 MAX_PENDING_JOBS = 20_000
+# How long a restarted NodeManager's Register waits for the instance reconcile to delete its old
+# instance (milliseconds, unless the store is failing); after that it is asked to retry.
+DELETE_WAIT_S = 5.0
 
 
 class Registrar:
@@ -76,8 +81,18 @@ class Registrar:
                 old_incarnation=member.incarnation if member else 0,
                 incarnation=req.incarnation,
             )
-            if inst.status != DELETED:  # another registration may have retired it meanwhile
-                await self.table.delete(inst, "node_manager_restarted")
+            # The other members of a multi-node instance are stopped: their ranks cannot go on
+            # without this one's, so their pods restart and every rank comes back together.
+            others = [m.address for m in inst.members if m is not member]
+            await self.table.doom(
+                inst, Removal.NODE_MANAGER_RESTARTED, f"{req.host}:{req.nm_port} restarted", stop=others
+            )
+            try:
+                await asyncio.wait_for(self.table.wait_deleted(inst), DELETE_WAIT_S)
+            except TimeoutError:
+                raise errors.unavailable(
+                    f"instance {inst.id} of this NodeManager is still being deleted; register again"
+                ) from None
         async with self.pending.locked(req.job_name):
             return await self.register_now(req)
 

@@ -3,14 +3,20 @@
 ``reconcile(instance_id)`` compares the instance with the latest observations (the heartbeat
 handlers record them and enqueue the id):
 
-1. a NodeManager silent for ``instance_heartbeat_timeout_s`` → DELETED; one whose stream just
-   broke and that does not answer a probe → its endpoints ABNORMAL (the instance leaves
-   routing now; the heartbeat timeout or its restart decides the rest);
+0. a doomed instance (instances.py ``doom``, whoever asked) → its teardown's next step
+   (reconcile/teardown.py): deleted, its NodeManagers stopped, its precision alarm cleared. This
+   also runs for a DELETED instance whose teardown a restart interrupted;
+1. a NodeManager silent for ``instance_heartbeat_timeout_s`` → doomed; the other members of a
+   multi-node instance get Stop (their ranks cannot go on without the lost one's: their pods
+   restart, and all ranks come back together). One whose stream just broke and that does not
+   answer a probe → its endpoints ABNORMAL (the instance leaves routing now; the heartbeat
+   timeout or its restart decides the rest);
 2. the endpoint statuses → the state machine's next status (persisted, then observers told);
 3. members whose engines are not running yet → ``StartEngines``. A failed round is retried with
-   the key's backoff up to ``start_command_retries`` times, then the instance is DELETED;
+   the key's backoff up to ``start_command_retries`` times, then the instance is doomed;
    a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried;
-4. the fault manager: which recovery strategy the instance wants now (faults/manager.py).
+4. the fault manager: the instance's separation, and one step of its recovery strategy
+   (faults/manager.py), looked at again when the step asks.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from motor_mesh.controller import assembly
 from motor_mesh.controller import state_machine as sm
 from motor_mesh.controller.faults.manager import FaultManager
 from motor_mesh.controller.instances import InstanceTable
-from motor_mesh.controller.model import Instance, Member, observe_kv_ports
+from motor_mesh.controller.model import Instance, Member, Removal, observe_kv_ports
 from motor_mesh.controller.nodes.client import NodeManagerClients
-from motor_mesh.controller.reconcile.runner import DONE, Result, Retry, Terminal
+from motor_mesh.controller.reconcile.runner import DONE, REQUEUE_NOW, Result, Retry, Terminal
+from motor_mesh.controller.reconcile.teardown import Teardowns
 from motor_mesh.controller.store.db import StateWriteError
 
 # Retrying a StartEngines cannot fix these; every other failure (the NodeManager down or slow,
@@ -51,36 +58,46 @@ class InstanceReconciler:
         table: InstanceTable,
         nm_clients: NodeManagerClients,
         faults: FaultManager,
+        teardowns: Teardowns,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
         self.table = table
         self.nm_clients = nm_clients
         self.faults = faults
+        self.teardowns = teardowns
         self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
         self.start_retries = cfg.start_command_retries
 
     async def reconcile(self, instance_id: int) -> Result:
         inst = self.table.live.get(instance_id)
         if inst is None:
+            gone = self.table.deleted.get(instance_id)
+            if gone is not None and gone.teardown is not None and not gone.teardown.done:
+                return _after(await self.teardowns.advance(gone))
             return DONE
+        if inst.teardown is not None:
+            return _after(await self.teardowns.advance(inst))
         now = self.clock()
-        silent = next((m for m in inst.members if now - m.last_heard > self.heartbeat_timeout_s), None)
-        if silent is not None:
+        silent = [m for m in inst.members if now - m.last_heard > self.heartbeat_timeout_s]
+        if silent:
+            first = silent[0]
             log.warn(
                 "heartbeat_timeout",
                 instance_id=inst.id,
-                node_manager=silent.address,
-                silent_s=round(now - silent.last_heard, 3),
-                stream_open=silent.open_streams > 0,
+                node_manager=first.address,
+                silent_s=round(now - first.last_heard, 3),
+                stream_open=first.open_streams > 0,
             )
-            await self.table.transition(inst, sm.after_heartbeat_timeout(inst.status), "heartbeat_timeout")
-            return DONE
+            survivors = [m.address for m in inst.members if m not in silent]
+            detail = f"{','.join(m.address for m in silent)} silent"
+            await self.table.doom(inst, Removal.HEARTBEAT_TIMEOUT, detail, stop=survivors)
+            return _after(await self.teardowns.advance(inst))
         lost = [m for m in inst.members if m.stream_lost and not m.open_streams]
         if lost:
             await self._probe_lost(inst, lost)
         # A status the disk would not take does not hold back healing: the fault manager acts on
-        # the engines (a relaunch needs no write), and the reconcile is retried for the status.
+        # the engines (a relaunch needs no status write), and the reconcile is retried for it.
         unwritten: StateWriteError | None = None
         try:
             await self.evaluate(inst)
@@ -89,11 +106,14 @@ class InstanceReconciler:
         if unwritten is None and any(m.started is False for m in inst.members):
             await self._start(inst)
             await self.evaluate(inst)
-        if inst.status != sm.DELETED and self.faults.reconcile(inst) and unwritten is None:
+        if self.faults.separate(inst) and unwritten is None:
             await self.evaluate(inst)  # separated, or no longer
+        wait = await self.faults.step(inst)
+        if inst.teardown is not None:  # the escalation doomed it
+            return _after(await self.teardowns.advance(inst))
         if unwritten is not None:
             raise unwritten
-        return DONE
+        return _after(wait)
 
     async def _probe_lost(self, inst: Instance, lost: list[Member]) -> None:
         answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in lost))
@@ -122,7 +142,7 @@ class InstanceReconciler:
             *(self.nm_clients.start_engines(m.address, assembly.start_command(inst, m)) for m in members),
             return_exceptions=True,
         )
-        if inst.status == sm.DELETED:
+        if inst.status == sm.DELETED or inst.teardown is not None:
             return
         failed: list[tuple[Member, errors.RpcFailure]] = []
         for m, result in zip(members, results, strict=True):
@@ -157,7 +177,16 @@ class InstanceReconciler:
         mismatch = next((f for _, f in failed if f.reason == "NODE_MISMATCH"), None)
         terminal = mismatch or next((f for _, f in failed if not START_POLICY.retryable(f.code)), None)
         if terminal is not None or inst.start_failures > self.start_retries:
-            await self.table.delete(inst, "start_failed")
             why = terminal or failed[0][1]
+            await self.table.doom(inst, Removal.START_FAILED, str(why))
+            await self.teardowns.advance(inst)
             raise Terminal(f"instance {inst.id}: StartEngines failed ({why}); instance dropped")
         raise Retry(f"instance {inst.id}: StartEngines failed on {len(failed)} NodeManager(s)")
+
+
+def _after(seconds: float | None) -> Result:
+    """The reconcile's answer to a step that wants the next look in ``seconds`` (0: at once;
+    None: not unless something changes)."""
+    if seconds is None:
+        return DONE
+    return REQUEUE_NOW if seconds <= 0 else Result(requeue_after=seconds)

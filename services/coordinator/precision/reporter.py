@@ -175,11 +175,10 @@ class AlarmReporter:
                     p=a.p_instance_id,
                     d=a.instance_id,
                     moi=a.moi,
-                    # The Controller may have recovered the group and cleared the alarm itself
-                    # (it then calls ClearPrecisionAlarm): nothing to do here but say so.
+                    # The Controller may recover the group and clear the alarm itself, after
+                    # this answer (it then calls ClearPrecisionAlarm): nothing to do here but say so.
                     cleared=resp.precision_alarm_cleared,
-                    cleared_by_auto_recovery=resp.precision_alarm_cleared_by_auto_recovery,
-                    scheduler_state_cleared=resp.scheduler_state_cleared,
+                    recovery_pending=resp.precision_recovery_pending,
                 )
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
 from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION, precision_moi
+from motor_mesh.controller.model import Removal
 from motor_mesh.gen.motor.v1 import alarm_pb2, controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import (
     ABNORMAL,
@@ -25,6 +26,7 @@ from tests.controller.fakes import (
     NORMAL,
     FakeCoordinator,
     Harness,
+    delete,
     running_controller,
 )
 from tests.poll import until
@@ -418,8 +420,8 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
             await h.start_node(nm, job=job, ports=(port,))
         await until(lambda: len(h.controller.table.find(status=ACTIVE)) == 2)
         table = h.controller.table
-        await table.delete(table.by_job["a"], "heartbeat_timeout")
-        await table.delete(table.by_job["b"], "terminated: operator request")
+        await delete(table, table.by_job["a"], Removal.HEARTBEAT_TIMEOUT)
+        await delete(table, table.by_job["b"], Removal.TERMINATED)
         await h.controller.alarms.drain()
         [raised] = await active_of(h, INSTANCE_FAULT)
         assert raised.instance_id == 1 and "heartbeat_timeout" in raised.reason
@@ -429,7 +431,7 @@ async def test_instance_alarm_on_a_fault_deletion_but_not_on_a_purposeful_one(
         c = await node_managers()
         await h.start_node(c, ABNORMAL, job="c", ports=(10004,))
         await until(lambda: h.controller.alarms.find_active(alarm(alarm_id=INSTANCE_FAULT, instance_id=3)))
-        await table.delete(table.by_job["c"], "terminated: operator request")
+        await delete(table, table.by_job["c"], Removal.TERMINATED)
         await h.controller.alarms.drain()
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
 
@@ -475,7 +477,7 @@ async def test_instance_alarm_of_a_deleted_instance_clears_when_its_job_is_serve
     async with running_controller(tmp_path) as h:
         agent = await h.start_node(nm, job="p")
         await until(lambda: h.instances(status=ACTIVE))
-        await h.controller.table.delete(h.controller.table.by_job["p"], "heartbeat_timeout")
+        await delete(h.controller.table, h.controller.table.by_job["p"])
         await h.controller.alarms.drain()
         assert [x.instance_id for x in h.controller.alarms.active(INSTANCE_FAULT)] == [1]
         agent.drop_stream()

@@ -33,6 +33,7 @@ from tests.controller.fakes import (
     FakeNodeManager,
     controller_side,
     coordinator_side,
+    delete,
     running_controller,
 )
 from tests.poll import until
@@ -83,7 +84,9 @@ class World:
         self.table.add(inst)
         if status != sm.INITIAL:
             await self.table.transition(inst, sm.ACTIVE, "test")
-        if status not in (sm.INITIAL, sm.ACTIVE):
+        if status == sm.DELETED:
+            await delete(self.table, inst)
+        elif status not in (sm.INITIAL, sm.ACTIVE):
             await self.table.transition(inst, status, "test")  # type: ignore[arg-type]
         return inst
 
@@ -149,7 +152,7 @@ async def test_delete_not_found_counts_as_done(world: World, coordinator: FakeCo
     a = await world.instance(sm.ACTIVE)
     await until(lambda: a.id in coordinator.table)
     coordinator.table.clear()  # someone else removed it
-    await world.table.transition(a, sm.DELETED, "test")
+    await delete(world.table, a)
     b = await world.instance(sm.ACTIVE)  # barrier
     await until(lambda: b.id in coordinator.table)
     assert coordinator.count("Delete", ok=False) == 1
