@@ -57,7 +57,15 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     log.event("device_env", variable=sup.device_env, configured=c.device_env, reason=why)
     if sup.device_env == devices.CPU:
         log_cpu_cores(c)
-    servicer = NodeManagerService(sup, request_exit)
+    link_task: asyncio.Task[None] | None = None
+
+    def leave() -> None:
+        """Told to Stop: no more engines, and the link to the Controller ends."""
+        sup.closed = True
+        if link_task is not None:
+            link_task.cancel()
+
+    servicer = NodeManagerService(sup, request_exit, leave)
     server = MotorServer(
         "nodemanager",
         c,
@@ -94,7 +102,8 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
                 log.exception("controller_link_failed")
                 request_exit(1, "controller link failed")
 
-        running.append(asyncio.create_task(keep_link(link), name="controller-link"))
+        link_task = asyncio.create_task(keep_link(link), name="controller-link")
+        running.append(link_task)
     else:
         log.event("registration_disabled", reason="empty job_name")
     arbiter = SuicideArbiter(

@@ -23,9 +23,15 @@ EXIT_AFTER_STOP_S = 0.3
 class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
     VALIDATORS = validation.VALIDATORS
 
-    def __init__(self, supervisor: EngineSupervisor, request_exit: Callable[[int, str, float], None]) -> None:
+    def __init__(
+        self,
+        supervisor: EngineSupervisor,
+        request_exit: Callable[[int, str, float], None],
+        leave: Callable[[], None] = lambda: None,
+    ) -> None:
         self.sup = supervisor
         self.request_exit = request_exit
+        self.leave = leave
 
     async def StartEngines(
         self, request: pb.StartEnginesRequest, context: grpc.aio.ServicerContext
@@ -63,6 +69,10 @@ class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
 
     async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext) -> pb.StopResponse:
         log.event("stop_requested", reason=request.reason)
+        # Leaving from now on: while the engines stop, this node must not register again (the
+        # Controller deleted its instance first, so its stream would be told to) nor start
+        # engines; it comes back as a new process.
+        self.leave()
         await self.sup.stop_all(self.sup.nm_cfg.engine_stop_grace_s)
         self.request_exit(1, f"Stop: {request.reason}" if request.reason else "Stop", EXIT_AFTER_STOP_S)
         return pb.StopResponse()

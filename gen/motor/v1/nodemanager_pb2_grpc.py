@@ -151,7 +151,8 @@ class NodeManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stop(self, request, context):
-        """Stops the engines, answers, then exits non-zero.
+        """Stops the engines, answers, then exits non-zero. From the call on the node neither
+        registers again nor starts engines: it comes back as a new process.
 
         Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
         NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)

@@ -84,7 +84,8 @@ class NodeManagerStub:
     paused changes nothing.
     """
     Stop: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.StopRequest, _nodemanager_pb2.StopResponse]
-    """Stops the engines, answers, then exits non-zero.
+    """Stops the engines, answers, then exits non-zero. From the call on the node neither
+    registers again nor starts engines: it comes back as a new process.
 
     Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
     NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
@@ -147,7 +148,8 @@ class NodeManagerAsyncStub(NodeManagerStub):
     paused changes nothing.
     """
     Stop: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.StopRequest, _nodemanager_pb2.StopResponse]  # type: ignore[assignment]
-    """Stops the engines, answers, then exits non-zero.
+    """Stops the engines, answers, then exits non-zero. From the call on the node neither
+    registers again nor starts engines: it comes back as a new process.
 
     Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
     NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
@@ -243,7 +245,8 @@ class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _nodemanager_pb2.StopRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodemanager_pb2.StopResponse, _abc.Awaitable[_nodemanager_pb2.StopResponse]]:
-        """Stops the engines, answers, then exits non-zero.
+        """Stops the engines, answers, then exits non-zero. From the call on the node neither
+        registers again nor starts engines: it comes back as a new process.
 
         Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
         NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)

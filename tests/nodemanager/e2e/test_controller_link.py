@@ -260,3 +260,21 @@ async def test_a_freeze_nobody_lifts_expires_and_the_node_restarts(
     await nm.wait_line("event=frozen")
     assert await nm.wait_exit() != 0
     assert "suicide" in await nm.wait_line("event=exiting")
+
+
+async def test_a_stopped_node_does_not_register_again_while_it_leaves(
+    tmp_path: Path, controller, start_nm
+) -> None:
+    # The Controller deletes an instance before it sends Stop, so the leaving node's stream is
+    # told to register again: it must not, or a new instance would be assembled around a node
+    # that is about to exit.
+    fake = controller.fake
+    cfg = nm_config(tmp_path, [reserved_pair()], job_name="job-a", controller=controller.address)
+    nm = await start_nm(cfg)
+    await until(lambda: fake.beats(), 15, "first beat")
+    await nm.start_engines()
+    await nm.wait_ready()
+    await nm.stub.Stop(nodemanager_pb2.StopRequest(reason="test"), timeout=10)
+    fake.reregister()
+    assert await nm.wait_exit(10) == 1
+    assert len(fake.registers) == 1
