@@ -135,11 +135,11 @@ class Teardown:
 
     reason: Removal
     detail: str = ""
-    # NodeManagers still to get Stop (their pods restart); once the round is over, the ones it
-    # did not reach.
+    # NodeManagers to get Stop (their pods restart), and once the round is over (``stopped``)
+    # the ones it did not reach.
     stop: tuple[str, ...] = ()
     unreached: tuple[str, ...] = ()
-    stopped: bool = False  # the Stop round is over
+    stopped: bool = False
     # The instance that must be deleted first (a PD group goes decode first, then prefill).
     after: int = 0
     # The group's precision alarm is cleared with this (p, d) and every Coordinator told.

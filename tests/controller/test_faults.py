@@ -15,13 +15,19 @@ from motor_mesh.common import errors
 from motor_mesh.controller.faults import manager as faults
 from motor_mesh.controller.faults.strategies import EngineRelaunch
 from motor_mesh.gen.motor.v1 import controller_pb2, nodemanager_pb2
-from tests.controller.fakes import ABNORMAL, ACTIVE, DELETED, INACTIVE, NORMAL, running_controller
+from tests.controller.fakes import ABNORMAL, ACTIVE, INACTIVE, NORMAL, running_controller
 from tests.poll import until
 
 RESTART, ABORT = nodemanager_pb2.RESTART_ACTION_RESTART, nodemanager_pb2.RESTART_ACTION_ABORT
 UNAVAILABLE = errors.error_info(grpc.StatusCode.UNAVAILABLE, "TEST_DOWN", "test: down")
 # The shortest waits the configuration allows: a failing wait ends on the unreachable threshold.
 FAST = {"engine_relaunch_poll_interval_s": 1, "engine_relaunch_dispatch_retries": 0}
+
+
+@pytest.fixture(autouse=True)
+def info_records(caplog: pytest.LogCaptureFixture) -> None:
+    """Events (info) are what some tests wait for: instance_torn_down."""
+    caplog.set_level(logging.INFO, logger="motor")
 
 
 async def active_pair(h, a, b, **agent):
@@ -110,7 +116,9 @@ async def test_a_restart_already_running_counts_as_accepted(tmp_path, node_manag
         assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
 
 
-async def test_a_failed_relaunch_escalates_to_terminating_the_instance(tmp_path, node_managers) -> None:
+async def test_a_failed_relaunch_escalates_to_terminating_the_instance(
+    tmp_path, node_managers, caplog: pytest.LogCaptureFixture
+) -> None:
     a, b = await node_managers(), await node_managers()
     async with running_controller(tmp_path, **FAST, engine_relaunch_nm_unreachable_threshold=1) as h:
         first, _ = await active_pair(h, a, b)
@@ -120,7 +128,7 @@ async def test_a_failed_relaunch_escalates_to_terminating_the_instance(tmp_path,
         # The relaunch fails; both restarts were accepted, so nothing is aborted and nobody is
         # stopped: each is left to finish recovering or to let its freeze expire. The instance
         # is gone.
-        await until(lambda: h.instances(status=DELETED))
+        await until(lambda: logged(caplog, "instance_torn_down"))
         assert await h.instances() == []
         assert (a.restarts, b.restarts, a.stops, b.stops) == ([RESTART], [RESTART], [], [])
 
@@ -180,7 +188,7 @@ async def test_a_relaunch_that_keeps_crashing_fails_and_escalates(
     async with running_controller(tmp_path, **FAST) as h:
         first, _ = await active_pair(h, a, b)
         await engine_event(first)
-        await until(lambda: h.instances(status=DELETED))  # escalated to Terminate
+        await until(lambda: logged(caplog, "instance_torn_down"))  # escalated to Terminate
         runs = faults.STRATEGY_RESTARTS + 1
         assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
         assert len(logged(caplog, "strategy_crashed")) == runs
@@ -189,14 +197,16 @@ async def test_a_relaunch_that_keeps_crashing_fails_and_escalates(
         assert a.stops == b.stops == []  # both had accepted the restart
 
 
-async def test_engines_that_die_again_fail_the_relaunch_at_once(tmp_path, node_managers) -> None:
+async def test_engines_that_die_again_fail_the_relaunch_at_once(
+    tmp_path, node_managers, caplog: pytest.LogCaptureFixture
+) -> None:
     a, b = await node_managers(), await node_managers()
     # Complete timeout 10 minutes: only the fast failure can end it within the test.
     async with running_controller(tmp_path, **FAST, engine_relaunch_complete_timeout_s=600) as h:
         first, _ = await active_pair(h, a, b)
         b.engines_dead = True  # its relaunched engine starts, then dies
         await engine_event(first)
-        await until(lambda: h.instances(status=DELETED))  # escalated to Terminate
+        await until(lambda: logged(caplog, "instance_torn_down"))  # escalated to Terminate
         assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
         assert a.stops == b.stops == []
 

@@ -54,7 +54,7 @@ class Teardowns:
             await self.table.remove(inst)
         if not td.stopped:
             unreached = await self._stop(inst, td)
-            td = dataclasses.replace(td, stop=(), unreached=tuple(unreached), stopped=True)
+            td = dataclasses.replace(td, unreached=tuple(unreached), stopped=True)
             await self.table.update(inst, teardown=td)
         if td.precision is not None and not td.precision_cleared:
             found = precision_alarms(self.alarms, td.precision)
@@ -73,6 +73,13 @@ class Teardowns:
                 raise Retry(f"instance {inst.id}: ClearPrecisionAlarm not answered by {', '.join(missed)}")
             td = dataclasses.replace(td, coordinators_told=True)
             await self.table.update(inst, teardown=td)
+        log.event(
+            "instance_torn_down",
+            instance_id=inst.id,
+            reason=str(td.reason),
+            stopped=",".join(a for a in td.stop if a not in td.unreached),
+            unreached=",".join(td.unreached),
+        )
         return None
 
     async def _stop(self, inst: Instance, td: Teardown) -> list[str]:
