@@ -206,8 +206,8 @@ class Recovery:
             return DONE  # the decode's teardown clears the alarm
         if not any(self._table.gone(i) for i in (p_id, d_id) if i):
             return DONE  # the group is served: the alarm stands until a Coordinator clears it
-        gone = self._table.deleted.get(d_id)
-        if gone is not None and gone.teardown is not None and gone.teardown.precision == group:
+        td = self._table.deleted[d_id].teardown if d_id in self._table.deleted else None
+        if td is not None and td.precision == group and not td.precision_cleared:
             return DONE  # its teardown clears the alarm itself
         await self._alarms.report([clear_of(a, INSTANCE_GONE) for a in alarms])
         log.event("precision_alarm_cleared", p=p_id, d=d_id, reason=INSTANCE_GONE)
