@@ -154,8 +154,13 @@ async def auto_recovered(h, coordinator, p_nm, d_nm) -> None:
     """The pair is gone (decode stopped first), the alarm cleared with its moi, the Coordinator
     told."""
     await until(lambda: coordinator.clears == [(1, 2)], timeout=30)
-    assert not await h.instances()
-    assert d_nm.stops and p_nm.stops and d_nm.stopped_at[0] < p_nm.stopped_at[0]
+    await until(lambda: p_nm.stops)  # the prefill goes once the decode is gone
+
+    async def none_left() -> bool:
+        return not await h.instances()
+
+    await until(none_left)
+    assert d_nm.stops and d_nm.stopped_at[0] < p_nm.stopped_at[0]
     precision = [a for a in await alarms(h, False) if a.alarm_id == PRECISION]
     assert [(a.category, a.moi) for a in precision] == [
         (alarm_pb2.ALARM_CATEGORY_ALARM, MOI),
@@ -214,3 +219,24 @@ async def test_a_precision_alarm_of_instances_that_are_gone_is_cleared(
         [clear] = await until(cleared)
         assert (clear.moi, clear.reason) == (MOI, recovery.INSTANCE_GONE)
         assert coordinator.clears == []  # nothing of the group to reset: it is not recovered
+
+
+async def test_an_alarm_reported_after_the_group_was_recovered_is_cleared_as_gone(
+    tmp_path, node_managers, coordinator
+) -> None:
+    p_nm, d_nm = await node_managers(), await node_managers()
+    settings = {"coordinators": [coordinator.address], "precision_auto_recovery_enabled": True}
+    async with running_controller(tmp_path, **settings) as h:
+        await pd_group(h, p_nm, d_nm)
+        await report(h, precision_alarm())
+        await auto_recovered(h, coordinator, p_nm, d_nm)
+        # A late report about the group (another Coordinator's samples, say): nothing left to
+        # recover, so it is cleared as gone.
+        await report(h, precision_alarm())
+
+        async def gone() -> alarm_pb2.Alarm | None:
+            cleared = [a for a in await alarms(h, False) if a.category == alarm_pb2.ALARM_CATEGORY_CLEAR]
+            return cleared[-1] if cleared and cleared[-1].reason == recovery.INSTANCE_GONE else None
+
+        await until(gone)
+        assert not await alarms(h, True)
