@@ -140,7 +140,7 @@ class Teardown:
     stop: tuple[str, ...] = ()
     unreached: tuple[str, ...] = ()
     stopped: bool = False
-    # The instance that must be deleted first (a PD group goes decode first, then prefill).
+    # The instance that must be deleted and stopped first (a PD group goes decode first).
     after: int = 0
     # The group's precision alarm is cleared with this (p, d) and every Coordinator told.
     precision: tuple[int, int] | None = None

@@ -1,7 +1,8 @@
 """Carrying out a doomed instance's teardown (instances.py ``doom``), one stored step at a time.
 
 1. **Delete** it (out of routing: every Coordinator drops it), once the instance it must follow
-   (``after``: a PD group goes decode first) is gone.
+   (``after``: a PD group goes decode first) is deleted and its NodeManagers were sent Stop, so
+   no decode is left pulling KV from a prefill that is gone.
 2. **Stop** the NodeManagers named (each stops its engines and exits, so its pod restarts and
    registers anew): one round, the unreachable ones are known at once by a probe; those it did
    not reach are told to register again on their next beat.
@@ -49,7 +50,7 @@ class Teardowns:
         td = inst.teardown
         assert td is not None
         if inst.status != DELETED:
-            if td.after and td.after in self.table.live:
+            if td.after and not self._finished_stopping(td.after):
                 return AFTER_POLL_S
             await self.table.remove(inst)
         if not td.stopped:
@@ -81,6 +82,13 @@ class Teardowns:
             unreached=",".join(td.unreached),
         )
         return None
+
+    def _finished_stopping(self, instance_id: int) -> bool:
+        """The instance is deleted and its Stop round is over (or it is gone without one)."""
+        if instance_id in self.table.live:
+            return False
+        gone = self.table.deleted.get(instance_id)
+        return gone is None or gone.teardown is None or gone.teardown.stopped
 
     async def _stop(self, inst: Instance, td: Teardown) -> list[str]:
         """Stop to every NodeManager named; the ones it did not reach."""
