@@ -171,7 +171,6 @@ class StrategyRecord:
     attempts: Mapping[str, int] = field(default_factory=dict)  # failed calls in this phase
     misses: Mapping[str, int] = field(default_factory=dict)  # unanswered polls in a row
     crashes: int = 0  # steps that raised something unexpected (a bug)
-    why: str = ""  # why it failed (phase "abort")
     # The strategy that ran last, when it failed (escalation), and the NodeManagers that had
     # accepted its restart: they are left to recover, never stopped by the escalation.
     failed: str = ""

@@ -173,16 +173,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def _unwatched(rpc: str, write: asyncio.Future[Any]) -> None:
-    """The end of a write whose caller went away: a bug is logged here, as nobody else sees it
-    (a refusal is the write's answer, and the caller no longer asks)."""
+    """The end of a write whose caller went away, logged here as nobody else sees it: a refusal
+    in one line (it was the write's answer), a bug with its traceback."""
     if write.cancelled():
         return
+    method = f"/motor.v1.Coordinator/{rpc}"
     try:
         write.result()
-    except errors.MotorError:
-        pass
+    except errors.MotorError as err:
+        log.warn("rpc_refused", method=method, caller="gone", code=err.code.name, message=err.message)
     except Exception:
-        log.exception("rpc_failed", method=f"/motor.v1.Coordinator/{rpc}", caller="gone")
+        log.exception("rpc_failed", method=method, caller="gone")
 
 
 def _term_of(context: grpc.aio.ServicerContext) -> int | None:

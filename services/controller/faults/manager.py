@@ -82,7 +82,6 @@ class FaultManager:
         clients: NodeManagerClients,
         store: StateStore,
     ) -> None:
-        self.cfg = cfg
         self.table = table
         self.store = store
         self.relaunch = cfg.enable_engine_relaunch
@@ -195,7 +194,7 @@ class FaultManager:
                 phase=want.first_phase,
                 level=level,
                 started=time.time(),
-                failed_accepted=inst.strategy.failed_accepted if want is self.strategies["Terminate"] else (),
+                failed_accepted=inst.strategy.failed_accepted if want.name == Terminate.name else (),
             )
             await self.table.update(inst, strategy=fresh)
             self._state(inst.id).since = time.time()
