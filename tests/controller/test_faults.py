@@ -66,8 +66,14 @@ async def test_a_dead_engine_is_relaunched_on_every_node_together(tmp_path, node
         # Both ranks restart, not only the one whose engine died; nothing is aborted.
         await until(lambda: a.restarts and b.restarts)
         assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
-        (entry,) = await fault_status(h)
-        assert (entry.fault_level, entry.strategy, entry.phase) == (2, "EngineRelaunch", "wait_ready")
+
+        async def phase() -> tuple[int, str, str] | None:
+            # The phase is written once every RestartEngines has answered, a moment after the
+            # fakes recorded them: "restart" is the only not-yet.
+            (e,) = await fault_status(h)
+            return None if e.phase == "restart" else (e.fault_level, e.strategy, e.phase)
+
+        assert await until(phase) == (2, "EngineRelaunch", "wait_ready")
         a.ready = b.ready = True
 
         async def done() -> controller_pb2.FaultToleranceEntry | None:
@@ -172,7 +178,8 @@ async def test_a_crashing_relaunch_is_run_again_and_succeeds(
         assert "EngineRelaunch succeeded" in entry.history[0] and len(entry.history) == 1
         # The crashed step is tried again where it was: the RESTART already sent is not repeated.
         assert (a.restarts, b.restarts) == ([RESTART], [RESTART])
-        assert a.stops == b.stops == [] and await h.instances(status=ACTIVE)
+        assert a.stops == b.stops == []
+        await until(lambda: h.instances(status=ACTIVE))  # the next reconcile turns it ACTIVE
         crashes = logged(caplog, "strategy_crashed")
         assert len(crashes) == 2 and all(
             r.exc_info and isinstance(r.exc_info[1], RuntimeError) for r in crashes
