@@ -289,6 +289,15 @@ class Response:
                 raise c.error
             await c.wait()
 
+    def interrupt(self, exc: Exception) -> None:
+        """Make a pending or the next :meth:`read` / :meth:`next_chunk` raise ``exc`` once the
+        bytes already received are taken (the caller then closes the response): how a stream
+        is moved off an engine that is still answering."""
+        c = self._conn
+        if not self._done and not c.complete and c.error is None:
+            c.error = exc
+            c._wake()
+
     def release(self) -> None:
         """Back to the pool when the answer was read to its end, else closed."""
         if self._done:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from motor_mesh.common import errors, exposure, log
@@ -55,7 +56,14 @@ class Coordinator:
         else:
             use_own_process()
         self.metrics = Metrics()
-        self.service = CoordinatorService(self.table, self._route_by, self._dismiss_precision, self.pool)
+        self.service = CoordinatorService(
+            self.table,
+            self._route_by,
+            self._dismiss_precision,
+            self.pool,
+            legs=self._legs,
+            drain_grace_s=cfg.drain_grace_s,
+        )
         self.server = MotorServer(
             "coordinator",
             cfg,
@@ -140,6 +148,14 @@ class Coordinator:
         answer = await self._router.exchange(path, raw, body, pt, dt, timeout_s)
         return answer.status, answer.body
 
+    def _legs(self) -> dict[int, int]:
+        """Legs in flight per instance: this process's own and, with workers, theirs."""
+        legs = self.view.legs()
+        if self.pool is not None:
+            for iid, n in self.pool.hub.legs().items():
+                legs[iid] = legs.get(iid, 0) + n
+        return legs
+
     def _dismiss_precision(self, p: int, d: int) -> bool:
         return self.precision.dismiss(p, d) if self.precision is not None else False
 
@@ -151,7 +167,7 @@ class Coordinator:
         if self.pool is not None:
             await self._publish(state)
         if state is not None and state.revision != self.view.revision:
-            self.view = build_view(state, self.view.targets)
+            self.view = build_view(state, self.view.targets, self.view.retired)
             if self.precision is not None:
                 self.precision.retain(set(state.instances))
             self._set_gauges(state)
@@ -206,7 +222,7 @@ class Coordinator:
         if self._alarms is not None:
             await self._alarms.close()
         for target in self.view.targets:
-            target.retire()
+            target.retire(math.inf)  # stopping: nothing is moved
         if self._breaker is not None:
             await self._breaker.stop()
             assert self._router is not None

@@ -159,7 +159,8 @@ def prefill_body(req: dict[str, Any]) -> bytes:
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     leg.pop("stream_options", None)
-    leg[KV] = PREFILL_KV
+    carried = req.get(KV)  # a continuation's prompt ids (migration/carry.py) go with it
+    leg[KV] = {**PREFILL_KV, **carried} if isinstance(carried, dict) else PREFILL_KV
     return _dumps(leg)
 
 

@@ -231,7 +231,7 @@ class InferenceApp:
         if trace is not None:
             trace.model(model)
             call.trace, call.reply = trace, trace.reply
-        await self._router.route(call, routes)
+        await self._router.route(call, routes, lambda: self._view().models.get(model))
 
 
 def _error_with(out: Responder, err: OpenAIError, extra: Headers) -> None:

@@ -20,7 +20,8 @@ from motor_mesh.coordinator.health import Breaker
 from motor_mesh.coordinator.http_app import ApiKeys, InferenceApp
 from motor_mesh.coordinator.kv import routing as kv_routing
 from motor_mesh.coordinator.metrics import Metrics
-from motor_mesh.coordinator.pd import CompletedSink, Router
+from motor_mesh.coordinator.migration.budget import StateBudget
+from motor_mesh.coordinator.pd import CompletedSink, Migration, Router
 from motor_mesh.coordinator.policies import Policy, least_load, make_policy
 from motor_mesh.coordinator.routes import RoutingView, netloc
 from motor_mesh.coordinator.upstream import Deadlines, Engines
@@ -79,10 +80,12 @@ def make_router(
     breaker: Breaker,
     view: Callable[[], RoutingView] | None,
     kv_shared_dir: str | None = None,
+    workers: int = 1,
 ) -> Router:
     """``view``: the routing view a kv_aware policy follows; None for a router that only sends
     pinned requests (the management process's, beside its inference workers).
-    ``kv_shared_dir``: where an inference worker reads the management process's KV index."""
+    ``kv_shared_dir``: where an inference worker reads the management process's KV index.
+    ``workers``: how many processes share the Coordinator's continuation state bound."""
     engines = Engines(metrics, breaker.refused, deadlines(cfg))
     kv = None
     if view is not None and kv_routing.wanted(cfg):
@@ -93,7 +96,12 @@ def make_router(
             return make_policy(name)
         return kv.policy.decide if kv is not None else least_load
 
-    return Router(engines, policy(cfg.prefill_policy), policy(cfg.decode_policy), kv)
+    migration = Migration(
+        cfg.migration_limit if view is not None else 0,  # pinned requests never continue
+        cfg.migration_delay_s,
+        StateBudget.share(cfg.max_migration_state_bytes, cfg.max_migration_state_total_bytes, workers),
+    )
+    return Router(engines, policy(cfg.prefill_policy), policy(cfg.decode_policy), kv, migration)
 
 
 class InferenceServer:
@@ -117,7 +125,7 @@ class InferenceServer:
         self._ssl = ssl_context
         self._workers = workers
         self.breaker = Breaker(view, metrics.endpoints_down.set)
-        self.router = make_router(cfg, metrics, self.breaker, view, kv_shared_dir)
+        self.router = make_router(cfg, metrics, self.breaker, view, kv_shared_dir, workers)
         self.admission = Admission.share(
             cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
         )

@@ -49,6 +49,10 @@ LATENCY_BUCKETS = (
     300.0,
 )
 
+GAP_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+MIGRATION_REASONS = ("disconnect", "closed", "timeout", "status", "engine_error", "drain", "left")
+MIGRATION_OUTCOMES = ("continued", "completed", "refused", "exhausted", "unroutable")
+
 
 def use_shared_dir(path: str) -> None:
     """Write every metric created from now on to files in ``path`` (call before Metrics())."""
@@ -134,6 +138,22 @@ class Metrics:
             "motor_coordinator_routed", "Requests routed, by mode (vllm_pd, sglang_pd, union, prefill_only).",
             ["mode"], registry=r,
         )  # fmt: skip
+        self._migrations = Counter(
+            "motor_coordinator_migrations",
+            "Answering legs that broke after the request was routed, by why (disconnect, closed, "
+            "timeout, status, engine_error, drain, left) and what followed: continued (on another "
+            "instance), completed (the output was whole already), refused (the request cannot "
+            "continue; the log says why), exhausted (migration_limit reached), unroutable.",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self._gap = Histogram(
+            "motor_coordinator_migration_gap_seconds",
+            "The pause a streaming client saw across a continuation: from the last event before "
+            "the break to the first event after it.",
+            buckets=GAP_BUCKETS,
+            registry=r,
+        )
         # Set by the process that owns the table (the management process).
         mode: Final = "livemax"
         self.revision = Gauge(
@@ -185,6 +205,9 @@ class Metrics:
             self._precision_samples.labels(result)
         for result in ("pass", "fail", "error"):
             self._precision_probes.labels(result)
+        for reason in MIGRATION_REASONS:
+            for outcome in MIGRATION_OUTCOMES:
+                self._migrations.labels(reason, outcome)
         for role in ("prefill", "decode", "union"):
             self._retries.labels(role)
             for kind in ("connect", "disconnect", "timeout", "status"):
@@ -247,6 +270,12 @@ class Metrics:
         if c is None:
             c = self._retry_children[role] = self._retries.labels(role)
         c.inc()
+
+    def migration(self, reason: str, outcome: str) -> None:
+        self._migrations.labels(reason, outcome).inc()
+
+    def migration_gap(self, seconds: float) -> None:
+        self._gap.observe(seconds)
 
     def queued(self, step: int) -> None:
         self.queued_now += step

@@ -1,12 +1,13 @@
 """Routing one inference request: vLLM hand-off, SGLang bootstrap, union and prefill-only
 (docs/architecture.md, "The flow of a request").
 
-Retries happen only before any byte reached the client: a prefill that cannot be reached is
-retried on another prefill instance; a decode that cannot be reached is retried on another
-pair (a fresh prefill leg with a new decode, so no ticket or room is ever shared between two
-attempts). When no instance of a role can be reached the client gets 502
-``upstream_unreachable``; a leg past its deadline, 504 ``upstream_timeout``. Either leg failing
-cancels the other. Client disconnect cancels the handler task, which closes every upstream
+A prefill that cannot be reached is retried on another prefill instance; a decode that cannot
+be reached is retried on another pair (a fresh prefill leg with a new decode, so no ticket or
+room is ever shared between two attempts). A leg that breaks after it answered (with
+``migration_limit`` > 0) continues on another pair from the output already delivered
+(:mod:`motor_mesh.coordinator.migration`, docs/migration.md). When no instance of a role can
+be reached the client gets 502 ``upstream_unreachable``; a leg past its deadline, 504
+``upstream_timeout``. Either leg failing cancels the other. Client disconnect cancels the handler task, which closes every upstream
 connection still open, so both legs stop.
 """
 
@@ -19,11 +20,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from motor_mesh.common import log
-from motor_mesh.common.enums import PD_SGLANG, ROLE_NAMES
-from motor_mesh.common.http_errors import server_error
+from motor_mesh.common.enums import ENGINE_SGLANG, PD_SGLANG, ROLE_NAMES
+from motor_mesh.common.http_errors import OpenAIError, server_error
 from motor_mesh.common.httpclient import Response
 from motor_mesh.common.httpmessages import Headers, Responder
-from motor_mesh.coordinator.bodies import KV, estimate_tokens, kv_params_of, prefill_body, with_fields
+from motor_mesh.coordinator.bodies import (
+    KV,
+    _dumps,
+    estimate_tokens,
+    kv_params_of,
+    loads,
+    prefill_body,
+    with_fields,
+)
+from motor_mesh.coordinator.migration import relay
+from motor_mesh.coordinator.migration.budget import StateBudget
+from motor_mesh.coordinator.migration.carry import Carry
+from motor_mesh.coordinator.migration.flight import Flight, Moved
+from motor_mesh.coordinator.migration.relay import Break
 from motor_mesh.coordinator.policies import Policy
 from motor_mesh.coordinator.precision.groups import Completed
 from motor_mesh.coordinator.routes import ModelRoutes, PdGroup, Target, Upstream
@@ -32,7 +46,7 @@ from motor_mesh.coordinator.upstream import Answer, Engines, PhaseTimeout, Unrea
 if TYPE_CHECKING:  # loaded only when tracing is on (kv: only with a kv_aware policy)
     from motor_mesh.coordinator.kv.prompt import PromptView
     from motor_mesh.coordinator.kv.routing import KvRouting
-    from motor_mesh.coordinator.tracing import RequestTrace
+    from motor_mesh.coordinator.tracing import Leg, RequestTrace
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -53,6 +67,18 @@ class Call:
     trace: RequestTrace | None = None  # its spans, when tracing is on (each leg attempt gets one)
     reply: Headers = None  # headers every answer carries (the trace's)
     prompt: PromptView | None = None  # its tokenized prompt, when a policy is kv_aware
+    carry: Carry | None = None  # what continues it elsewhere, when migration is on
+    avoid: frozenset[int] = frozenset()  # the instance a continuation must not go back to
+    span: Any = None  # the continuation's span, while one runs (tracing on)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """coordinator.migration_limit and migration_delay_s."""
+
+    limit: int
+    delay_s: float
+    budget: StateBudget
 
 
 class NoUpstream(Exception):
@@ -76,6 +102,22 @@ def _prefill_work(call: Call) -> int:
     return call.prompt_tokens if prompt is None else max(1, prompt.n - prompt.cached)
 
 
+def _gives_ids(routes: ModelRoutes) -> bool:
+    """Whether the engines of ``routes`` return token ids when asked (vLLM's and the simulated
+    engine's do; SGLang's answer gets the text path)."""
+    if routes.pd:
+        return any(g.protocol != PD_SGLANG for g in routes.pd)
+    return any(t.engine_type != ENGINE_SGLANG for t in routes.union or routes.prefill_only)
+
+
+def _fresh(avoid: frozenset[int], targets: Sequence[Target]) -> set[int]:
+    """The instances a continuation starts out not trying: the one it left, unless there is no
+    other (a relaunched instance may be the only one and serve again)."""
+    if avoid and any(t.id not in avoid for t in targets):
+        return set(avoid)
+    return set()
+
+
 def _endpoint(t: Target, prompt: PromptView | None) -> Upstream:
     """The endpoint of ``t`` that serves a leg: the one kv_aware found holding the prompt's
     prefix when it chose ``t``, else the instance's own rotation."""
@@ -88,9 +130,15 @@ def _endpoint(t: Target, prompt: PromptView | None) -> Upstream:
 
 class Router:
     def __init__(
-        self, engines: Engines, prefill_policy: Policy, decode_policy: Policy, kv: KvRouting | None = None
+        self,
+        engines: Engines,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        kv: KvRouting | None = None,
+        migration: Migration | None = None,
     ) -> None:
         self.engines = engines
+        self.migration = migration or Migration(0, 0.0, StateBudget(0, 0))
         self.metrics = engines.metrics
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -98,11 +146,111 @@ class Router:
         self.completed: CompletedSink | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
-    async def route(self, call: Call, routes: ModelRoutes) -> None:
-        metrics = self.metrics
+    async def route(
+        self, call: Call, routes: ModelRoutes, routes_of: Callable[[], ModelRoutes | None] | None = None
+    ) -> None:
+        """Serve ``call`` on ``routes``; with a carry, a leg that breaks continues on the routes
+        ``routes_of`` gives then (the table may have changed meanwhile)."""
         if self.kv is not None:
             some = routes.pd[0].prefill[0] if routes.pd else (routes.union or routes.prefill_only)[0]
             call.prompt = self.kv.prompt(call.req, call.path == CHAT_PATH, some)
+        if call.carry is None and self.migration.limit:
+            call.carry = self._carry(call, routes)
+        carry = call.carry
+        try:
+            while True:
+                try:
+                    await self._dispatch(call, routes)
+                    break
+                except Break as brk:
+                    assert carry is not None  # only a carried leg raises it
+                    next_routes = await self._continue(call, carry, brk, routes_of)
+                    if next_routes is None:
+                        break
+                    routes = next_routes
+        except NoUpstream as exc:
+            log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
+            raise _ended(call, server_error(502, str(exc), "upstream_unreachable")) from None
+        except PhaseTimeout as exc:
+            log.warn("upstream_timeout", role=exc.role, model=call.model, error=str(exc))
+            raise _ended(call, server_error(504, str(exc), "upstream_timeout")) from None
+        finally:
+            if carry is not None:
+                carry.release()
+                if call.out.started:
+                    call.out.end()
+                if carry.moves:
+                    log.event(
+                        "request_migrated",
+                        model=call.model,
+                        migrated=carry.moves,
+                        tokens=carry.count,
+                        status=call.out.status,
+                        ended=carry.finish or ("done" if carry.done else "broken"),
+                    )
+
+    def _carry(self, call: Call, routes: ModelRoutes) -> Carry:
+        """The request's continuation state. A stream asks engines that can give token ids for
+        them (the carry removes them again unless the client asked too)."""
+        want = bool(call.req.get("stream")) and _gives_ids(routes)
+        carry = Carry(call.req, call.path == CHAT_PATH, self.migration.budget, len(call.raw), want)
+        if want and not carry.client_ids:
+            call.raw = with_fields(call.raw, call.req, {"return_token_ids": True})
+        return carry
+
+    async def _continue(
+        self, call: Call, carry: Carry, brk: Break, routes_of: Callable[[], ModelRoutes | None] | None
+    ) -> ModelRoutes | None:
+        """After ``brk``: the routes to continue on, with ``call`` made the continuation; None
+        when the answer ended here (it was complete, or it cannot continue: the client then gets
+        the error, as an event when the stream had begun)."""
+        metrics = self.metrics
+        reason = brk.reason
+        log.warn("upstream_broken", role=ROLE_NAMES.get(brk.target.role, "decode"), reason=reason,
+                 instance_id=brk.target.id, delivered=carry.count, error=str(brk))  # fmt: skip
+        if carry.over:
+            # Its last events were lost, its output was not: end it as the engine would have.
+            await _finish(call, carry)
+            metrics.migration(reason, "completed")
+            return None
+        why = carry.why_not()
+        if why is not None:
+            log.warn("migration_refused", reason=reason, why=why, model=call.model, delivered=carry.count)
+            metrics.migration(reason, "refused")
+            await _give_up(call, carry, brk)
+            return None
+        if carry.moves >= self.migration.limit:
+            metrics.migration(reason, "exhausted")
+            await _give_up(call, carry, brk)
+            return None
+        req = carry.next_request()
+        if req is None:  # the output already delivered is all max_tokens allowed
+            await _finish(call, carry)
+            metrics.migration(reason, "completed")
+            return None
+        if carry.started:
+            carry.gap_from = carry.last
+        span = None if call.trace is None else call.trace.continuation(carry.moves + 1, reason, carry.count)
+        await asyncio.sleep(self.migration.delay_s * 2**carry.moves)
+        routes = routes_of() if routes_of is not None else None
+        if routes is None:
+            if span is not None:
+                span.end()
+            metrics.migration(reason, "unroutable")
+            await _give_up(call, carry, brk)
+            return None
+        carry.moves += 1
+        metrics.migration(reason, "continued")
+        call.req = req
+        call.raw = _dumps(req)
+        call.prompt = None  # a kv_aware policy reads the client's prompt, not this one
+        call.prompt_tokens, call.total_tokens = estimate_tokens(req)
+        call.avoid = frozenset((brk.target.id,))
+        call.span = span
+        return routes
+
+    async def _dispatch(self, call: Call, routes: ModelRoutes) -> None:
+        metrics = self.metrics
         try:
             if routes.pd:
                 group = routes.pd[0] if len(routes.pd) == 1 else random.choice(routes.pd)
@@ -116,19 +264,17 @@ class Router:
                 return await self._whole(call, routes.union, self.decode_policy, "union", call.raw)
             metrics.routed("prefill_only")
             return await self._whole(call, routes.prefill_only, self.prefill_policy, "prefill", call.raw)
-        except NoUpstream as exc:
-            log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
-            raise server_error(502, str(exc), "upstream_unreachable") from None
-        except PhaseTimeout as exc:
-            log.warn("upstream_timeout", role=exc.role, model=call.model, error=str(exc))
-            raise server_error(504, str(exc), "upstream_timeout") from None
+        finally:
+            if call.span is not None:
+                call.span.end()
+                call.span = None
 
     # -- vLLM: prefill first, then decode with the prefill's kv_transfer_params ----------------
 
     async def _vllm(self, call: Call, group: PdGroup) -> None:
         body = prefill_body(call.req)
         tried_p: set[int] = set()
-        tried_d: set[int] = set()
+        tried_d = _fresh(call.avoid, group.decode)
         last: BaseException | None = None
         loop = asyncio.get_running_loop()
         while True:
@@ -140,6 +286,7 @@ class Router:
                 raise NoUpstream("prefill", call.model, last)
             work = _prefill_work(call)
             p.load += work
+            p.legs += 1
             pep = _endpoint(p, call.prompt)
             leg = None if call.trace is None else call.trace.leg("prefill", pep)
             t = loop.time()
@@ -152,11 +299,12 @@ class Router:
                 continue
             finally:
                 p.load -= work
+                p.legs -= 1
                 if leg is not None:
                     leg.end()
             self.metrics.phase("prefill", loop.time() - t)
             if answer.status >= 400:
-                return answer.send(call.out, call.reply)  # the engine's own status and error body
+                return _answer_error(call, answer)  # the engine's own status and error body
             d = self.decode_policy(group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
@@ -173,7 +321,7 @@ class Router:
     async def _whole(
         self, call: Call, targets: Sequence[Target], policy: Policy, role: str, body: bytes
     ) -> None:
-        tried: set[int] = set()
+        tried = _fresh(call.avoid, targets)
         last: BaseException | None = None
         while True:
             t = policy(targets, tried, call.prompt)
@@ -188,7 +336,9 @@ class Router:
 
     async def _serve_on(self, call: Call, t: Target, role: str, body: bytes, p_id: int) -> None:
         """Open the leg that answers the client on ``t`` and relay its answer.
-        Raises Unreachable (nothing was sent to the client yet)."""
+        Raises Unreachable (nothing was sent to the client yet), or Break with a carry."""
+        if call.carry is not None:
+            return await self._serve_carried(call, call.carry, t, role, body, p_id)
         loop = asyncio.get_running_loop()
         started = loop.time()
         ep = _endpoint(t, call.prompt)
@@ -199,6 +349,7 @@ class Router:
         else:
             work = _prefill_work(call) + call.total_tokens - call.prompt_tokens
         t.load += work
+        t.legs += 1
         try:
             resp = await self.engines.open(ep, call.path_b, body, role, leg)
             try:
@@ -207,17 +358,88 @@ class Router:
                 _done_with(resp)
         finally:
             t.load -= work
+            t.legs -= 1
             if leg is not None:
                 leg.end()
         self.metrics.phase("decode" if role == "decode" else "whole", loop.time() - started)
         if resp.status < 400 and call.out.status < 400:
             self._completed(call, p_id, t.id)
 
+    async def _serve_carried(
+        self, call: Call, carry: Carry, t: Target, role: str, body: bytes, p_id: int
+    ) -> None:
+        """:meth:`_serve_on` for a request that may continue elsewhere: the leg can be moved
+        off ``t`` (a drain, the instance leaving the table) and a break raises Break."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        ep = _endpoint(t, call.prompt)
+        leg = None if call.trace is None else call.trace.leg(role, ep)
+        if role == "decode":
+            work = call.total_tokens
+        else:
+            work = _prefill_work(call) + call.total_tokens - call.prompt_tokens
+        t.load += work
+        t.legs += 1
+        flight = Flight()
+        t.joined(flight)
+        try:
+            resp = await self._open(call, t, ep, role, body, leg, flight)
+            try:
+                await self._relay_carried(call, carry, resp, t, flight, role, leg)
+            finally:
+                _done_with(resp)
+        finally:
+            t.flights.discard(flight)
+            flight.close()
+            t.load -= work
+            t.legs -= 1
+            if leg is not None:
+                leg.end()
+        self.metrics.phase("decode" if role == "decode" else "whole", loop.time() - started)
+        if resp.status < 400 and call.out.status < 400:
+            self._completed(call, p_id, t.id)
+
+    async def _open(
+        self, call: Call, t: Target, ep: Upstream, role: str, body: bytes, leg: Leg | None, flight: Flight
+    ) -> Response:
+        """``engines.open`` that a move cancels (Break) while it waits for the answer's head: a
+        hung engine answering a non-streamed request sends its head only with the whole body."""
+        opening = asyncio.ensure_future(self.engines.open(ep, call.path_b, body, role, leg))
+        flight.opening = opening
+        try:
+            resp = await opening
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if flight.reason is not None and opening.cancelled() and not (task and task.cancelling()):
+                raise Break(flight.reason, t, f"moved off the {role} instance before it answered") from None
+            raise
+        finally:
+            flight.opening = None
+        flight.resp = resp
+        if flight.reason is not None:
+            resp.interrupt(Moved(flight.reason))
+        return resp
+
+    async def _relay_carried(
+        self, call: Call, carry: Carry, resp: Response, t: Target, flight: Flight, role: str, leg: Leg | None
+    ) -> None:
+        if resp.status < 400 and carry.stream and relay.is_stream(resp):
+            await relay.stream(self.engines, call.out, resp, carry, t, flight, role, call.t0, call.reply, leg)
+        elif resp.status < 500 and carry.started:
+            # The continuation was refused (the engine's 4xx) after the client had output: the
+            # answer ends with the engine's error as an event.
+            data = await resp.read(asyncio.get_running_loop().time() + self.engines.deadlines.idle_s)
+            self.metrics.upstream_error(role, "status")
+            carry.finish = "error"
+            await call.out.write(b"data: " + _error_body(data, resp.status) + b"\n\n")
+        else:
+            await relay.whole(self.engines, call.out, resp, t, flight, role, call.t0, call.reply, leg)
+
     # -- SGLang: both legs at once, matched by (bootstrap_host, bootstrap_port, room) ----------
 
     async def _sglang(self, call: Call, group: PdGroup) -> None:
         tried_p: set[int] = set()
-        tried_d: set[int] = set()
+        tried_d = _fresh(call.avoid, group.decode)
         last: BaseException | None = None
         while True:
             p = self.prefill_policy(group.prefill, tried_p, call.prompt)
@@ -257,7 +479,7 @@ class Router:
                 if prefill in done:
                     failed = _prefill_failure(prefill)
                     if isinstance(failed, Answer):
-                        return failed.send(call.out, call.reply)  # the prefill engine's own error
+                        return _answer_error(call, failed)  # the prefill engine's own error
                     if failed is not None:
                         raise failed
                 resp = await decode
@@ -266,7 +488,19 @@ class Router:
                     decode.cancel()
                 elif resp is None and not decode.cancelled() and decode.exception() is None:
                     decode.result().close()  # answered, but the prefill failed first
-            await self.engines.relay(call.out, resp, "decode", call.t0, call.reply, leg)
+            if call.carry is None:
+                await self.engines.relay(call.out, resp, "decode", call.t0, call.reply, leg)
+            else:
+                d.legs += 1
+                flight = Flight()
+                flight.resp = resp
+                d.joined(flight)
+                try:
+                    await self._relay_carried(call, call.carry, resp, d, flight, "decode", leg)
+                finally:
+                    d.flights.discard(flight)
+                    flight.close()
+                    d.legs -= 1
             answered = resp.status < 400
             if answered and call.out.status < 400:
                 self._completed(call, p.id, d.id)
@@ -281,11 +515,13 @@ class Router:
 
     async def _sglang_prefill(self, call: Call, p: Target, ep: Upstream, body: bytes, work: int) -> Answer:
         p.load += work
+        p.legs += 1
         leg = None if call.trace is None else call.trace.leg("prefill", ep)
         try:
             return await self.engines.call(ep, call.path_b, body, "prefill", leg=leg)
         finally:
             p.load -= work
+            p.legs -= 1
             if leg is not None:
                 leg.end()
 
@@ -306,8 +542,8 @@ class Router:
 
     def _completed(self, call: Call, p: int, d: int) -> None:
         sink = self.completed
-        if sink is None:
-            return
+        if sink is None or (call.carry is not None and call.carry.moves):
+            return  # a continued answer came from two pairs: no sample of either
         try:
             sink(p, d, Completed(call.path, call.model, call.req))
         except Exception:  # detection fails open: the client's answer is already made
@@ -368,16 +604,69 @@ class Router:
         self, t: Target, ep: Upstream, tokens: int, path: bytes, body: bytes, timeout_s: float, role: str
     ) -> Answer:
         t.load += tokens  # the policies see this work like any other
+        t.legs += 1
         try:
             return await self.engines.call(ep, path, body, role, timeout_s)
         finally:
             t.load -= tokens
+            t.legs -= 1
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _ended(call: Call, err: OpenAIError) -> OpenAIError:
+    """``err`` for the server to answer; once a stream began it is its last event instead."""
+    out = call.out
+    if out.started and not out.finished:
+        out.end(b"data: " + err.body() + b"\n\n")
+    return err
+
+
+async def _give_up(call: Call, carry: Carry, brk: Break) -> None:
+    """The answer ends with the break's error: an event when the stream began, else a status."""
+    if brk.reason == "timeout":
+        err = server_error(504, f"{brk}; decode_idle_timeout_s passed", "upstream_timeout")
+    else:
+        err = server_error(502, str(brk), "upstream_disconnected")
+    if carry.started:
+        await call.out.write(b"data: " + err.body() + b"\n\n")
+        return None
+    raise err
+
+
+async def _finish(call: Call, carry: Carry) -> None:
+    """End an answer whose output is all delivered but whose last events were lost."""
+    if carry.started:
+        await call.out.write(carry.ending())
+
+
+def _answer_error(call: Call, answer: Answer) -> None:
+    """An engine's error answer (a prefill's): as it came, or as an event once a stream began
+    (a continuation's prefill refused)."""
+    out = call.out
+    if not out.started:
+        return answer.send(out, call.reply)
+    if call.carry is not None:
+        call.carry.finish = "error"
+    out.end(b"data: " + _error_body(answer.body, answer.status) + b"\n\n")
+    return None
+
+
+def _error_body(data: bytes, status: int) -> bytes:
+    """An engine's error body as one SSE event's data: its JSON when it is an object with an
+    ``error``, else one made of its text."""
+    try:
+        obj = loads(data)
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        return _dumps(obj)
+    text = data.decode("utf-8", "replace")[:500]
+    return server_error(status, text or f"the engine answered {status}", "upstream_error").body()
 
 
 def _done_with(resp: Response) -> None:
@@ -411,7 +700,10 @@ def _vllm_decode_body(call: Call, prefill: Answer) -> bytes:
     """The vLLM decode leg: the request with the prefill's kv_transfer_params spliced in. With
     no ticket (an engine without a KV connector) the decode computes the prompt itself."""
     kv = kv_params_of(prefill.body)
-    return with_fields(call.raw, call.req, {KV: kv}) if kv is not None else call.raw
+    if kv is None:
+        return call.raw
+    carried = call.req.get(KV)  # a continuation's prompt ids (migration/carry.py) go on too
+    return with_fields(call.raw, call.req, {KV: {**kv, **carried} if isinstance(carried, dict) else kv})
 
 
 def _prefill_failure(task: asyncio.Future[Answer]) -> BaseException | Answer | None:

@@ -12,8 +12,10 @@ process: several Coordinators in one process (tests start many) keep their own c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from motor_mesh.common.enums import DECODE, PD_SGLANG, PD_VLLM, PREFILL, ROLE_NAMES, UNION, pd_protocol_of
 from motor_mesh.coordinator.table import TableState, identity
@@ -75,10 +77,13 @@ class Target:
         "downs",
         "endpoints",
         "engine_type",
+        "flights",
         "id",
         "key",
+        "legs",
         "load",
         "model",
+        "move_at",
         "n_down",
         "protocol",
         "remote",
@@ -100,6 +105,14 @@ class Target:
         self.n_down = 0
         self.downs = downs  # the count of the table this target belongs to
         self._rr = 0
+        # Legs (prefill or answering) this process has on the instance now: a drain is over
+        # when every process counts none.
+        self.legs = 0
+        # The answering legs that can continue elsewhere, told when this target leaves routing.
+        self.flights: set[Movable] = set()
+        # Once retired: when its flights move (wall time; 0: at once, inf: never, as for a
+        # pause) and why (drain or left); None while it is routed to.
+        self.move_at: tuple[float, str] | None = None
 
     @property
     def local_load(self) -> int:
@@ -120,12 +133,30 @@ class Target:
             self.n_down += step
             self.downs.n += step
 
-    def retire(self) -> None:
+    def retire(self, move_at: float, reason: str = "left") -> None:
         """This target left the routing view: its endpoints no longer count as down, and a
-        refusal still reported for one (a request that was in flight) counts in no table."""
+        refusal still reported for one (a request that was in flight) counts in no table.
+        Streams on it move to other instances at ``move_at`` (wall time): at once when the
+        instance was removed, went down or was relaunched; after the grace when drained;
+        never (inf) when it was only paused."""
         self.downs.n -= self.n_down
         self.n_down = 0
         self.downs = DownCount()
+        self.moves(move_at, reason)
+
+    def moves(self, move_at: float, reason: str) -> None:
+        """Streams on this retired target move at ``move_at`` for ``reason`` (drain or left); a
+        later table may change it (a paused instance drained, a draining one deleted)."""
+        if (move_at, reason) != self.move_at:
+            self.move_at = (move_at, reason)
+            for flight in tuple(self.flights):
+                flight.move_at(move_at, reason)
+
+    def joined(self, flight: Movable) -> None:
+        """``flight`` now answers from this instance; one that left routing tells it when to move."""
+        self.flights.add(flight)
+        if self.move_at is not None:
+            flight.move_at(*self.move_at)
 
     def pick_endpoint(self) -> Upstream:
         """Round-robin over the endpoints that are not known to refuse connections."""
@@ -144,6 +175,12 @@ class Target:
 
     def __repr__(self) -> str:
         return f"Target({self.id}, {ROLE_NAMES.get(self.role, self.role)}, {self.model!r})"
+
+
+class Movable(Protocol):
+    """A leg answering a client that can continue on another instance (migration.Flight)."""
+
+    def move_at(self, when: float, reason: str) -> None: ...
 
 
 def _runtime_key(inst: common_pb2.Instance) -> tuple[object, ...]:
@@ -193,6 +230,8 @@ class RoutingView:
     # routable: one usable prefill+decode pair of the same model (and protocol) or one union.
     routable: bool = False
     downs: DownCount = field(default_factory=DownCount, compare=False)
+    # Targets that left routing with legs still on them (a drain waits for them to end).
+    retired: tuple[Target, ...] = field(default=(), compare=False)
 
     @property
     def down_total(self) -> int:
@@ -202,12 +241,37 @@ class RoutingView:
     def model_names(self) -> list[str]:
         return sorted(self.models)
 
+    def legs(self) -> dict[int, int]:
+        """Legs in flight per instance id, routed or retired (targets with none left out)."""
+        legs: dict[int, int] = {}
+        for t in (*self.targets, *self.retired):
+            if t.legs:
+                legs[t.id] = legs.get(t.id, 0) + t.legs
+        return legs
 
-def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingView:
+
+def _move_time(state: TableState, t: Target) -> tuple[float, str]:
+    """When streams on ``t``, out of routing, move: after the grace for a drain, never while
+    the same engines are paused or serve again, at once otherwise (removed, down, relaunched)."""
+    inst = state.instances.get(t.id)
+    if inst is None or _runtime_key(inst) != t.key:
+        return 0.0, "left"
+    drain = state.draining.get(t.id)
+    if drain is not None:
+        return drain.move_at, "drain"
+    if state.is_paused(inst) or state.is_available(inst):
+        return math.inf, "left"
+    return 0.0, "left"
+
+
+def build_view(
+    state: TableState, previous: Iterable[Target] = (), retired: Iterable[Target] = ()
+) -> RoutingView:
     """The routing view of ``state``, reusing the runtime state of unchanged instances.
 
     ``previous`` are the targets of the view this one replaces: the new view counts its down
-    endpoints with theirs (one count per table, whatever else the process routes)."""
+    endpoints with theirs (one count per table, whatever else the process routes). ``retired``:
+    that view's targets which had left routing with legs on them."""
     previous = tuple(previous)
     downs = previous[0].downs if previous else DownCount()
     old = {t.id: t for t in previous}
@@ -218,9 +282,13 @@ def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingVie
         if target.endpoints:
             targets.append(target)
     kept = {id(t) for t in targets}
-    for t in previous:
-        if id(t) not in kept:
-            t.retire()
+    leaving = [t for t in previous if id(t) not in kept]
+    for t in leaving:
+        t.retire(*_move_time(state, t))
+    lingering = tuple(t for t in retired if t.legs and id(t) not in kept)
+    for t in lingering:
+        t.moves(*_move_time(state, t))
+    lingering += tuple(t for t in leaving if t.legs)
     by_model: dict[str, list[Target]] = {}
     for t in targets:
         by_model.setdefault(t.model, []).append(t)
@@ -241,4 +309,4 @@ def build_view(state: TableState, previous: Iterable[Target] = ()) -> RoutingVie
         routable = routable or bool(groups or union)
         if groups or union or prefill_only:
             models[model] = ModelRoutes(tuple(groups), union, prefill_only)
-    return RoutingView(state.revision, models, tuple(targets), routable, downs)
+    return RoutingView(state.revision, models, tuple(targets), routable, downs, lingering)

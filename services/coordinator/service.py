@@ -7,6 +7,7 @@ errors); the generated servicer is the base class for its request and response t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,8 +35,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         route_by: Callable[[TableState | None], Awaitable[None]],
         dismiss_precision: Callable[[int, int], bool] = lambda p, d: False,
         pool: WorkerPool | None = None,
+        *,
+        legs: Callable[[], dict[int, int]] = dict,
+        drain_grace_s: float = 30.0,
     ) -> None:
         self.table = table
+        # Legs in flight per instance id, every process serving HTTP counted (DrainInstances).
+        self._legs = legs
+        self._drain_grace_s = drain_grace_s
         # The inference worker processes; None when this process serves HTTP itself.
         self._pool = pool
         # Makes the inference workers (and readiness) follow a new state, or, given None, makes
@@ -158,7 +165,37 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             incarnation=self.table.incarnation,
             inference_workers=self._pool.count if self._pool is not None else 1,
             inference_workers_serving=len(self._pool.hub.serving()) if self._pool is not None else 1,
+            draining_ids=sorted(state.draining),
         )
+
+    async def DrainInstances(
+        self, request: pb.DrainInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainInstancesResponse:
+        """A write like Pause (the workers take the new table first), answered with each
+        instance's deadline and the legs still on it."""
+        grace = (
+            request.grace.ToTimedelta().total_seconds() if request.HasField("grace") else self._drain_grace_s
+        )
+        now = time.time()
+        ids = list(request.ids)
+        written = await self._write(
+            "DrainInstances", context, lambda t: t.drain(ids, grace, now), _drain_response
+        )
+        state = self.table.state
+        legs = self._legs()
+        resp = pb.DrainInstancesResponse(revision=written.revision, incarnation=written.incarnation)
+        for iid in ids:
+            drain = state.draining.get(iid)
+            entry = resp.drains.add(instance_id=iid, requests_in_flight=legs.get(iid, 0))
+            if drain is not None:  # None: the instance came back with other engines meanwhile
+                entry.move_time.FromNanoseconds(int(drain.move_at * 1e9))
+        log.event(
+            "instances_draining",
+            ids=",".join(map(str, ids)),
+            grace_s=grace,
+            legs=sum(legs.get(i, 0) for i in ids),
+        )
+        return resp
 
     async def ClearPrecisionAlarm(
         self, request: pb.ClearPrecisionAlarmRequest, context: grpc.aio.ServicerContext
@@ -170,6 +207,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dismissed = self._dismiss_precision(p, d)
         log.event("precision_alarm_dismissed", p=p, d=d, dismissed=dismissed)
         return pb.ClearPrecisionAlarmResponse(dismissed=dismissed)
+
+
+def _drain_response(revision: int, instance_count: int, incarnation: str) -> pb.DrainInstancesResponse:
+    return pb.DrainInstancesResponse(revision=revision, incarnation=incarnation)
 
 
 def _unwatched(rpc: str, write: asyncio.Future[Any]) -> None:

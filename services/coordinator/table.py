@@ -10,7 +10,7 @@ Errors are :class:`motor_mesh.common.errors.MotorError` naming the first bad ``i
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +37,23 @@ def _stored(inst: common_pb2.Instance) -> common_pb2.Instance:
     return copy
 
 
+Engines = frozenset[tuple[str, int, int]]
+
+
+def engines(inst: common_pb2.Instance) -> Engines:
+    """The engine processes behind an instance: a drain holds for these, and ends when the
+    instance comes back with others (a relaunch gives new pids)."""
+    return frozenset((ep.host, ep.port, ep.pid) for ep in inst.endpoints)
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """An instance taken out of routing by DrainInstances."""
+
+    move_at: float  # wall-clock time (time.time()) when requests still on it are moved
+    engines: Engines  # the engine processes it was drained with
+
+
 @dataclass(frozen=True)
 class TableState:
     """One immutable revision of the table. Never mutated after construction."""
@@ -44,23 +61,25 @@ class TableState:
     instances: dict[int, common_pb2.Instance] = field(default_factory=dict)
     paused: frozenset[int] = frozenset()  # paused by PauseInstances
     revision: int = 0
+    draining: Mapping[int, Drain] = field(default_factory=dict)  # by DrainInstances
 
     def is_paused(self, inst: common_pb2.Instance) -> bool:
         return inst.id in self.paused or inst.status == PAUSED
 
     def is_available(self, inst: common_pb2.Instance) -> bool:
-        return inst.status == ACTIVE and not self.is_paused(inst)
+        return inst.status == ACTIVE and not self.is_paused(inst) and inst.id not in self.draining
 
     def groups(
         self,
     ) -> tuple[list[common_pb2.Instance], list[common_pb2.Instance], list[common_pb2.Instance]]:
-        """(available, unavailable, paused), each sorted by id."""
+        """(available, unavailable, paused), each sorted by id; a draining instance that is not
+        paused is unavailable."""
         available, unavailable, paused = [], [], []
         for iid in sorted(self.instances):
             inst = self.instances[iid]
             if self.is_paused(inst):
                 paused.append(inst)
-            elif inst.status == ACTIVE:
+            elif inst.status == ACTIVE and iid not in self.draining:
                 available.append(inst)
             else:
                 unavailable.append(inst)
@@ -135,15 +154,26 @@ class RoutingTable:
         """This table's instances again under a revision after ``spent`` (a draft's that the
         workers may hold but that was not committed): what puts them back on this table."""
         self._issued = max(self._issued, spent) + 1
-        return TableState(self.state.instances, self.state.paused, self._issued)
+        return TableState(self.state.instances, self.state.paused, self._issued, self.state.draining)
 
-    def _swap(self, instances: dict[int, common_pb2.Instance], paused: Iterable[int]) -> bool:
+    def _swap(
+        self,
+        instances: dict[int, common_pb2.Instance],
+        paused: Iterable[int],
+        draining: Mapping[int, Drain] | None = None,
+    ) -> bool:
         paused_set = frozenset(paused) & instances.keys()
         old = self.state
-        if instances == old.instances and paused_set == old.paused:
+        # A drain lasts while its instance is held with the engines it was drained with.
+        drains = {
+            iid: d
+            for iid, d in (old.draining if draining is None else draining).items()
+            if iid in instances and engines(instances[iid]) == d.engines
+        }
+        if instances == old.instances and paused_set == old.paused and drains == old.draining:
             return False
         self._issued += 1
-        self.state = TableState(instances, paused_set, self._issued)
+        self.state = TableState(instances, paused_set, self._issued, drains)
         return True
 
     def set(self, instances: Sequence[common_pb2.Instance]) -> bool:
@@ -190,8 +220,9 @@ class RoutingTable:
         return self._swap(dict(self.state.instances), self.state.paused | set(ids))
 
     def resume(self, ids: Sequence[int]) -> bool:
-        """Clear the pause flag; an instance stored with status PAUSED becomes ACTIVE, since
-        resuming it is the operator's (or Controller's) way of saying it may serve again."""
+        """Clear the pause flag and any drain; an instance stored with status PAUSED becomes
+        ACTIVE, since resuming it is the operator's (or Controller's) way of saying it may serve
+        again."""
         self._known(ids)
         old = self.state
         new = dict(old.instances)
@@ -200,4 +231,16 @@ class RoutingTable:
                 inst = _stored(new[iid])
                 inst.status = ACTIVE
                 new[iid] = inst
-        return self._swap(new, old.paused - set(ids))
+        drains = {iid: d for iid, d in old.draining.items() if iid not in ids}
+        return self._swap(new, old.paused - set(ids), drains)
+
+    def drain(self, ids: Sequence[int], grace_s: float, now: float) -> bool:
+        """Take ``ids`` out of routing; requests on them move at ``now + grace_s`` (wall time).
+        An instance already draining keeps its deadline."""
+        self._known(ids)
+        old = self.state
+        drains = dict(old.draining)
+        for iid in ids:
+            if iid not in drains:
+                drains[iid] = Drain(now + grace_s, engines(old.instances[iid]))
+        return self._swap(dict(old.instances), old.paused, drains)

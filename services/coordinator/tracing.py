@@ -97,6 +97,20 @@ class RequestTrace:
         self._attempts[role] = n
         return RecordedLeg(self._tracer, self._ctx, role, ep, self._path, n)
 
+    def continuation(self, n: int, reason: str, delivered: int) -> Any:
+        """A span for the ``n``-th continuation of this request (ended by the caller): from the
+        break to the end of the legs that continue it, which are its siblings under the request."""
+        if self._unrecorded is not None:
+            return None
+        attrs: dict[str, Any] = {
+            "motor.migration.attempt": n,
+            "motor.migration.reason": reason,
+            "motor.migration.tokens_delivered": delivered,
+        }
+        return self._tracer.start_span(
+            "continuation", context=self._ctx, kind=SpanKind.INTERNAL, attributes=attrs
+        )
+
     def end(self, status: int, cancelled: bool = False) -> None:
         """Record the status the client got (``cancelled``: none, the client went away)."""
         span = self.span

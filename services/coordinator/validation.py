@@ -15,6 +15,7 @@ _ENGINE_TYPES = frozenset(common_pb2.EngineType.values())
 _PD_PROTOCOLS = frozenset(common_pb2.PdProtocol.values())
 _STATUSES = frozenset(common_pb2.InstanceStatus.values())
 _EP_STATUSES = frozenset(common_pb2.EndpointStatus.values())
+MAX_GRACE_S = 86400  # a drain longer than a day is a typo
 
 
 def instance(inst: common_pb2.Instance, path: str) -> list[tuple[str, str]]:
@@ -117,6 +118,17 @@ def resume_instances(req: coordinator_pb2.ResumeInstancesRequest) -> list[tuple[
     return id_list(req.ids)
 
 
+def drain_instances(req: coordinator_pb2.DrainInstancesRequest) -> list[tuple[str, str]]:
+    bad = id_list(req.ids)
+    if req.HasField("grace"):
+        g = req.grace
+        if g.seconds < 0 or g.nanos < 0:
+            bad.append(("grace", "must not be negative"))
+        elif g.seconds > MAX_GRACE_S or not 0 <= g.nanos < 1_000_000_000:
+            bad.append(("grace", f"must be at most {MAX_GRACE_S} s with nanos 0..999999999"))
+    return bad
+
+
 def clear_precision_alarm(req: coordinator_pb2.ClearPrecisionAlarmRequest) -> list[tuple[str, str]]:
     return [] if req.d_instance_id else [("d_instance_id", "required")]
 
@@ -126,6 +138,7 @@ VALIDATORS = {
     "AddInstances": add_instances,
     "DeleteInstances": delete_instances,
     "PauseInstances": pause_instances,
+    "DrainInstances": drain_instances,
     "ResumeInstances": resume_instances,
     "ClearPrecisionAlarm": clear_precision_alarm,
 }

@@ -37,7 +37,7 @@ class ViewHolder:
         self.view = RoutingView()
 
     def apply(self, state: TableState) -> None:
-        self.view = build_view(state, self.view.targets)
+        self.view = build_view(state, self.view.targets, self.view.retired)
 
     def remote_loads(self, loads: dict[int, int]) -> None:
         for t in self.view.targets:
@@ -106,7 +106,7 @@ async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
     try:
         address = await server.start()
         link.serving()
-        link.report_loads(holder.local_loads)
+        link.report_loads(holder.local_loads, lambda: holder.view.legs())
         log.event(
             "worker_serving", worker=index, pid=os.getpid(), http=address, revision=holder.view.revision
         )

@@ -9,11 +9,14 @@ with NIXL on this machine's two cores do not work, because NIXL keeps one core b
 polling for transfers (the decode engine's first pull then stalled until its health probes
 failed), and a Coordinator with prefill instances only is not routable. The prefill side of
 `kv_aware` reads the same index through the same code; test_vllm_pd.py tests the hand-off.
-Precision sampling runs here too: its shadow requests go to a real engine.
+Precision sampling runs here too: its shadow requests go to a real engine. The last test kills
+an engine: a stream on it continues on the other one.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -123,3 +126,75 @@ def test_precision_samples_are_judged_on_real_engines(cluster: RealCluster) -> N
 
     wait_until(sample_taken, 60, "a judged precision sample", every=1.0)
     assert scrape(coordinator).value("motor_coordinator_precision_samples_total", result="error") == errors
+
+
+def _streamed(stream: Any, on_chunk: Any = None) -> tuple[list[int], str, list[str]]:
+    """(output token ids, text, finish reasons) of a streamed chat answer; ``on_chunk(n)`` is
+    called after the n-th chunk that carried output."""
+    ids: list[int] = []
+    text: list[str] = []
+    finish: list[str] = []
+    n = 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            extra = choice.model_extra or {}
+            ids.extend(extra.get("token_ids") or [])
+            text.append(choice.delta.content or "")
+            if choice.finish_reason:
+                finish.append(choice.finish_reason)
+            if extra.get("token_ids"):
+                n += 1
+                if on_chunk is not None:
+                    on_chunk(n)
+    return ids, "".join(text), finish
+
+
+def test_a_stream_whose_engine_is_killed_continues_on_the_other_token_for_token(cluster: RealCluster) -> None:
+    """Last: it kills an engine. A greedy chat stream whose engine is SIGKILLed mid-answer
+    continues on the other engine from the token ids already delivered (vLLM's return_token_ids,
+    then kv_transfer_params.prompt_token_ids: no text round trip), and the client's tokens are
+    the fault-free answer's, with nothing repeated or missing."""
+    api = client(cluster)
+    messages = chat(unique())
+    ask = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 160,
+        "temperature": 0,
+        "stream": True,
+        # The client asks for the ids too, to compare tokens rather than text; ignore_eos: the
+        # random model must not stop before the kill.
+        "extra_body": {"return_token_ids": True, "ignore_eos": True},
+    }
+    ref_ids, ref_text, ref_finish = _streamed(api.chat.completions.create(**ask))
+    assert len(ref_ids) == 160 and ref_finish == ["length"]
+    coordinator = f"{cluster.base_url}/metrics"
+    before = scrape(coordinator).value(
+        "motor_coordinator_migrations_total", reason="disconnect", outcome="continued"
+    )
+    # A precision sample the reference's completion triggered runs on its own: let it end, so
+    # the one engine busy below is the one serving the stream.
+    wait_until(
+        lambda: all(cluster.engine_counter(k, "vllm:num_requests_running") == 0 for k in ENGINES),
+        30,
+        "both engines idle",
+    )
+    killed: list[int] = []
+
+    def kill_once(n: int) -> None:
+        if n != 8 or killed:
+            return
+        busy = [k for k in ENGINES if cluster.engine_counter(k, "vllm:num_requests_running") > 0]
+        assert len(busy) == 1, busy
+        (k,) = busy
+        pid = cluster.engine_pid(k)
+        os.killpg(pid, signal.SIGKILL)
+        killed.append(k)
+
+    ids, text, finish = _streamed(api.chat.completions.create(**ask), kill_once)
+    assert killed, "the stream ended before the kill"
+    assert ids == ref_ids and text == ref_text and finish == ["length"]
+    after = scrape(coordinator).value(
+        "motor_coordinator_migrations_total", reason="disconnect", outcome="continued"
+    )
+    assert after == before + 1

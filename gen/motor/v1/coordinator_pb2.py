@@ -22,44 +22,52 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from motor_mesh.gen.motor.v1 import common_pb2 as motor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amotor/v1/coordinator.proto\x12\x08motor.v1\x1a\x15motor/v1/common.proto\"<\n\x13SetInstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"U\n\x14SetInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"<\n\x13\x41\x64\x64InstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"U\n\x14\x41\x64\x64InstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"?\n\x16\x44\x65leteInstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"X\n\x17\x44\x65leteInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"$\n\x15PauseInstancesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"W\n\x16PauseInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"%\n\x16ResumeInstancesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"X\n\x17ResumeInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"!\n\x1f\x43oordinatorListInstancesRequest\"\xfb\x01\n CoordinatorListInstancesResponse\x12%\n\tavailable\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\x12\'\n\x0bunavailable\x18\x02 \x03(\x0b\x32\x12.motor.v1.Instance\x12\"\n\x06paused\x18\x03 \x03(\x0b\x32\x12.motor.v1.Instance\x12\x10\n\x08revision\x18\x04 \x01(\x04\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x19\n\x11inference_workers\x18\x06 \x01(\r\x12!\n\x19inference_workers_serving\x18\x07 \x01(\r\"J\n\x1a\x43learPrecisionAlarmRequest\x12\x15\n\rd_instance_id\x18\x01 \x01(\x04\x12\x15\n\rp_instance_id\x18\x02 \x01(\x04\"0\n\x1b\x43learPrecisionAlarmResponse\x12\x11\n\tdismissed\x18\x01 \x01(\x08\x32\xfc\x04\n\x0b\x43oordinator\x12M\n\x0cSetInstances\x12\x1d.motor.v1.SetInstancesRequest\x1a\x1e.motor.v1.SetInstancesResponse\x12M\n\x0c\x41\x64\x64Instances\x12\x1d.motor.v1.AddInstancesRequest\x1a\x1e.motor.v1.AddInstancesResponse\x12V\n\x0f\x44\x65leteInstances\x12 .motor.v1.DeleteInstancesRequest\x1a!.motor.v1.DeleteInstancesResponse\x12S\n\x0ePauseInstances\x12\x1f.motor.v1.PauseInstancesRequest\x1a .motor.v1.PauseInstancesResponse\x12V\n\x0fResumeInstances\x12 .motor.v1.ResumeInstancesRequest\x1a!.motor.v1.ResumeInstancesResponse\x12\x66\n\rListInstances\x12).motor.v1.CoordinatorListInstancesRequest\x1a*.motor.v1.CoordinatorListInstancesResponse\x12\x62\n\x13\x43learPrecisionAlarm\x12$.motor.v1.ClearPrecisionAlarmRequest\x1a%.motor.v1.ClearPrecisionAlarmResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amotor/v1/coordinator.proto\x12\x08motor.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15motor/v1/common.proto\"<\n\x13SetInstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"U\n\x14SetInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"<\n\x13\x41\x64\x64InstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"U\n\x14\x41\x64\x64InstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"?\n\x16\x44\x65leteInstancesRequest\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\"X\n\x17\x44\x65leteInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"$\n\x15PauseInstancesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"W\n\x16PauseInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"%\n\x16ResumeInstancesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"X\n\x17ResumeInstancesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12\x16\n\x0einstance_count\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"N\n\x15\x44rainInstancesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"h\n\x16\x44rainInstancesResponse\x12\'\n\x06\x64rains\x18\x01 \x03(\x0b\x32\x17.motor.v1.InstanceDrain\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"o\n\rInstanceDrain\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12-\n\tmove_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\r\"!\n\x1f\x43oordinatorListInstancesRequest\"\x91\x02\n CoordinatorListInstancesResponse\x12%\n\tavailable\x18\x01 \x03(\x0b\x32\x12.motor.v1.Instance\x12\'\n\x0bunavailable\x18\x02 \x03(\x0b\x32\x12.motor.v1.Instance\x12\"\n\x06paused\x18\x03 \x03(\x0b\x32\x12.motor.v1.Instance\x12\x10\n\x08revision\x18\x04 \x01(\x04\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x19\n\x11inference_workers\x18\x06 \x01(\r\x12!\n\x19inference_workers_serving\x18\x07 \x01(\r\x12\x14\n\x0c\x64raining_ids\x18\x08 \x03(\x04\"J\n\x1a\x43learPrecisionAlarmRequest\x12\x15\n\rd_instance_id\x18\x01 \x01(\x04\x12\x15\n\rp_instance_id\x18\x02 \x01(\x04\"0\n\x1b\x43learPrecisionAlarmResponse\x12\x11\n\tdismissed\x18\x01 \x01(\x08\x32\xd1\x05\n\x0b\x43oordinator\x12M\n\x0cSetInstances\x12\x1d.motor.v1.SetInstancesRequest\x1a\x1e.motor.v1.SetInstancesResponse\x12M\n\x0c\x41\x64\x64Instances\x12\x1d.motor.v1.AddInstancesRequest\x1a\x1e.motor.v1.AddInstancesResponse\x12V\n\x0f\x44\x65leteInstances\x12 .motor.v1.DeleteInstancesRequest\x1a!.motor.v1.DeleteInstancesResponse\x12S\n\x0ePauseInstances\x12\x1f.motor.v1.PauseInstancesRequest\x1a .motor.v1.PauseInstancesResponse\x12V\n\x0fResumeInstances\x12 .motor.v1.ResumeInstancesRequest\x1a!.motor.v1.ResumeInstancesResponse\x12\x66\n\rListInstances\x12).motor.v1.CoordinatorListInstancesRequest\x1a*.motor.v1.CoordinatorListInstancesResponse\x12\x62\n\x13\x43learPrecisionAlarm\x12$.motor.v1.ClearPrecisionAlarmRequest\x1a%.motor.v1.ClearPrecisionAlarmResponse\x12S\n\x0e\x44rainInstances\x12\x1f.motor.v1.DrainInstancesRequest\x1a .motor.v1.DrainInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor_mesh.gen.motor.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SETINSTANCESREQUEST']._serialized_start=63
-  _globals['_SETINSTANCESREQUEST']._serialized_end=123
-  _globals['_SETINSTANCESRESPONSE']._serialized_start=125
-  _globals['_SETINSTANCESRESPONSE']._serialized_end=210
-  _globals['_ADDINSTANCESREQUEST']._serialized_start=212
-  _globals['_ADDINSTANCESREQUEST']._serialized_end=272
-  _globals['_ADDINSTANCESRESPONSE']._serialized_start=274
-  _globals['_ADDINSTANCESRESPONSE']._serialized_end=359
-  _globals['_DELETEINSTANCESREQUEST']._serialized_start=361
-  _globals['_DELETEINSTANCESREQUEST']._serialized_end=424
-  _globals['_DELETEINSTANCESRESPONSE']._serialized_start=426
-  _globals['_DELETEINSTANCESRESPONSE']._serialized_end=514
-  _globals['_PAUSEINSTANCESREQUEST']._serialized_start=516
-  _globals['_PAUSEINSTANCESREQUEST']._serialized_end=552
-  _globals['_PAUSEINSTANCESRESPONSE']._serialized_start=554
-  _globals['_PAUSEINSTANCESRESPONSE']._serialized_end=641
-  _globals['_RESUMEINSTANCESREQUEST']._serialized_start=643
-  _globals['_RESUMEINSTANCESREQUEST']._serialized_end=680
-  _globals['_RESUMEINSTANCESRESPONSE']._serialized_start=682
-  _globals['_RESUMEINSTANCESRESPONSE']._serialized_end=770
-  _globals['_COORDINATORLISTINSTANCESREQUEST']._serialized_start=772
-  _globals['_COORDINATORLISTINSTANCESREQUEST']._serialized_end=805
-  _globals['_COORDINATORLISTINSTANCESRESPONSE']._serialized_start=808
-  _globals['_COORDINATORLISTINSTANCESRESPONSE']._serialized_end=1059
-  _globals['_CLEARPRECISIONALARMREQUEST']._serialized_start=1061
-  _globals['_CLEARPRECISIONALARMREQUEST']._serialized_end=1135
-  _globals['_CLEARPRECISIONALARMRESPONSE']._serialized_start=1137
-  _globals['_CLEARPRECISIONALARMRESPONSE']._serialized_end=1185
-  _globals['_COORDINATOR']._serialized_start=1188
-  _globals['_COORDINATOR']._serialized_end=1824
+  _globals['_SETINSTANCESREQUEST']._serialized_start=128
+  _globals['_SETINSTANCESREQUEST']._serialized_end=188
+  _globals['_SETINSTANCESRESPONSE']._serialized_start=190
+  _globals['_SETINSTANCESRESPONSE']._serialized_end=275
+  _globals['_ADDINSTANCESREQUEST']._serialized_start=277
+  _globals['_ADDINSTANCESREQUEST']._serialized_end=337
+  _globals['_ADDINSTANCESRESPONSE']._serialized_start=339
+  _globals['_ADDINSTANCESRESPONSE']._serialized_end=424
+  _globals['_DELETEINSTANCESREQUEST']._serialized_start=426
+  _globals['_DELETEINSTANCESREQUEST']._serialized_end=489
+  _globals['_DELETEINSTANCESRESPONSE']._serialized_start=491
+  _globals['_DELETEINSTANCESRESPONSE']._serialized_end=579
+  _globals['_PAUSEINSTANCESREQUEST']._serialized_start=581
+  _globals['_PAUSEINSTANCESREQUEST']._serialized_end=617
+  _globals['_PAUSEINSTANCESRESPONSE']._serialized_start=619
+  _globals['_PAUSEINSTANCESRESPONSE']._serialized_end=706
+  _globals['_RESUMEINSTANCESREQUEST']._serialized_start=708
+  _globals['_RESUMEINSTANCESREQUEST']._serialized_end=745
+  _globals['_RESUMEINSTANCESRESPONSE']._serialized_start=747
+  _globals['_RESUMEINSTANCESRESPONSE']._serialized_end=835
+  _globals['_DRAININSTANCESREQUEST']._serialized_start=837
+  _globals['_DRAININSTANCESREQUEST']._serialized_end=915
+  _globals['_DRAININSTANCESRESPONSE']._serialized_start=917
+  _globals['_DRAININSTANCESRESPONSE']._serialized_end=1021
+  _globals['_INSTANCEDRAIN']._serialized_start=1023
+  _globals['_INSTANCEDRAIN']._serialized_end=1134
+  _globals['_COORDINATORLISTINSTANCESREQUEST']._serialized_start=1136
+  _globals['_COORDINATORLISTINSTANCESREQUEST']._serialized_end=1169
+  _globals['_COORDINATORLISTINSTANCESRESPONSE']._serialized_start=1172
+  _globals['_COORDINATORLISTINSTANCESRESPONSE']._serialized_end=1445
+  _globals['_CLEARPRECISIONALARMREQUEST']._serialized_start=1447
+  _globals['_CLEARPRECISIONALARMREQUEST']._serialized_end=1521
+  _globals['_CLEARPRECISIONALARMRESPONSE']._serialized_start=1523
+  _globals['_CLEARPRECISIONALARMRESPONSE']._serialized_end=1571
+  _globals['_COORDINATOR']._serialized_start=1574
+  _globals['_COORDINATOR']._serialized_end=2295
 # @@protoc_insertion_point(module_scope)

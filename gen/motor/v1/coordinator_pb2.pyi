@@ -5,7 +5,9 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from motor_mesh.gen.motor.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
@@ -292,6 +294,104 @@ class ResumeInstancesResponse(_message.Message):
 Global___ResumeInstancesResponse: _TypeAlias = ResumeInstancesResponse  # noqa: Y015
 
 @_typing.final
+class DrainInstancesRequest(_message.Message):
+    """Instances to drain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    GRACE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Instance ids, non-zero and unique."""
+
+    @_builtins.property
+    def grace(self) -> _duration_pb2.Duration:
+        """How long a request may go on finishing where it is before it is moved; unset:
+        coordinator.drain_grace_s, zero: move at once. Ignored for an instance already draining.
+        """
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+        grace: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace", "ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainInstancesRequest: _TypeAlias = DrainInstancesRequest  # noqa: Y015
+
+@_typing.final
+class DrainInstancesResponse(_message.Message):
+    """Each named instance's drain, in the order asked."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Goes up by 1 only when the table changes (a new drain changes routing)."""
+    incarnation: _builtins.str
+    """Random per Coordinator start."""
+    @_builtins.property
+    def drains(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceDrain]:
+        """One per id of the request."""
+
+    def __init__(
+        self,
+        *,
+        drains: _abc.Iterable[Global___InstanceDrain] | None = ...,
+        revision: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drains", b"drains", "incarnation", b"incarnation", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainInstancesResponse: _TypeAlias = DrainInstancesResponse  # noqa: Y015
+
+@_typing.final
+class InstanceDrain(_message.Message):
+    """One instance's drain on this Coordinator."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    MOVE_TIME_FIELD_NUMBER: _builtins.int
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    """The instance."""
+    requests_in_flight: _builtins.int
+    """Requests (legs) this Coordinator still has on the instance, all inference workers counted;
+    0: nothing of this Coordinator's runs there any more.
+    """
+    @_builtins.property
+    def move_time(self) -> _timestamp_pb2.Timestamp:
+        """When requests still on it are moved to other instances."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.int = ...,
+        move_time: _timestamp_pb2.Timestamp | None = ...,
+        requests_in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["move_time", b"move_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "move_time", b"move_time", "requests_in_flight", b"requests_in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceDrain: _TypeAlias = InstanceDrain  # noqa: Y015
+
+@_typing.final
 class CoordinatorListInstancesRequest(_message.Message):
     """No fields: the whole table is returned."""
 
@@ -321,6 +421,7 @@ class CoordinatorListInstancesResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     INFERENCE_WORKERS_FIELD_NUMBER: _builtins.int
     INFERENCE_WORKERS_SERVING_FIELD_NUMBER: _builtins.int
+    DRAINING_IDS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Goes up by 1 only when the table changes."""
     incarnation: _builtins.str
@@ -345,6 +446,12 @@ class CoordinatorListInstancesResponse(_message.Message):
     def paused(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
         """Paused by PauseInstances or stored with status PAUSED: held, not routed to."""
 
+    @_builtins.property
+    def draining_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Instances draining (DrainInstances), routed to by no new request: each is also listed as
+        unavailable (or paused, when it is paused too).
+        """
+
     def __init__(
         self,
         *,
@@ -355,10 +462,11 @@ class CoordinatorListInstancesResponse(_message.Message):
         incarnation: _builtins.str = ...,
         inference_workers: _builtins.int = ...,
         inference_workers_serving: _builtins.int = ...,
+        draining_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "incarnation", b"incarnation", "inference_workers", b"inference_workers", "inference_workers_serving", b"inference_workers_serving", "paused", b"paused", "revision", b"revision", "unavailable", b"unavailable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "draining_ids", b"draining_ids", "incarnation", b"incarnation", "inference_workers", b"inference_workers", "inference_workers_serving", b"inference_workers_serving", "paused", b"paused", "revision", b"revision", "unavailable", b"unavailable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

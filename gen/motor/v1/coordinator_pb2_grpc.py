@@ -85,6 +85,11 @@ class CoordinatorStub:
                 request_serializer=motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmResponse.FromString,
                 _registered_method=True)
+        self.DrainInstances = channel.unary_unary(
+                '/motor.v1.Coordinator/DrainInstances',
+                request_serializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -182,6 +187,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainInstances(self, request, context):
+        """Take instances out of routing for a planned stop without losing a request: no new request
+        goes to them from now on; a request still on one after the grace continues on another
+        instance of its role at its next token boundary, keeping the output already sent (a request
+        that cannot move finishes where it is). Draining an instance that already drains keeps its
+        deadline, so calling again only reports. A drain ends when the instance comes back with
+        other engine processes (a relaunch), when ResumeInstances names it, or when it is deleted;
+        a full SetInstances with the same engines keeps it. Answers at once with each instance's
+        state: call again to follow it until requests_in_flight is 0. A draining instance is listed
+        as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
+        repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
+        not hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +241,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ClearPrecisionAlarm,
                     request_deserializer=motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmRequest.FromString,
                     response_serializer=motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmResponse.SerializeToString,
+            ),
+            'DrainInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainInstances,
+                    request_deserializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -426,6 +453,33 @@ class Coordinator:
             '/motor.v1.Coordinator/ClearPrecisionAlarm',
             motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmRequest.SerializeToString,
             motor_dot_v1_dot_coordinator__pb2.ClearPrecisionAlarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Coordinator/DrainInstances',
+            motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.SerializeToString,
+            motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,

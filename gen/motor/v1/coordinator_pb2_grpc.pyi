@@ -97,6 +97,19 @@ class CoordinatorStub:
     Coordinator drops its precision-detection state for the group and samples it afresh.
     INVALID_ARGUMENT for a zero d_instance_id.
     """
+    DrainInstances: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainInstancesRequest, _coordinator_pb2.DrainInstancesResponse]
+    """Take instances out of routing for a planned stop without losing a request: no new request
+    goes to them from now on; a request still on one after the grace continues on another
+    instance of its role at its next token boundary, keeping the output already sent (a request
+    that cannot move finishes where it is). Draining an instance that already drains keeps its
+    deadline, so calling again only reports. A drain ends when the instance comes back with
+    other engine processes (a relaunch), when ResumeInstances names it, or when it is deleted;
+    a full SetInstances with the same engines keeps it. Answers at once with each instance's
+    state: call again to follow it until requests_in_flight is 0. A draining instance is listed
+    as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
+    repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
+    not hold.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -166,6 +179,19 @@ class CoordinatorAsyncStub(CoordinatorStub):
     TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
     Coordinator drops its precision-detection state for the group and samples it afresh.
     INVALID_ARGUMENT for a zero d_instance_id.
+    """
+    DrainInstances: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainInstancesRequest, _coordinator_pb2.DrainInstancesResponse]  # type: ignore[assignment]
+    """Take instances out of routing for a planned stop without losing a request: no new request
+    goes to them from now on; a request still on one after the grace continues on another
+    instance of its role at its next token boundary, keeping the output already sent (a request
+    that cannot move finishes where it is). Draining an instance that already drains keeps its
+    deadline, so calling again only reports. A drain ends when the instance comes back with
+    other engine processes (a relaunch), when ResumeInstances names it, or when it is deleted;
+    a full SetInstances with the same engines keeps it. Answers at once with each instance's
+    state: call again to follow it until requests_in_flight is 0. A draining instance is listed
+    as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
+    repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
+    not hold.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -275,6 +301,25 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         TerminateInstance with precision_alarm_clear, or another Coordinator's CLEAR); the
         Coordinator drops its precision-detection state for the group and samples it afresh.
         INVALID_ARGUMENT for a zero d_instance_id.
+        """
+
+    @_abc_1.abstractmethod
+    def DrainInstances(
+        self,
+        request: _coordinator_pb2.DrainInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DrainInstancesResponse, _abc.Awaitable[_coordinator_pb2.DrainInstancesResponse]]:
+        """Take instances out of routing for a planned stop without losing a request: no new request
+        goes to them from now on; a request still on one after the grace continues on another
+        instance of its role at its next token boundary, keeping the output already sent (a request
+        that cannot move finishes where it is). Draining an instance that already drains keeps its
+        deadline, so calling again only reports. A drain ends when the instance comes back with
+        other engine processes (a relaunch), when ResumeInstances names it, or when it is deleted;
+        a full SetInstances with the same engines keeps it. Answers at once with each instance's
+        state: call again to follow it until requests_in_flight is 0. A draining instance is listed
+        as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
+        repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
+        not hold.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

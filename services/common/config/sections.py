@@ -200,6 +200,23 @@ class CoordinatorConfig(ServerConfig):
     decode_idle_timeout_s: float = setting(120, c.DURATION)
     """Longest silence while an answer is being read; past it, 504 before any byte reached the
     client, or an error event ending a stream."""
+    migration_limit: int = setting(3, c.integer(0, 100))
+    """Times one request may continue on another instance after the engine serving it failed
+    (connection lost, 5xx, `decode_idle_timeout_s`, the instance leaving the table) or was
+    drained; 0 turns continuation off. The output already sent is kept: the continuation
+    computes only the rest (docs/migration.md)."""
+    migration_delay_s: float = setting(0.2, c.seconds(0, 60))
+    """Wait before the first continuation of a request, doubled for each further one."""
+    max_migration_state_bytes: int = setting(4 * 1024 * 1024, c.integer(1024, 1 << 31))
+    """Most bytes of state (prompt and output so far) kept for one request to continue it;
+    past it the request is served without continuation (`migration_refused: state_bytes`)."""
+    max_migration_state_total_bytes: int = setting(1 << 30, c.integer(1024, 1 << 40))
+    """Most continuation state kept by this Coordinator at once, all requests and workers
+    together (each worker takes its share); a request that would pass it is served without
+    continuation (`migration_refused: state_total_bytes`)."""
+    drain_grace_s: float = setting(30, c.seconds(0, 3600))
+    """How long requests on a drained instance (`DrainInstances`, `motor drain`) may finish
+    where they are before they continue on another instance."""
     max_body_bytes: int = setting(67108864, c.integer(1024, 1 << 31))
     """Largest request body accepted; larger ones are answered 413."""
     max_json_depth: int = setting(64, c.integer(1, 512))  # the JSON parsers stop near 1000

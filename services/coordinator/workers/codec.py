@@ -7,12 +7,14 @@ into a clear :class:`CodecError` instead of a garbled table.
 
 A table snapshot (``encode_state``), little-endian::
 
-    u8 format (1) | u64 revision | u32 n_paused | u32 n_instances
+    u8 format (2) | u64 revision | u32 n_paused | u32 n_instances
     n_paused x u64 paused id
+    u32 n_draining | n_draining x (u64 id | f64 wall-clock time its requests move)
     n_instances x (u64 key | u32 size | size bytes of a serialized motor.v1.Instance)
 
 The instance keeps its own key (normally equal to ``Instance.id``) so the round trip is exact.
-Loads (``encode_loads``) are ``u32 n | n x (u64 instance id, i64 load)``; the hub's broadcast of
+Loads (``encode_loads``) are ``u32 n | n x (u64 instance id, i64 load)``; a worker's report
+(``encode_report``) is its loads then its legs in flight in the same form; the hub's broadcast of
 every worker's loads (``encode_worker_loads``) is ``u32 n | n x (u32 worker index, loads)``. A
 precision sample is ``u64 p | u64 d`` then the :class:`Completed` as UTF-8 JSON (the request is
 the client's parsed JSON body, so it serialises as it came).
@@ -27,19 +29,19 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from motor_mesh.coordinator.precision.groups import Completed
-from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.table import Drain, TableState, engines
 from motor_mesh.gen.motor.v1 import common_pb2
 
 # Message kinds: the first frame of every message.
 HELLO = b"hello"  # worker -> hub (DEALER -> ROUTER): [HELLO, peer, u64 pid]; asks for a snapshot
 STATE = b"state"  # hub -> worker (ROUTER reply and PUB): [STATE, incarnation, snapshot]
 BEAT = b"beat"  # hub -> workers (PUB): [BEAT, incarnation, u64 revision]
-LOADS = b"loads"  # PUB: [LOADS, incarnation, worker loads]; PUSH: [LOADS, peer, loads]
+LOADS = b"loads"  # PUB: [LOADS, incarnation, worker loads]; PUSH: [LOADS, peer, report]
 ACK = b"ack"  # worker -> hub (PUSH): [ACK, peer, u64 revision]
 SAMPLE = b"sample"  # worker -> hub (PUSH): [SAMPLE, peer, sample]
 SERVING = b"serving"  # worker -> hub (PUSH): [SERVING, peer, b""]; it listens for clients
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 _STATE_HEAD = struct.Struct("<BQII")
 _U64 = struct.Struct("<Q")
@@ -48,6 +50,7 @@ _ENTRY = struct.Struct("<QI")
 _LOAD = struct.Struct("<Qq")
 _PEER = struct.Struct("<IQ")
 _PAIR = struct.Struct("<QQ")
+_DRAIN = struct.Struct("<Qd")
 
 
 class CodecError(ValueError):
@@ -89,6 +92,8 @@ def encode_state(state: TableState) -> bytes:
     try:
         parts = [_STATE_HEAD.pack(STATE_FORMAT, state.revision, len(state.paused), len(state.instances))]
         parts.extend(_U64.pack(iid) for iid in sorted(state.paused))
+        parts.append(_U32.pack(len(state.draining)))
+        parts.extend(_DRAIN.pack(iid, d.move_at) for iid, d in sorted(state.draining.items()))
         for key, inst in state.instances.items():
             body = inst.SerializeToString(deterministic=True)
             parts.append(_ENTRY.pack(key, len(body)))
@@ -104,6 +109,11 @@ def decode_state(data: bytes) -> TableState:
     if fmt != STATE_FORMAT:
         raise CodecError(f"table snapshot: format {fmt}, this build reads {STATE_FORMAT}")
     paused = frozenset(r.unpack(_U64)[0] for _ in range(n_paused))
+    (n_draining,) = r.unpack(_U32)
+    move_at: dict[int, float] = {}
+    for _ in range(n_draining):
+        iid, at = _DRAIN.unpack(r.take(_DRAIN.size))
+        move_at[iid] = at
     instances: dict[int, common_pb2.Instance] = {}
     for _ in range(n_instances):
         key, size = r.unpack(_ENTRY)
@@ -113,7 +123,13 @@ def decode_state(data: bytes) -> TableState:
         except Exception as exc:  # protobuf's DecodeError, and whatever else a bad buffer raises
             raise _fail(f"table snapshot: instance {key}", exc) from exc
     r.done()
-    return TableState(instances, paused, revision)
+    draining: dict[int, Drain] = {}
+    for iid, at in move_at.items():
+        inst = instances.get(iid)
+        if inst is None:
+            raise CodecError(f"table snapshot: draining instance {iid} is not in the table")
+        draining[iid] = Drain(at, engines(inst))
+    return TableState(instances, paused, revision, draining)
 
 
 # ---- loads -------------------------------------------------------------------------------------
@@ -148,6 +164,26 @@ def decode_loads(data: bytes) -> dict[int, int]:
     loads = _get_loads(r)
     r.done()
     return loads
+
+
+def encode_report(loads: Mapping[int, int], legs: Mapping[int, int]) -> bytes:
+    """One worker's report: its loads, then its legs in flight per instance id (a drain is over
+    when no worker has one left on the instance)."""
+    parts: list[bytes] = []
+    try:
+        _put_loads(parts, loads)
+        _put_loads(parts, legs)
+    except struct.error as exc:
+        raise _fail("loads", exc) from exc
+    return b"".join(parts)
+
+
+def decode_report(data: bytes) -> tuple[dict[int, int], dict[int, int]]:
+    r = _Reader(data, "loads")
+    loads = _get_loads(r)
+    legs = _get_loads(r)
+    r.done()
+    return loads, legs
 
 
 def encode_worker_loads(per_worker: Mapping[int, Mapping[int, int]]) -> bytes:

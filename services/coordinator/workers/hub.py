@@ -68,6 +68,7 @@ class _Worker:
     token: int
     acked: int = -1  # the newest revision it acknowledged
     loads: dict[int, int] = field(default_factory=dict)
+    legs: dict[int, int] = field(default_factory=dict)  # in flight per instance id
     serving: bool = False  # it said it listens on the inference port
 
 
@@ -226,6 +227,14 @@ class WorkerHub:
         """index -> the newest revision each live worker acknowledged (-1: none yet)."""
         return {i: w.acked for i, w in sorted(self._workers.items())}
 
+    def legs(self) -> dict[int, int]:
+        """Legs in flight per instance id, every live worker's summed (as last reported)."""
+        total: dict[int, int] = {}
+        for w in self._workers.values():
+            for iid, n in w.legs.items():
+                total[iid] = total.get(iid, 0) + n
+        return total
+
     def serving(self) -> dict[int, int]:
         """index -> pid of every live worker that said it listens (:meth:`WorkerLink.serving`)."""
         return {i: w.pid for i, w in sorted(self._workers.items()) if w.serving}
@@ -340,9 +349,9 @@ class WorkerHub:
                 worker.acked = revision
                 self._notify()
         elif kind == codec.LOADS:
-            loads = codec.decode_loads(body)
+            loads, legs = codec.decode_report(body)
             if worker is not None:
-                worker.loads = loads
+                worker.loads, worker.legs = loads, legs
         elif kind == codec.SERVING:
             if worker is not None and not worker.serving:
                 worker.serving = True

@@ -139,12 +139,14 @@ class WorkerLink:
 
     # ---- what the worker calls -----------------------------------------------------------------
 
-    def report_loads(self, get_loads: LoadsGetter) -> None:
-        """Every ``loads_s``, send this worker's in-flight requests per instance id (when they
-        changed, and at least every LOADS_REFRESH_S). Call after :meth:`start`."""
+    def report_loads(self, get_loads: LoadsGetter, get_legs: LoadsGetter = dict) -> None:
+        """Every ``loads_s``, send this worker's in-flight load and legs per instance id (when
+        they changed, and at least every LOADS_REFRESH_S). Call after :meth:`start`."""
         if self._push is None:
             raise RuntimeError("WorkerLink.report_loads before start")
-        self._tasks.append(tasks.spawn(f"worker_link_{self.index}_loads", lambda: self._report(get_loads)))
+        self._tasks.append(
+            tasks.spawn(f"worker_link_{self.index}_loads", lambda: self._report(get_loads, get_legs))
+        )
 
     def serving(self) -> None:
         """Tell the hub this worker listens on the inference port (the management process
@@ -314,14 +316,14 @@ class WorkerLink:
             if now - self._last_beat > self.lost_after_s:
                 self._lose(f"no beat for {self.lost_after_s}s")
 
-    async def _report(self, get_loads: LoadsGetter) -> None:
-        last: dict[int, int] | None = None
+    async def _report(self, get_loads: LoadsGetter, get_legs: LoadsGetter) -> None:
+        last: tuple[dict[int, int], dict[int, int]] | None = None
         sent_at = float("-inf")
         while True:
-            loads = dict(get_loads())
+            report = dict(get_loads()), dict(get_legs())
             now = time.monotonic()
-            if (loads != last or now - sent_at >= LOADS_REFRESH_S) and self._send(
-                [codec.LOADS, self._peer, codec.encode_loads(loads)]
+            if (report != last or now - sent_at >= LOADS_REFRESH_S) and self._send(
+                [codec.LOADS, self._peer, codec.encode_report(*report)]
             ):
-                last, sent_at = loads, now
+                last, sent_at = report, now
             await asyncio.sleep(self.loads_s)

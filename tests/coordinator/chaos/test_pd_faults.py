@@ -431,8 +431,14 @@ async def test_stream_that_goes_quiet_ends_with_an_error_event(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines
 ) -> None:
     # The decode's first stream sends its first token, then the engine hangs for good.
+    # Continuation off: this is how a broken stream ends when it cannot go on elsewhere
+    # (tests/coordinator/migration covers the continuation).
     coord, _ = await _vllm_pair(
-        start_coordinator, spawn_engines, d=["--tpot-ms", "50", *HANG_AFTER_ONE], decode_idle_timeout_s=0.5
+        start_coordinator,
+        spawn_engines,
+        d=["--tpot-ms", "50", *HANG_AFTER_ONE],
+        decode_idle_timeout_s=0.5,
+        migration_limit=0,
     )
     # No warm-up on the decode (it would be the one stream that gets its first token):
     # the pools start with this request, and the leak snapshot allows their sweeps.
@@ -455,7 +461,10 @@ async def test_reset_mid_stream_ends_with_an_error_event_and_non_stream_is_502(
     start_coordinator: StartCoordinator, spawn_engines: SpawnEngines
 ) -> None:
     coord, _ = await _vllm_pair(
-        start_coordinator, spawn_engines, d=["--fault", "disconnect", "--fault-after-requests", "1"]
+        start_coordinator,
+        spawn_engines,
+        d=["--fault", "disconnect", "--fault-after-requests", "1"],
+        migration_limit=0,  # as above: the end of a stream that cannot continue
     )
     await _warm(coord)
     leaks = NoLeaks(coord)
