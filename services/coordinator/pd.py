@@ -7,8 +7,8 @@ room is ever shared between two attempts). A leg that breaks after it answered (
 ``migration_limit`` > 0) continues on another pair from the output already delivered
 (:mod:`motor_mesh.coordinator.migration`, docs/migration.md). When no instance of a role can
 be reached the client gets 502 ``upstream_unreachable``; a leg past its deadline, 504
-``upstream_timeout``. Either leg failing cancels the other. Client disconnect cancels the handler task, which closes every upstream
-connection still open, so both legs stop.
+``upstream_timeout``. Either leg failing cancels the other. Client disconnect cancels the
+handler task, which closes every upstream connection still open, so both legs stop.
 """
 
 from __future__ import annotations

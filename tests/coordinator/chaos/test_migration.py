@@ -299,5 +299,7 @@ async def test_a_request_continues_at_most_migration_limit_times(
     for name in ("d1", "d2"):
         await _arm(http, e[name], {"mode": "error", "status": 503})
     status, data = await _post(coord, CHAT, _body(CHAT, stream=True))
+    # Nothing had reached the client: it gets the error as a status.
+    assert status == 502 and json.loads(data)["error"]["code"] == "upstream_disconnected"
     counted = await _migrations(http, coord)
     assert counted == {("status", "continued"): 2, ("status", "exhausted"): 1}, (counted, data)
