@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import grpc
@@ -24,6 +24,9 @@ from motor_mesh.gen.motor.v1 import (
 )
 from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.procs import SimEngine
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 MODEL = "motor-sim"
 
@@ -246,3 +249,26 @@ async def fake_controller() -> AsyncIterator[FakeController]:
         yield fake
     finally:
         await server.stop(None)
+
+
+# -- traces -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """Tracing on for the Coordinators a test starts, their spans kept in memory."""
+    # Imported here: a Coordinator test that does not trace loads no OpenTelemetry.
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from motor_mesh.coordinator import inference
+    from motor_mesh.coordinator.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # the default sampler: parent-based, always on
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # What OTEL_EXPORTER_OTLP_ENDPOINT would switch on, without an OTLP exporter behind it.
+    monkeypatch.setattr(inference, "request_tracer", lambda: RequestTracer(provider))
+    yield exporter
+    provider.shutdown()

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from motor_mesh.common.enums import DECODE, PREFILL
-from motor_mesh.coordinator import inference
-from motor_mesh.coordinator.tracing import RequestTracer
 from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL, Engine, Running, StartCoordinator, get_text, instance, set_table
 from tests.poll import until
@@ -29,18 +24,6 @@ from tests.ports import reserved_port
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Trace me."}], "max_tokens": 3}
 TRACEPARENTS = re.compile(r"^motor_sim_traceparent_requests_total ([0-9.]+)$", re.M)
-
-
-@pytest.fixture
-def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
-    """Tracing on for the Coordinators a test starts, their spans kept in memory."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()  # the default sampler: parent-based, always on
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    # What OTEL_EXPORTER_OTLP_ENDPOINT would switch on, without an OTLP exporter behind it.
-    monkeypatch.setattr(inference, "request_tracer", lambda: RequestTracer(provider))
-    yield exporter
-    provider.shutdown()
 
 
 def _traceparent(trace_id: str, span_id: str, flags: str = "01") -> str:

@@ -13,6 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from motor_mesh.gen.motor.v1 import common_pb2 as c
 from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
@@ -303,3 +306,28 @@ async def test_a_request_continues_at_most_migration_limit_times(
     assert status == 502 and json.loads(data)["error"]["code"] == "upstream_disconnected"
     counted = await _migrations(http, coord)
     assert counted == {("status", "continued"): 2, ("status", "exhausted"): 1}, (counted, data)
+
+
+async def test_a_continuation_is_a_span_of_the_request_beside_its_legs(
+    start_coordinator: StartCoordinator,
+    spawn_engines: SpawnEngines,
+    http: aiohttp.ClientSession,
+    spans: InMemorySpanExporter,
+) -> None:
+    coord, e = await _cluster(start_coordinator, spawn_engines)
+    status, _, _ = await _killed_mid_answer(coord, e, http, CHAT, _body(CHAT, stream=True))
+    assert status == 200
+
+    def server() -> ReadableSpan | None:  # the request's span ends just after its last byte
+        return next((s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER), None)
+
+    request = await until(server)
+    finished = spans.get_finished_spans()
+    (cont,) = [s for s in finished if s.name == "continuation"]
+    assert cont.parent is not None and request.context is not None
+    assert (cont.parent.span_id, cont.context.trace_id) == (request.context.span_id, request.context.trace_id)
+    attrs = dict(cont.attributes or {})
+    assert attrs["motor.migration.reason"] == "disconnect" and attrs["motor.migration.attempt"] == 1
+    assert attrs["motor.migration.tokens_delivered"] > 0
+    decodes = sorted((s for s in finished if s.name == "decode"), key=lambda s: s.start_time or 0)
+    assert [dict(s.attributes or {}).get("error.type") for s in decodes] == ["disconnect", None]
