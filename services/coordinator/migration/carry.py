@@ -25,6 +25,10 @@ from motor_mesh.coordinator.migration.budget import STEP, StateBudget
 from motor_mesh.coordinator.migration.refusal import refusal, single_prompt
 
 DONE = b"[DONE]"
+_IDS = b'"token_ids":['
+_PROMPT_IDS = b'"prompt_token_ids"'
+_NO_FINISH = b'"finish_reason":null'
+_TOOLS = b'"tool_calls"'
 ID_BYTES = 8  # what one kept token id is counted as
 
 
@@ -134,6 +138,10 @@ class Carry:
     def feed(self, event: bytes) -> bytes | None:
         """One complete SSE event from the engine: what to send the client (None: nothing).
         An error event is kept in ``error`` and not sent: the caller decides."""
+        if not self.moves and not self.client_ids:
+            fast = self._feed_ids(event)
+            if fast is not None:
+                return fast
         if not event.startswith(b"data:"):
             return event  # a comment or another field: as it came
         payload = event[5:].strip()
@@ -181,6 +189,34 @@ class Carry:
             return event
         return b"data: " + _dumps(obj) + b"\n\n"
 
+    def _feed_ids(self, event: bytes) -> bytes | None:
+        """The common event of a first leg, read and cut as bytes: output token ids and no
+        finish yet, nothing else to keep or change. The ids are kept, removed from the bytes,
+        and the event goes on; None for any other event (the parsing path reads it).
+
+        Most of a stream's events are this one, and parsing and dumping each as JSON cost
+        several times what relaying it does."""
+        at = event.find(_IDS)
+        if at < 0 or _NO_FINISH not in event or _PROMPT_IDS in event or _TOOLS in event:
+            return None
+        end = event.find(b"]", at)
+        if end < 0:
+            return None
+        listed = event[at + len(_IDS) : end]
+        try:
+            ids = [int(x) for x in listed.split(b",")] if listed.strip() else []
+        except ValueError:
+            return None
+        if event[at - 1 : at] == b",":
+            cut = event[: at - 1] + event[end + 1 :]
+        elif event[end + 1 : end + 2] == b",":
+            cut = event[:at] + event[end + 2 :]
+        else:
+            return None
+        self.text_ok = False  # the text is not kept on this path: the ids carry the output
+        self._took("", ids)
+        return cut
+
     def _prompt(self, holder: dict[str, Any], pids: Any, later: bool) -> None:
         if not later and isinstance(pids, list):
             if self.prompt_n is None:
@@ -222,11 +258,12 @@ class Carry:
         return changed
 
     def _took(self, text: str, ids: Any) -> None:
-        if isinstance(ids, list) and ids:
-            self.count += len(ids)
-            if self.ids is not None and self.keeping:
-                self.ids.extend(ids)
-                self._grow(ID_BYTES * len(ids))
+        if isinstance(ids, list):  # empty with text: bytes the detokenizer had held back
+            if ids:
+                self.count += len(ids)
+                if self.ids is not None and self.keeping:
+                    self.ids.extend(ids)
+                    self._grow(ID_BYTES * len(ids))
         elif text:
             self.count += 1  # an engine that gives no ids streams about a token per event
             self.ids = None
