@@ -2,7 +2,11 @@
 
 Business port (`--host`/`--port`, default 127.0.0.1:10000; `--port 0` binds an ephemeral port and
 the real one is logged as `event=listening service=engine-sim http=H:P [bootstrap=H:B]`):
-  POST /v1/chat/completions, /v1/completions   OpenAI, stream or not, usage, logprobs
+  POST /v1/chat/completions, /v1/completions   OpenAI, stream or not, usage, logprobs, and vLLM
+                                               0.32's return_token_ids, prompts as token ids
+                                               (a completion's `prompt`, a chat's
+                                               `kv_transfer_params.prompt_token_ids`),
+                                               continue_final_message, echo (chat)
   GET  /v1/models, /health, /health_generate, /metrics, /get_model_info, /get_server_info, /version
   POST /flush_cache, /reset_prefix_cache       empty the prefix cache (SGLang's and vLLM's names)
   GET|POST /sim/fault                          fault injection, loopback clients only
@@ -28,6 +32,11 @@ KV events (kv_events.py): `--kv-events-config` (vLLM's JSON) publishes every cac
 vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank),
 sent after the answer that caused them, as vLLM's publisher thread does; the bound addresses
 are logged in the listening line (`kv_events=`, `kv_replay=`).
+
+Answers (generation.py, docs/sim-engine.md): greedy, each token a function of the whole token
+context before it, so a prompt resent with the first k tokens of its answer appended continues
+that answer exactly (what a router does when an engine died mid-stream); the `die_after_tokens`
+fault (`--fault-after-tokens N`) is that death: a SIGKILL after N output tokens.
 
 Tracing: with `--otlp-traces-endpoint URL` (vLLM's flag) or OTEL_EXPORTER_OTLP_ENDPOINT, one
 `llm_request` span per completion request, child of its `traceparent` (docs/tracing.md).

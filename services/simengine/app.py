@@ -7,6 +7,7 @@ import functools
 import ipaddress
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -57,7 +58,7 @@ class Engine:
         self.accepted = cfg.accepted_models
         self.latency = LatencyModel(cfg)
         self.slots = Slots(cfg.max_num_seqs)
-        self.faults = FaultState(self.crash, cfg.fault_status)
+        self.faults = FaultState(self.crash, cfg.fault_status, self.die)
         self.tickets = pd.TicketStore()
         self.rendezvous = pd.Rendezvous(cfg.engine_id) if cfg.sglang and cfg.role == "prefill" else None
         self.metrics = Metrics(self.model_id, self._gauges)
@@ -95,6 +96,13 @@ class Engine:
         log.error("fault_crash", mode="crash", requests=self.faults.requests)
         # A few ms late so an answer already on its way (POST /sim/fault) still leaves.
         self.loop.call_later(0.02, os._exit, 1)
+
+    def die(self) -> None:
+        """die_after_tokens: a real crash, now, mid-stream: SIGKILL (no cleanup, no last bytes;
+        what was written before is already the kernel's to deliver)."""
+        # `sent`, not `tokens`: the log redacts a field whose name has "token" in it.
+        log.error("fault_die", mode="die_after_tokens", sent=self.faults.tokens)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     async def close(self) -> None:
         await self.completions.close()
@@ -266,10 +274,16 @@ class Engine:
     async def post_fault(self, req: Request, out: Responder) -> None:
         self._check_loopback(req)
         try:
-            mode, after_requests, after_s, status = parse_fault_body(json.loads(req.body))
+            mode, after_requests, after_s, status, after_tokens = parse_fault_body(json.loads(req.body))
         except ValueError as exc:  # FaultError and JSONDecodeError alike
             msg = str(exc) if isinstance(exc, FaultError) else f"invalid JSON: {exc}"
             raise invalid_request(msg) from None
-        self.faults.arm(mode, after_requests, after_s, status)
-        log.event("fault_armed", mode=mode, after_requests=after_requests, after_s=after_s)
+        self.faults.arm(mode, after_requests, after_s, status, after_tokens)
+        log.event(
+            "fault_armed",
+            mode=mode,
+            after_requests=after_requests,
+            after_s=after_s,
+            die_after=after_tokens,  # (a field named *token* would be redacted)
+        )
         out.send(200, _json(self.faults.snapshot()))

@@ -134,10 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODES,
         default="none",
         help="fault to inject (see faults.py); hang: a wedged scheduler, completions never answer "
-        "while /health keeps answering 200",
+        "while /health keeps answering 200; die_after_tokens: SIGKILL itself once it has sent "
+        "--fault-after-tokens output tokens (mid-stream)",
     )
     proc.add_argument("--fault-after-requests", type=_nonneg_int, default=0)
     proc.add_argument("--fault-after-s", type=_nonneg_float, default=0.0)
+    proc.add_argument(
+        "--fault-after-tokens",
+        type=_nonneg_int,
+        default=0,
+        metavar="N",
+        help="die_after_tokens: output tokens sent, across all requests, before the engine dies",
+    )
     proc.add_argument("--fault-status", type=_status, default=500)
     proc.add_argument(
         "--startup-s",
@@ -224,6 +232,7 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         fault=ns.fault,
         fault_after_requests=ns.fault_after_requests,
         fault_after_s=ns.fault_after_s,
+        fault_after_tokens=ns.fault_after_tokens,
         fault_status=ns.fault_status,
         startup_s=ns.startup_s,
         seed=ns.seed,

@@ -14,8 +14,10 @@ by the body with that field's value cut out (found by a text search, the value r
 scanner itself): the leg's per-request parts (the ticket to redeem, the room, a fresh ticket in a
 prefill's answer) are taken or spliced in every time, the rest is the plan's. A cut is trusted
 only once a body with a marker in its place has been parsed to the marker (so the field is the
-object's real top-level key); anything unusual takes the full path. Faulted requests are planned
-afresh every time.
+object's real top-level key); anything unusual takes the full path. A leg whose
+`kv_transfer_params` carry `prompt_token_ids` (its prompt, as ids) is kept by those ids too,
+re-encoded by orjson (exact: `1.0` or `true` is not `1`). Faulted requests are planned afresh
+every time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from motor_mesh.common.http_errors import invalid_request, model_not_found, serv
 from motor_mesh.common.httpclient import Pool
 from motor_mesh.common.httpmessages import Request, Responder
 from motor_mesh.simengine import pd
-from motor_mesh.simengine.generation import Generated, generate, known_answer, seed_of
+from motor_mesh.simengine.faults import DIE, DIE_NOW, SEND, SEND_THEN_DIE
+from motor_mesh.simengine.generation import (
+    Generated,
+    Token,
+    choice_salt,
+    context_state,
+    continue_context,
+    unanswered,
+)
 from motor_mesh.simengine.openai_api import (
     Bootstrap,
     ParsedRequest,
@@ -46,7 +56,7 @@ from motor_mesh.simengine.openai_api import (
     stream_chunks,
 )
 from motor_mesh.simengine.prefix_cache import Chain
-from motor_mesh.simengine.tokens import prompt_ids
+from motor_mesh.simengine.tokens import answer_tokens, output_vocab, prompt_ids, text_prompt_ids, vocab_size
 
 if TYPE_CHECKING:  # the Engine (app.py) calls in here; tracing.py loads only when tracing is on
     from motor_mesh.simengine.app import Engine
@@ -61,6 +71,7 @@ PLANS_MAX = 1024
 PLANS_MAX_BYTES = 32 * 1024 * 1024
 PLAN_MAX_BODY = 16 * 1024
 PLAN_MAX_BYTES = 256 * 1024
+ANSWERS_MAX = 4096
 # What cached answers are rendered with, then split out again. The split is on the whole
 # `{"id":"<rid>","object":...,"created":<t>,` head: a JSON string cannot contain that (its
 # quotes would be escaped), so only the real heads of the answer's objects match.
@@ -74,6 +85,7 @@ _MARK = "\x00motor-sim-cut"
 _MARK_JSON = '"\\u0000motor-sim-cut"'
 # The hand-off fields a PD leg's plan is cut around, as they appear in the body.
 _KV = "kv_transfer_params"
+_IDS = "prompt_token_ids"  # in kv_transfer_params: the prompt as ids, part of a leg's plan
 _ROOM = "bootstrap_room"
 _KV_Q = '"kv_transfer_params"'
 _ROOM_Q = '"bootstrap_room"'
@@ -118,6 +130,7 @@ class Plan:
     decode_s: float
     gen_tokens: int
     chains: tuple[Chain, ...]  # each prompt's blocks (none without a prefix cache)
+    prompt_ids: list[list[int]]  # each prompt's token ids (what `return_token_ids` shows)
     template: Template | None = None
     last_body: bytes | None = None  # a vLLM prefill leg's: the body it was last found by
 
@@ -250,6 +263,9 @@ class Completions:
         self.latency = engine.latency
         self.metrics = engine.metrics
         self.tpot_s = engine.latency.tpot_s
+        self.vocab = output_vocab(engine.tokenizer)
+        self.vocab_size = vocab_size(engine.tokenizer)
+        self._answers: dict[str, tuple[Token, ...]] = {}  # known answers as this tokenizer spells them
         self._plans = (Plans(), Plans())  # [chat]: plain requests, by body
         self._legs = (Plans(), Plans())  # [chat]: PD legs, by Cut.key
         self.leg_hits = 0  # PD legs served from a kept plan (tests look)
@@ -285,7 +301,7 @@ class Completions:
         body = request.body
         plan: Plan | None = None
         cut: Cut | None = None
-        key: tuple[str, str, str, str] | None = None
+        key: tuple[Any, ...] | None = None
         kv: Any = None  # this request's kv_transfer_params, for a vLLM decode leg
         rooms: list[Bootstrap] = []  # this request's rooms, for an SGLang leg
         if fault is None and len(body) <= PLAN_MAX_BODY:
@@ -299,6 +315,8 @@ class Completions:
                     kind = _kv_side(cut.value) if cut.field == _KV else "room"
                     if kind is not None and (kind != "room" or type(cut.value) is int):
                         key = cut.key(kind)
+                        if kind != "room" and cut.value.get(_IDS) is not None:
+                            key = (*key, orjson.dumps(cut.value[_IDS]))
                         plan = self._legs[chat].get(key)
                         if plan is not None:
                             self.leg_hits += 1
@@ -339,7 +357,7 @@ class Completions:
             slots.release()
 
     def _keep(
-        self, plan: Plan, chat: bool, body: bytes, cut: Cut | None, key: tuple[str, str, str, str] | None
+        self, plan: Plan, chat: bool, body: bytes, cut: Cut | None, key: tuple[Any, ...] | None
     ) -> None:
         """Keep a fresh plan for the requests that repeat it: a plain one by its body, a PD leg
         by its cut body when the cut is sure to be the leg's only per-request part."""
@@ -378,17 +396,21 @@ class Completions:
         n_tokens = 1 if side == "prefill" else req.max_tokens
         chains: tuple[Chain, ...] = ()
         cache = engine.prefix
-        if cache is not None or engine.counts_tokens:
-            try:
-                ids = prompt_ids(engine.tokenizer, req)
-            except (TypeError, ValueError) as exc:  # a Rust tokenizer refuses lone surrogates
-                raise invalid_request(f"the prompt cannot be tokenized: {exc}", "invalid_prompt") from None
-            if engine.counts_tokens:
-                req.prompt_tokens = [len(i) for i in ids]
-            if cache is not None:
-                chains = tuple(map(cache.chain, ids))
+        # Every prompt's ids: the context the answer is generated from (generation.py).
+        try:
+            ids = prompt_ids(engine.tokenizer, req)
+        except (TypeError, ValueError) as exc:  # a Rust tokenizer refuses lone surrogates
+            raise invalid_request(f"the prompt cannot be tokenized: {exc}", "invalid_prompt") from None
+        if req.token_prompts is not None:
+            self._check_ids(ids, req.ids_param)
+        elif engine.counts_tokens:
+            # (The built-in tokenizer's counts stay the whitespace words they always were: the
+            # same but for an empty prompt, counted as 1.)
+            req.prompt_tokens = [len(i) for i in ids]
+        if cache is not None:
+            chains = tuple(map(cache.chain, ids))
         prompt_tokens = sum(req.prompt_tokens)
-        gens = self._generate(req, n_tokens, garbled=fault == "precision")
+        gens = self._generate(req, ids, n_tokens, garbled=fault == "precision")
         return Plan(
             req,
             req.model or engine.model_id,
@@ -399,9 +421,22 @@ class Completions:
             gens,
             self.latency.first_token_s(prompt_tokens, kv_transfer=side == "decode"),
             self.latency.decode_s(n_tokens),
-            sum(len(g.tokens) for g in gens),
+            sum(len(g.ids) for g in gens),
             chains,
+            ids,
         )
+
+    def _check_ids(self, ids: list[list[int]], param: str | None) -> None:
+        """Given ids must be in the vocabulary, as vLLM's renderer checks them (a 400)."""
+        limit = self.vocab_size
+        for one in ids:
+            if not one:
+                continue
+            low, high = min(one), max(one)
+            if low < 0:
+                raise invalid_request(f"Token id {low} is out of vocabulary", "invalid_prompt", param)
+            if limit is not None and high >= limit:
+                raise invalid_request(f"Token id {high} is out of vocabulary", "invalid_prompt", param)
 
     def _leg(self, req: ParsedRequest) -> tuple[str | None, str | None]:
         kv = req.kv_params
@@ -415,14 +450,51 @@ class Completions:
             return self.cfg.role, "sglang"
         return None, None
 
-    def _generate(self, req: ParsedRequest, n_tokens: int, garbled: bool) -> list[Generated]:
+    def _generate(
+        self, req: ParsedRequest, ids: list[list[int]], n_tokens: int, garbled: bool
+    ) -> list[Generated]:
+        """Each prompt's ``n`` choices, generated from its ids (generation.py)."""
         gens = []
-        for prompt in req.prompts:
-            seed = seed_of(prompt, self.cfg.seed)
-            answer = known_answer(req.question if req.chat else prompt)
+        seed, vocab, top_k = self.cfg.seed, self.vocab, req.top_k
+        for p, context in enumerate(ids):
+            forced = self._answer(req, p, context)
+            state, length = context_state(context), len(context)
             for j in range(req.n):
-                gens.append(generate(seed ^ (j * 0x9E3779B1), n_tokens, answer, req.top_k, garbled))
+                salt = choice_salt(seed, j)
+                gens.append(continue_context(vocab, state, length, n_tokens, salt, forced, top_k, garbled))
         return gens
+
+    def _answer(self, req: ParsedRequest, p: int, context: list[int]) -> tuple[Token, ...]:
+        """The known answer prompt ``p`` begins with, as tokens (none: its tokens all come from
+        the context). Its question is read from text: a completion given as ids has none. A chat
+        given as ids (`kv_transfer_params.prompt_token_ids`) gets it, or what is left of it, only
+        when the ids are its messages' prompt, or that and the answer's first tokens: a resent
+        prompt continues the answer its messages began."""
+        if req.chat:
+            question = req.question
+        else:
+            question = req.prompts[p] if req.token_prompts is None else None
+        answer = unanswered(question) if question is not None else None
+        if answer is None:
+            return ()
+        tok = self.engine.tokenizer
+        tokens = self._answers.get(answer)
+        if tokens is None:
+            if len(self._answers) >= ANSWERS_MAX:
+                self._answers.clear()
+            tokens = self._answers[answer] = answer_tokens(tok, answer)
+        if req.token_prompts is None:
+            return tokens
+        try:
+            base = text_prompt_ids(tok, req)
+        except (TypeError, ValueError):
+            return ()
+        done = context[len(base) :]
+        if context[: len(base)] != base or len(done) >= len(tokens):
+            return ()
+        if [i for _, i in tokens[: len(done)]] != done:
+            return ()
+        return tokens[len(done) :]
 
     async def _serve(
         self,
@@ -475,11 +547,20 @@ class Completions:
         created = int(time.time())
         try:
             if plan.req.stream:
-                await self._stream(out, plan, rid, created, ticket, fault)
+                if await self._stream(out, plan, rid, created, ticket, fault):
+                    return  # died (die_after_tokens, with a stand-in for the SIGKILL)
             else:
                 if plan.decode_s > 0:
                     await asyncio.sleep(plan.decode_s)
-                out.send(200, self._answer(plan, rid, created, ticket))
+                body = self._body(plan, rid, created, ticket)
+                verdict = self.faults.send_tokens(plan.gen_tokens) if self.faults.mode == DIE else SEND
+                if verdict == DIE_NOW:  # died generating it: nothing goes out
+                    self._die(out)
+                    return
+                out.send(200, body)
+                if verdict == SEND_THEN_DIE:
+                    self._die(out)
+                    return
         except ConnectionResetError:
             # The client went away: what vLLM counts as an aborted request.
             m.success["abort"] += 1
@@ -498,13 +579,19 @@ class Completions:
 
     def _render(self, plan: Plan, rid: str, created: int, extra: dict[str, Any] | None) -> bytes:
         """The whole answer: the JSON body, or every SSE event of a stream."""
-        req = plan.req
+        req, ids, gens = plan.req, plan.prompt_ids, plan.gens
         if req.stream:
-            prelude, steps, tail = stream_chunks(req, rid, created, plan.model, plan.gens, "length", extra)
+            prelude, steps, tail = stream_chunks(req, rid, created, plan.model, gens, "length", extra, ids)
             return prelude + b"".join(steps) + tail
-        return full_response(req, rid, created, plan.model, plan.gens, "length", extra)
+        return full_response(req, rid, created, plan.model, gens, "length", extra, ids)
 
-    def _answer(self, plan: Plan, rid: bytes, created: int, ticket: bytes | None) -> bytes:
+    def _die(self, out: Responder) -> None:
+        """die_after_tokens is due: the process SIGKILLs itself. Only a stand-in (an engine in a
+        test process) returns here: the connection is then cut as the crash would cut it."""
+        self.faults.on_die()
+        out.abort()
+
+    def _body(self, plan: Plan, rid: bytes, created: int, ticket: bytes | None) -> bytes:
         if plan.template is not None:
             return plan.template.render(rid, created, ticket)
         return self._render(plan, rid.decode(), created, _extra(ticket))
@@ -517,26 +604,39 @@ class Completions:
         created: int,
         ticket: bytes | None,
         fault: str | None,
-    ) -> None:
+    ) -> bool:
+        """Send the stream; True when the engine died in it (die_after_tokens)."""
         tpot = self.tpot_s
+        faults = self.faults
         out.start(200, SSE_CT, SSE_HEADERS)
-        if tpot <= 0 and fault != "disconnect":
+        if tpot <= 0 and fault != "disconnect" and faults.mode != DIE:
             # Nothing to pace: every event in one chunk (the head goes out with it).
-            out.end(self._answer(plan, rid, created, ticket))  # head, events and end: one write
-            return
+            out.end(self._body(plan, rid, created, ticket))  # head, events and end: one write
+            return False
+        # Token by token: paced, or a fault that needs to know how far the stream got.
         prelude, steps, tail = stream_chunks(
-            plan.req, rid.decode(), created, plan.model, plan.gens, "length", _extra(ticket)
+            plan.req, rid.decode(), created, plan.model, plan.gens, "length", _extra(ticket), plan.prompt_ids
         )
-        await out.write(prelude + steps[0])
-        if fault == "disconnect":
-            out.abort()  # after one write (for chat: the role delta and the first token)
-            return
-        for step in steps[1:]:
-            await asyncio.sleep(tpot)
-            if self.faults.hanging():
-                await hang()
-            await out.write(step)
+        per_step = len(plan.gens)  # tokens per event: one per choice
+        for i, step in enumerate(steps):
+            if i:
+                if tpot > 0:
+                    await asyncio.sleep(tpot)
+                if faults.hanging():
+                    await hang()
+            verdict = faults.send_tokens(per_step) if faults.mode == DIE else SEND
+            if verdict == DIE_NOW:
+                self._die(out)
+                return True
+            await out.write(prelude + step if i == 0 else step)
+            if verdict == SEND_THEN_DIE:
+                self._die(out)
+                return True
+            if fault == "disconnect":
+                out.abort()  # after one write (for chat: the role delta and the first token)
+                return False
         out.end(tail)
+        return False
 
     async def _await_rooms(self, rooms: list[Bootstrap]) -> None:
         if self._pool is None:

@@ -85,6 +85,7 @@ class EngineConfig:
     fault: str = "none"
     fault_after_requests: int = 0
     fault_after_s: float = 0.0
+    fault_after_tokens: int = 0  # die_after_tokens: output tokens sent before the engine dies
     fault_status: int = 500
     startup_s: float = 0.0
     seed: int = 0

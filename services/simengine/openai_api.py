@@ -1,4 +1,10 @@
-"""OpenAI request validation and response bodies (chat and legacy completions)."""
+"""OpenAI request validation and response bodies (chat and legacy completions).
+
+The fields beyond OpenAI's are vLLM 0.32's, named and placed as it places them: `return_token_ids`
+(the prompt's ids and each choice's, or each delta's, output ids), a chat's
+`kv_transfer_params.prompt_token_ids` (the prompt as ids, messages not rendered),
+`continue_final_message` / `add_generation_prompt` and `echo`.
+"""
 
 from __future__ import annotations
 
@@ -47,9 +53,9 @@ class Bootstrap:
 class ParsedRequest:
     chat: bool
     model: str | None
-    prompts: list[str]
+    prompts: list[str]  # each prompt as text (a chat's messages rendered, even when ids are given)
     prompt_tokens: list[int]
-    question: str
+    question: str | None  # what a known answer answers (chat); None: nothing to answer afresh
     max_tokens: int
     n: int
     stream: bool
@@ -57,6 +63,12 @@ class ParsedRequest:
     top_k: int | None
     kv_params: dict[str, Any] | None
     bootstrap: list[Bootstrap]
+    # The prompts as token ids when the request gave ids (used as they are), else None.
+    token_prompts: list[list[int]] | None = None
+    ids_param: str | None = None  # where those ids came from, for an error naming them
+    return_token_ids: bool = False
+    role: str = "assistant"  # the answer's role: vLLM's is the last message's without a generation prompt
+    echo: str | None = None  # a chat's `echo`: the last message's text, put before the answer
 
 
 def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
@@ -79,18 +91,149 @@ def _message_text(msg: Any, i: int) -> tuple[str, str]:
     return msg["role"], text
 
 
-def _prompts(body: dict[str, Any]) -> list[str]:
+def _prompts(body: dict[str, Any]) -> tuple[list[str], list[list[int]] | None]:
+    """The prompts as text, and as ids when given as ids (vLLM uses those as they are)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [prompt]
+        return [prompt], None
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
+            return list(prompt), None
         if is_token_ids(prompt):
-            return [token_prompt_text(prompt)]
+            return [token_prompt_text(prompt)], [list(prompt)]
         if all(isinstance(p, list) and is_token_ids(p) for p in prompt):
-            return [token_prompt_text(p) for p in prompt]
+            return [token_prompt_text(p) for p in prompt], [list(p) for p in prompt]
     raise RequestError("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+def _bool_field(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean", name)
+    return value
+
+
+# vLLM's content part types that carry no media (renderers/chat_utils.py), and the keys that mark
+# a part as media whatever its type.
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
+_MEDIA_PART_KEYS = frozenset(
+    {
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
+
+
+def _has_non_text_content(messages: list[Any]) -> bool:
+    """vLLM's has_non_text_content: a content part with media, or of a type that is not text."""
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type", "text")
+                if (
+                    not _MEDIA_PART_KEYS.isdisjoint(part)
+                    or not isinstance(kind, str)
+                    or kind not in _TEXT_PART_TYPES
+                ):
+                    return True
+    return False
+
+
+IDS_PARAM = "kv_transfer_params.prompt_token_ids"
+
+
+def _reused_prompt_token_ids(kv: Any, echo: bool | None, messages: list[Any]) -> list[int] | None:
+    """vLLM's ``_reused_prompt_token_ids`` (renderers/online_renderer.py): the prompt ids a router
+    forwards in ``kv_transfer_params``, popped from them (they are no KV parameter); ignored when
+    ``echo`` is set or a message has media (both need the messages rendered); malformed: a 400.
+    Their range is checked against the tokenizer later (completion.py)."""
+    if not isinstance(kv, dict):
+        return None
+    ids = kv.pop("prompt_token_ids", None)
+    if ids is None or echo or _has_non_text_content(messages):
+        return None
+    # bool is an int subclass, hence the exact type check (as vLLM's).
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise RequestError(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers.",
+            IDS_PARAM,
+        )
+    return ids
+
+
+def _check_final(msg: Any) -> None:
+    """transformers' refusals of a final message that ``continue_final_message`` cannot continue."""
+    content = msg.get("content")
+    if content is None:
+        raise RequestError(
+            'continue_final_message is set but the final message has no "content" to continue!'
+        )
+    if isinstance(content, list):
+        texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if not texts:
+            raise RequestError(
+                "continue_final_message is set but we could not find any text to continue in the "
+                "final message!"
+            )
+
+
+def _echo_text(content: Any) -> str:
+    """A message's content as vLLM's `echo` repeats it: text parts joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p)
+    return content if isinstance(content, str) else ""
+
+
+def _chat_prompt(
+    body: dict[str, Any], messages: list[Any], pairs: list[tuple[str, str]], kv: Any
+) -> tuple[str, str | None, list[int] | None, str, str | None]:
+    """(prompt text, question, prompt ids if given, the answer's role, echo text) of a chat."""
+    add_gen = _bool_field(body, "add_generation_prompt")
+    cont = _bool_field(body, "continue_final_message")
+    echo = _bool_field(body, "echo")
+    if cont and add_gen:
+        # vLLM's request validator (chat_completion/protocol.py).
+        raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    reused = _reused_prompt_token_ids(kv, echo, messages)
+    user = [text for role, text in pairs if role == "user"]
+    question: str | None = user[-1] if user else pairs[-1][1]
+    if cont and reused is None:
+        # add_generation_prompt defaults to true: transformers refuses the pair when rendering
+        # (vLLM answers 400); with ids nothing is rendered, so nothing refuses.
+        if add_gen is None:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt are not compatible. Use "
+                "continue_final_message when you want the model to continue the final message, and "
+                "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                "assistant message instead."
+            )
+        _check_final(messages[-1])
+    if cont and pairs[-1][0] == "assistant":
+        # Open-ended: the sim's template has an empty generation prompt (an answer begins right
+        # after the last message's line), so the answer being continued is its bare text, where
+        # it began; the tokens after it are then exactly the ones the uninterrupted answer had.
+        final = pairs[-1][1]
+        text = sim_chat_text(pairs[:-1]) + "\n" + final if len(pairs) > 1 else final
+        if final.strip():
+            question = None  # the answer already begun: no fresh answer, the context goes on
+    else:
+        text = sim_chat_text(pairs)
+    role = pairs[-1][0] if add_gen is False else "assistant"  # vLLM's get_chat_request_role
+    echoed = None
+    if echo and pairs[-1][0] == role:
+        echoed = _echo_text(messages[-1].get("content"))
+    return text, question, reused, role, echoed
 
 
 def _bootstrap(body: dict[str, Any]) -> list[Bootstrap]:
@@ -120,14 +263,21 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string", "model")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
+    token_prompts: list[list[int]] | None = None
+    ids_param: str | None = None
+    role, echo = "assistant", None
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages is required and must be a non-empty list", "messages")
         pairs = [_message_text(m, i) for i, m in enumerate(messages)]
-        prompts = [sim_chat_text(pairs)]
-        user = [text for role, text in pairs if role == "user"]
-        question = user[-1] if user else pairs[-1][1]
+        text, question, reused, role, echo = _chat_prompt(body, messages, pairs, kv)
+        prompts = [text]
+        if reused is not None:
+            token_prompts, ids_param = [reused], IDS_PARAM
         max_tokens = _int_field(body, "max_completion_tokens", 1, MAX_MODEL_LEN)
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", 1, MAX_MODEL_LEN)
@@ -139,8 +289,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         top_k = (top or 0) if logprobs else None
     else:
-        prompts = _prompts(body)
-        question = prompts[-1]
+        prompts, token_prompts = _prompts(body)
+        ids_param = "prompt" if token_prompts is not None else None
+        question = None  # each text prompt is its own question (completion.py)
         max_tokens = _int_field(body, "max_tokens", 1, MAX_MODEL_LEN)
         top_k = _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     stream = body.get("stream", False)
@@ -149,16 +300,15 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise RequestError("stream_options must be an object", "stream_options")
-    kv = body.get("kv_transfer_params")
-    if kv is not None and not isinstance(kv, dict):
-        raise RequestError("kv_transfer_params must be an object", "kv_transfer_params")
     if kv and kv.get("do_remote_decode") is True and kv.get("do_remote_prefill") is True:
         raise RequestError("do_remote_decode and do_remote_prefill are exclusive", "kv_transfer_params")
+    return_ids = _bool_field(body, "return_token_ids")
+    counts = [count_tokens(p) for p in prompts] if token_prompts is None else [len(p) for p in token_prompts]
     return ParsedRequest(
         chat=chat,
         model=model,
         prompts=prompts,
-        prompt_tokens=[count_tokens(p) for p in prompts],
+        prompt_tokens=counts,
         question=question,
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         n=_int_field(body, "n", 1, MAX_N) or 1,
@@ -167,6 +317,11 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         top_k=top_k,
         kv_params=kv,
         bootstrap=_bootstrap(body),
+        token_prompts=token_prompts,
+        ids_param=ids_param,
+        return_token_ids=bool(return_ids),
+        role=role,
+        echo=echo,
     )
 
 
@@ -178,6 +333,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _prompt_of(req: ParsedRequest, choice: int, prompt_ids: list[list[int]] | None) -> list[int]:
+    """The prompt ids of one choice (choices run prompt by prompt, ``n`` each)."""
+    return prompt_ids[choice // req.n] if prompt_ids else []
+
+
 def full_response(
     req: ParsedRequest,
     rid: str,
@@ -186,30 +346,43 @@ def full_response(
     gens: list[Generated],
     finish: str,
     extra: dict[str, Any] | None = None,
+    prompt_ids: list[list[int]] | None = None,
 ) -> bytes:
+    """The whole answer. ``prompt_ids``: each prompt's, for `return_token_ids` (vLLM's fields: a
+    chat's top-level ``prompt_token_ids`` and each choice's ``token_ids``; a completion choice's
+    ``token_ids`` and ``prompt_token_ids``)."""
     choices: list[dict[str, Any]] = []
     top_k = req.top_k or 0
+    ids = req.return_token_ids
     for i, gen in enumerate(gens):
+        choice: dict[str, Any]
         if req.chat:
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": gen.text},
-                    "logprobs": chat_logprobs(gen, top_k),
-                    "finish_reason": finish,
-                }
-            )
+            content = gen.text if req.echo is None else req.echo + gen.text
+            choice = {
+                "index": i,
+                "message": {"role": req.role, "content": content},
+                "logprobs": chat_logprobs(gen, top_k),
+                "finish_reason": finish,
+            }
+            if ids:
+                choice["token_ids"] = gen.ids
         else:
             lp = completion_logprobs(gen.tokens, gen.logprobs, top_k) if gen.logprobs is not None else None
-            choices.append({"index": i, "text": gen.text, "logprobs": lp, "finish_reason": finish})
+            choice = {"index": i, "text": gen.text, "logprobs": lp, "finish_reason": finish}
+            if ids:
+                choice["token_ids"] = gen.ids
+                choice["prompt_token_ids"] = _prompt_of(req, i, prompt_ids)
+        choices.append(choice)
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion" if req.chat else "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(sum(req.prompt_tokens), sum(len(g.tokens) for g in gens)),
+        "usage": usage(sum(req.prompt_tokens), sum(len(g.ids) for g in gens)),
     }
+    if ids and req.chat:
+        body["prompt_token_ids"] = _prompt_of(req, 0, prompt_ids)
     if extra:
         body.update(extra)
     return dumps(body)
@@ -223,10 +396,15 @@ def stream_chunks(
     gens: list[Generated],
     finish: str,
     extra: dict[str, Any] | None = None,
+    prompt_ids: list[list[int]] | None = None,
 ) -> tuple[bytes, list[bytes], bytes]:
-    """(prelude, one SSE blob per token step, tail): the caller paces the steps."""
+    """(prelude, one SSE blob per token step, tail): the caller paces the steps. With
+    `return_token_ids`, as vLLM: a chat's role chunk carries the top-level ``prompt_token_ids``,
+    a completion choice's first chunk its ``prompt_token_ids``, every token chunk's choice the
+    ``token_ids`` of its delta."""
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     top_k = req.top_k or 0
+    ids = req.return_token_ids
 
     def event(choices: list[dict[str, Any]], more: dict[str, Any] | None = None) -> bytes:
         chunk: dict[str, Any] = {
@@ -245,13 +423,19 @@ def stream_chunks(
         role = [
             {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": req.role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             for i in range(len(gens))
         ]
-        prelude = event(role)
+        prelude = event(role, {"prompt_token_ids": _prompt_of(req, 0, prompt_ids)} if ids else None)
+        if req.echo:
+            echoed = [
+                {"index": i, "delta": {"content": req.echo}, "logprobs": None, "finish_reason": None}
+                for i in range(len(gens))
+            ]
+            prelude += event(echoed)
     steps: list[bytes] = []
     n_steps = max(len(g.tokens) for g in gens)
     offsets = [0] * len(gens)
@@ -271,15 +455,19 @@ def stream_chunks(
                     lp = completion_logprobs([tok], one, top_k, offsets[i])
             offsets[i] += len(tok)
             reason = finish if t == len(gen.tokens) - 1 else None
+            choice: dict[str, Any]
             if req.chat:
-                choices.append(
-                    {"index": i, "delta": {"content": tok}, "logprobs": lp, "finish_reason": reason}
-                )
+                choice = {"index": i, "delta": {"content": tok}, "logprobs": lp, "finish_reason": reason}
             else:
-                choices.append({"index": i, "text": tok, "logprobs": lp, "finish_reason": reason})
+                choice = {"index": i, "text": tok, "logprobs": lp, "finish_reason": reason}
+                if ids and t == 0:
+                    choice["prompt_token_ids"] = _prompt_of(req, i, prompt_ids)
+            if ids:
+                choice["token_ids"] = gen.ids[t : t + 1]
+            choices.append(choice)
         steps.append(event(choices, extra if last else None))
     tail = b""
     if req.include_usage:
-        tail += event([], {"usage": usage(sum(req.prompt_tokens), sum(len(g.tokens) for g in gens))})
+        tail += event([], {"usage": usage(sum(req.prompt_tokens), sum(len(g.ids) for g in gens))})
     tail += b"data: [DONE]\n\n"
     return prelude, steps, tail

@@ -80,12 +80,15 @@ async def serve(cfg: EngineConfig) -> int:
     workers = await start_workers(cfg.workers)
     try:
         if cfg.fault != "none":
-            engine.faults.arm(cfg.fault, cfg.fault_after_requests, cfg.fault_after_s)
+            engine.faults.arm(
+                cfg.fault, cfg.fault_after_requests, cfg.fault_after_s, after_tokens=cfg.fault_after_tokens
+            )
             log.event(
                 "fault_armed",
                 mode=cfg.fault,
                 after_requests=cfg.fault_after_requests,
                 after_s=cfg.fault_after_s,
+                die_after=cfg.fault_after_tokens,  # (a field named *token* would be redacted)
             )
         fields: dict[str, object] = {
             "model": engine.model_id,

@@ -18,6 +18,7 @@ from motor_mesh.simengine.cli import parse
 from motor_mesh.simengine.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
 from motor_mesh.simengine.openai_api import parse_request
 from motor_mesh.simengine.prefix_cache import Chain, PrefixCache, make_chain, seed_key
+from motor_mesh.simengine.tokens import prompt_ids
 
 from .conftest import metric
 
@@ -146,8 +147,10 @@ def test_prompt_text_is_the_shared_tokenizer_text() -> None:
         True,
     )  # fmt: skip
     assert chat.prompts == ["system: be brief\nuser: hi there"] and chat.prompt_tokens == [6]
+    # Token ids are the prompt as they are (vLLM's), not words.
     ids = parse_request({"prompt": [[1, 2, 3], [4]]}, False)
-    assert ids.prompts == ["1 2 3", "4"] and ids.prompt_tokens == [3, 1]
+    assert ids.token_prompts == [[1, 2, 3], [4]] and ids.prompt_tokens == [3, 1]
+    assert prompt_ids(Builtin(), ids) == [[1, 2, 3], [4]]
 
 
 def test_flags() -> None:

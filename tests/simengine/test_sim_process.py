@@ -122,11 +122,19 @@ def test_parse_defaults_and_roles() -> None:
     assert (cfg.role, cfg.bootstrap_port, cfg.tp, cfg.dp) == ("union", 9000, 4, 2)
     cfg, unknown = parse(["m2", "--max-num", "3", "--max-num-seqs", "5"])
     assert cfg.max_num_seqs == 5 and unknown[0] == "--max-num"
+    cfg, _ = parse(["--fault", "die_after_tokens", "--fault-after-tokens", "7"])
+    assert (cfg.fault, cfg.fault_after_tokens) == ("die_after_tokens", 7)
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--kv-transfer-config", "{bad"], ["--fault", "explode"], ["--port", "70000"], ["--tpot-ms", "-1"]],
+    [
+        ["--kv-transfer-config", "{bad"],
+        ["--fault", "explode"],
+        ["--port", "70000"],
+        ["--tpot-ms", "-1"],
+        ["--fault-after-tokens", "-1"],
+    ],
 )
 def test_parse_rejects_bad_values(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -29,7 +29,6 @@ from motor_mesh.common.tokenizer import (
     is_token_ids,
     message_text,
     sim_chat_text,
-    token_prompt_text,
 )
 from motor_mesh.coordinator.kv import speedups
 from motor_mesh.coordinator.kv.hashing import ROOT
@@ -191,8 +190,5 @@ class Tokens:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, special=True)
         if isinstance(prompt, list) and is_token_ids(prompt):
-            # Token ids: a real engine takes them as they are; the simulated one reads them as words.
-            return (
-                self.tokenizer.encode(token_prompt_text(prompt), special=True) if self.sim else list(prompt)
-            )
+            return list(prompt)  # token ids: every engine, the simulated one too, takes them as they are
         return None
