@@ -244,6 +244,24 @@ class _Conn(asyncio.Protocol):
         return data
 
 
+class Interrupt:
+    """Lets other code stop a request that waits for its answer's head: the wait raises the
+    exception given (how a request is moved off an engine that has not answered yet)."""
+
+    __slots__ = ("conn", "error")
+
+    def __init__(self) -> None:
+        self.conn: _Conn | None = None  # the connection waiting for the head, while one is
+        self.error: Exception | None = None
+
+    def __call__(self, exc: Exception) -> None:
+        self.error = exc
+        c = self.conn
+        if c is not None and not c.head_seen and c.error is None:
+            c.error = exc
+            c._wake()
+
+
 class Response:
     """An answer whose head has arrived; the body follows through :meth:`read` or
     :meth:`next_chunk`. Give it back with :meth:`release` (reuse if complete) or :meth:`close`."""
@@ -387,9 +405,10 @@ class Pool:
         body: bytes = b"",
         headers: bytes = b"Content-Type: application/json\r\n",
         deadline: float = NEVER,
+        interrupt: Interrupt | None = None,
     ) -> Response:
         """Send one request and wait for its response head until loop time ``deadline``.
-        Raises Refused / Disconnected / UpstreamTimeout."""
+        Raises Refused / Disconnected / UpstreamTimeout, or what ``interrupt`` was given."""
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         key = (host, port)
@@ -402,18 +421,25 @@ class Pool:
             if conn.transport is None or conn.transport.is_closing():
                 continue
             try:
-                return await self._exchange(conn, data, deadline)
+                return await self._exchange(conn, data, deadline, interrupt)
             except Disconnected as exc:
                 if exc.answered:
                     raise
                 # The engine had closed this idle connection: try a fresh one.
                 break
-        return await self._exchange(await self._connect(key, deadline), data, deadline)
+        return await self._exchange(await self._connect(key, deadline), data, deadline, interrupt)
 
-    async def _exchange(self, conn: _Conn, data: bytes, deadline: float) -> Response:
+    async def _exchange(
+        self, conn: _Conn, data: bytes, deadline: float, interrupt: Interrupt | None = None
+    ) -> Response:
         conn.reset()
         conn.deadline = deadline
         assert conn.transport is not None
+        if interrupt is not None:
+            if interrupt.error is not None:  # while it connected
+                self.put(conn)
+                raise interrupt.error
+            interrupt.conn = conn
         conn.transport.write(data)
         self.active.add(conn)
         try:
@@ -426,6 +452,9 @@ class Pool:
             if conn.transport is not None:
                 conn.transport.abort()
             raise
+        finally:
+            if interrupt is not None:
+                interrupt.conn = None
         return Response(conn)
 
     def close(self) -> None:

@@ -402,19 +402,11 @@ class Router:
     async def _open(
         self, call: Call, t: Target, ep: Upstream, role: str, body: bytes, leg: Leg | None, flight: Flight
     ) -> Response:
-        """``engines.open`` that a move cancels (Break) while it waits for the answer's head: a
-        hung engine answering a non-streamed request sends its head only with the whole body."""
-        opening = asyncio.ensure_future(self.engines.open(ep, call.path_b, body, role, leg))
-        flight.opening = opening
+        """``engines.open`` that a move stops (Break) while it waits for the answer's head."""
         try:
-            resp = await opening
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if flight.reason is not None and opening.cancelled() and not (task and task.cancelling()):
-                raise Break(flight.reason, t, f"moved off the {role} instance before it answered") from None
-            raise
-        finally:
-            flight.opening = None
+            resp = await self.engines.open(ep, call.path_b, body, role, leg, flight.opening)
+        except Moved as moved:
+            raise Break(moved.reason, t, f"moved off the {role} instance before it answered") from None
         flight.resp = resp
         if flight.reason is not None:
             resp.interrupt(Moved(flight.reason))

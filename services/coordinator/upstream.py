@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from motor_mesh.common import log
 from motor_mesh.common.http_errors import server_error
-from motor_mesh.common.httpclient import Disconnected, Pool, Refused, Response, UpstreamTimeout
+from motor_mesh.common.httpclient import Disconnected, Interrupt, Pool, Refused, Response, UpstreamTimeout
 from motor_mesh.common.httpmessages import JSON_CT, Headers, Responder
 from motor_mesh.coordinator.bodies import SseFilter, strip_kv
 from motor_mesh.coordinator.metrics import Metrics
@@ -105,16 +105,24 @@ class Engines:
         return err
 
     async def open(
-        self, ep: Upstream, path: bytes, body: bytes, role: str, leg: Leg | None = None
+        self,
+        ep: Upstream,
+        path: bytes,
+        body: bytes,
+        role: str,
+        leg: Leg | None = None,
+        interrupt: Interrupt | None = None,
     ) -> Response:
         """POST and wait for the response head, within ``decode_first_byte_timeout_s``.
-        Raises Unreachable / PhaseTimeout. ``leg``: the attempt's span (its context is sent,
-        the outcome recorded; the caller ends it)."""
+        Raises Unreachable / PhaseTimeout, or what ``interrupt`` is given meanwhile. ``leg``:
+        the attempt's span (its context is sent, the outcome recorded; the caller ends it)."""
         limit = self.deadlines.first_byte_s
         deadline = asyncio.get_running_loop().time() + limit
         headers = JSON_HEADER if leg is None else leg.headers
         try:
-            resp = await self.pool.request(ep.host, ep.port, b"POST", path, body, headers, deadline)
+            resp = await self.pool.request(
+                ep.host, ep.port, b"POST", path, body, headers, deadline, interrupt
+            )
         except (Refused, Disconnected) as exc:
             raise self._unreachable(role, ep, exc, leg) from None
         except UpstreamTimeout:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any
 
-from motor_mesh.common.httpclient import Response
+from motor_mesh.common.httpclient import Interrupt, Response
 
 
 class Moved(Exception):
@@ -28,8 +27,10 @@ class Flight:
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self.reason: str | None = None  # set once the leg must move
-        self.opening: asyncio.Future[Any] | None = None  # the wait for the answer's head
-        self.resp: Response | None = None  # the answer being read
+        # Stops the wait for the answer's head: a hung engine answering a non-streamed request
+        # sends its head only with the whole body.
+        self.opening = Interrupt()
+        self.resp: Response | None = None  # the answer being read, once its head came
 
     def move_at(self, when: float, reason: str) -> None:
         """Move at wall time ``when`` (inf: never; a later call replaces an earlier one)."""
@@ -50,8 +51,8 @@ class Flight:
         if self.resp is not None:
             # Events already received still reach the client: the move is at a token boundary.
             self.resp.interrupt(Moved(reason))
-        elif self.opening is not None and not self.opening.done():
-            self.opening.cancel()
+        else:
+            self.opening(Moved(reason))
 
     def close(self) -> None:
         if self._timer is not None:

@@ -331,3 +331,27 @@ async def test_a_continuation_is_a_span_of_the_request_beside_its_legs(
     assert attrs["motor.migration.tokens_delivered"] > 0
     decodes = sorted((s for s in finished if s.name == "decode"), key=lambda s: s.start_time or 0)
     assert [dict(s.attributes or {}).get("error.type") for s in decodes] == ["disconnect", None]
+
+
+async def test_a_request_waiting_on_a_hung_engine_moves_when_its_instance_leaves(
+    start_coordinator: StartCoordinator, spawn_engines: SpawnEngines, http: aiohttp.ClientSession
+) -> None:
+    # A wedged scheduler never answers a non-streamed request, not even its head: the request
+    # waits (decode_first_byte_timeout_s is long) until the instance leaves the table.
+    coord, e = await _cluster(start_coordinator, spawn_engines)
+    body = _body(COMPLETIONS, stream=False, max_tokens=8)
+    _, ref = await _post(coord, COMPLETIONS, body)
+    for name in ("d1", "d2"):
+        await _arm(http, e[name], {"mode": "hang"})
+    answer = asyncio.ensure_future(_post(coord, COMPLETIONS, body))
+
+    def decoding() -> int | None:  # the decode instance the Coordinator sent it to
+        return next((i for i in (2, 3) if coord.co.view.legs().get(i)), None)
+
+    gone = await until(decoding)
+    await _arm(http, e["d2" if gone == 2 else "d1"], {"mode": "none"})
+    await coord.stub.DeleteInstances(pb.DeleteInstancesRequest(instances=[c.Instance(id=gone)]), timeout=5)
+    status, data = await answer
+    assert status == 200, data
+    assert json.loads(data)["choices"][0]["text"] == json.loads(ref)["choices"][0]["text"]
+    assert (await _migrations(http, coord)) == {("left", "continued"): 1}
