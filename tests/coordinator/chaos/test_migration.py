@@ -355,3 +355,38 @@ async def test_a_request_waiting_on_a_hung_engine_moves_when_its_instance_leaves
     assert status == 200, data
     assert json.loads(data)["choices"][0]["text"] == json.loads(ref)["choices"][0]["text"]
     assert (await _migrations(http, coord)) == {("left", "continued"): 1}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_an_sglang_stream_continues_from_the_text_delivered(
+    start_coordinator: StartCoordinator,
+    spawn_engines: SpawnEngines,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    # SGLang returns no token ids: the continuation carries the text delivered (a chat's partial
+    # assistant message with continue_final_message, a completion's prompt plus the text).
+    # The simulated engine's tokenizer reads text back as the same tokens, so it is exact here.
+    sg = c.ENGINE_TYPE_SGLANG
+    e = spawn_engines(
+        p=ENGINE_ARGS["sgl_p"], d1=[*ENGINE_ARGS["sgl_d"], *SLOW], d2=[*ENGINE_ARGS["sgl_d"], *SLOW]
+    )
+    coord = await start_coordinator()
+    await set_table(
+        coord,
+        instance(1, PREFILL, e["p"].port, engine_type=sg, bootstrap=e["p"].bootstrap_port),
+        instance(2, DECODE, e["d1"].port, engine_type=sg),
+        instance(3, DECODE, e["d2"].port, engine_type=sg),
+    )
+    body = _body(path, stream=True)
+    status, ref = await _post(coord, path, body)
+    assert status == 200
+    status, data, victim = await _killed_mid_answer(coord, e, http, path, body)
+    events = _events(data)
+    assert status == 200 and events[-1] == "[DONE]", events[-3:]
+    assert _text(path, events) == _text(path, _events(ref))
+    assert events[-2]["usage"] == _events(ref)[-2]["usage"]
+    assert e[victim].popen.poll() is not None
+    (line,) = _logged(caplog, "request_migrated")
+    assert line["migrated"] == 1
