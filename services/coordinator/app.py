@@ -148,13 +148,16 @@ class Coordinator:
         answer = await self._router.exchange(path, raw, body, pt, dt, timeout_s)
         return answer.status, answer.body
 
-    def _legs(self) -> dict[int, int]:
-        """Legs in flight per instance: this process's own and, with workers, theirs."""
+    def _legs(self, since: int) -> tuple[dict[int, int], int]:
+        """Legs in flight per instance, this process's own and, with workers, theirs; and how
+        many workers have not reported since they routed by revision ``since``."""
         legs = self.view.legs()
-        if self.pool is not None:
-            for iid, n in self.pool.hub.legs().items():
-                legs[iid] = legs.get(iid, 0) + n
-        return legs
+        if self.pool is None:
+            return legs, 0
+        theirs, behind = self.pool.hub.legs(since)
+        for iid, n in theirs.items():
+            legs[iid] = legs.get(iid, 0) + n
+        return legs, behind
 
     def _dismiss_precision(self, p: int, d: int) -> bool:
         return self.precision.dismiss(p, d) if self.precision is not None else False

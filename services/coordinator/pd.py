@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # loaded only when tracing is on (kv: only with a kv_aware po
     from motor_mesh.coordinator.tracing import Leg, RequestTrace
 
 CHAT_PATH = "/v1/chat/completions"
+# Times a request whose routes all failed reads newer ones before it gives up (502).
+ROUTE_REFRESHES = 2
 
 
 @dataclass(slots=True)
@@ -110,6 +112,19 @@ def _gives_ids(routes: ModelRoutes) -> bool:
     return any(t.engine_type != ENGINE_SGLANG for t in routes.union or routes.prefill_only)
 
 
+def _pick(
+    policy: Policy, targets: Sequence[Target], tried: set[int], prompt: PromptView | None
+) -> Target | None:
+    """``policy``'s choice among the targets not ``tried`` that are still routed to: a request
+    holds the routes it began with, and an instance may have left routing since (its leg would
+    only be moved off again; a drain counting on no new leg must get none)."""
+    while True:
+        t = policy(targets, tried, prompt)
+        if t is None or t.move_at is None:
+            return t
+        tried.add(t.id)
+
+
 def _fresh(avoid: frozenset[int], targets: Sequence[Target]) -> set[int]:
     """The instances a continuation starts out not trying: the one it left, unless there is no
     other (a relaunched instance may be the only one and serve again)."""
@@ -157,6 +172,7 @@ class Router:
         if call.carry is None and self.migration.limit:
             call.carry = self._carry(call, routes)
         carry = call.carry
+        refreshed = 0  # times the routes were read again after every instance of them failed
         try:
             while True:
                 try:
@@ -168,6 +184,14 @@ class Router:
                     if next_routes is None:
                         break
                     routes = next_routes
+                except NoUpstream:
+                    # Every instance these routes name failed or left routing: the table may
+                    # hold others by now (a relaunched instance comes back as a new one).
+                    fresh = routes_of() if routes_of is not None else None
+                    if fresh is None or fresh is routes or call.out.started or refreshed >= ROUTE_REFRESHES:
+                        raise
+                    refreshed += 1
+                    routes = fresh
         except NoUpstream as exc:
             log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
             raise _ended(call, server_error(502, str(exc), "upstream_unreachable")) from None
@@ -281,7 +305,7 @@ class Router:
             if tried_d and all(t.id in tried_d for t in group.decode):
                 # Every decode failed: a new prefill leg would have nothing to hand off to.
                 raise NoUpstream("decode", call.model, last)
-            p = self.prefill_policy(group.prefill, tried_p, call.prompt)
+            p = _pick(self.prefill_policy, group.prefill, tried_p, call.prompt)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             work = _prefill_work(call)
@@ -305,7 +329,7 @@ class Router:
             self.metrics.phase("prefill", loop.time() - t)
             if answer.status >= 400:
                 return _answer_error(call, answer)  # the engine's own status and error body
-            d = self.decode_policy(group.decode, tried_d, call.prompt)
+            d = _pick(self.decode_policy, group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
             try:
@@ -324,7 +348,7 @@ class Router:
         tried = _fresh(call.avoid, targets)
         last: BaseException | None = None
         while True:
-            t = policy(targets, tried, call.prompt)
+            t = _pick(policy, targets, tried, call.prompt)
             if t is None:
                 raise NoUpstream(role, call.model, last)
             try:
@@ -434,12 +458,12 @@ class Router:
         tried_d = _fresh(call.avoid, group.decode)
         last: BaseException | None = None
         while True:
-            p = self.prefill_policy(group.prefill, tried_p, call.prompt)
+            p = _pick(self.prefill_policy, group.prefill, tried_p, call.prompt)
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             pep = _endpoint(p, call.prompt)
             work = _prefill_work(call)
-            d = self.decode_policy(group.decode, tried_d, call.prompt)
+            d = _pick(self.decode_policy, group.decode, tried_d, call.prompt)
             if d is None:
                 raise NoUpstream("decode", call.model, last)
             try:

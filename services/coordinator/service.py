@@ -36,11 +36,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dismiss_precision: Callable[[int, int], bool] = lambda p, d: False,
         pool: WorkerPool | None = None,
         *,
-        legs: Callable[[], dict[int, int]] = dict,
+        legs: Callable[[int], tuple[dict[int, int], int]] = lambda since: ({}, 0),
         drain_grace_s: float = 30.0,
     ) -> None:
         self.table = table
-        # Legs in flight per instance id, every process serving HTTP counted (DrainInstances).
+        # Legs in flight per instance id, every process serving HTTP counted, and how many
+        # workers have not reported since a given revision (DrainInstances).
         self._legs = legs
         self._drain_grace_s = drain_grace_s
         # The inference worker processes; None when this process serves HTTP itself.
@@ -182,19 +183,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             "DrainInstances", context, lambda t: t.drain(ids, grace, now), _drain_response
         )
         state = self.table.state
-        legs = self._legs()
+        drains = [state.draining.get(iid) for iid in ids]
+        legs, behind = self._legs(max((d.revision for d in drains if d is not None), default=0))
         resp = pb.DrainInstancesResponse(revision=written.revision, incarnation=written.incarnation)
-        for iid in ids:
-            drain = state.draining.get(iid)
-            entry = resp.drains.add(instance_id=iid, requests_in_flight=legs.get(iid, 0))
+        for iid, drain in zip(ids, drains, strict=True):
+            # A worker that has not reported since it took the drain may still have sent a
+            # request there: counted as one until it has.
+            entry = resp.drains.add(instance_id=iid, requests_in_flight=legs.get(iid, 0) + behind)
             if drain is not None:  # None: the instance came back with other engines meanwhile
                 entry.move_time.FromNanoseconds(int(drain.move_at * 1e9))
-        log.event(
-            "instances_draining",
-            ids=",".join(map(str, ids)),
-            grace_s=grace,
-            legs=sum(legs.get(i, 0) for i in ids),
-        )
+        began = [
+            iid
+            for iid, d in zip(ids, drains, strict=True)
+            if d is not None and d.revision == written.revision
+        ]
+        if began:  # one line when a drain begins, not one per poll
+            log.event("instances_draining", ids=",".join(map(str, began)), grace_s=grace)
         return resp
 
     async def ClearPrecisionAlarm(

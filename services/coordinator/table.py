@@ -52,6 +52,9 @@ class Drain:
 
     move_at: float  # wall-clock time (time.time()) when requests still on it are moved
     engines: Engines  # the engine processes it was drained with
+    # The table revision that began it: a worker's count of legs tells only once it routes by
+    # this revision or a later one (before, it could still send a request there).
+    revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,8 @@ class RoutingTable:
         self._known(ids)
         old = self.state
         drains = dict(old.draining)
+        revision = self._issued + 1  # what _swap gives the table when a drain is new
         for iid in ids:
             if iid not in drains:
-                drains[iid] = Drain(now + grace_s, engines(old.instances[iid]))
+                drains[iid] = Drain(now + grace_s, engines(old.instances[iid]), revision)
         return self._swap(dict(old.instances), old.paused, drains)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motor_mesh.coordinator.precision.groups import Completed
-from motor_mesh.coordinator.table import TableState
+from motor_mesh.coordinator.table import Drain, TableState, engines
 from motor_mesh.coordinator.workers import codec
 from motor_mesh.coordinator.workers.hub import WorkerHub, WorkersUnavailable
 from motor_mesh.coordinator.workers.link import WorkerLink
@@ -51,6 +51,21 @@ def test_state_round_trip() -> None:
     state.instances[3].status = c.INSTANCE_STATUS_PAUSED
     assert codec.decode_state(codec.encode_state(state)) == state
     assert codec.decode_state(codec.encode_state(TableState())) == TableState()
+
+
+def test_a_drain_reaches_the_workers_with_its_deadline() -> None:
+    base = table(7, 1, 2)
+    drained = TableState(base.instances, base.paused, 7, {2: Drain(1.75e9, engines(base.instances[2]), 7)})
+    got = codec.decode_state(codec.encode_state(drained))
+    # The revision that began it stays with the management process (it judges the reports).
+    assert got.draining == {2: Drain(1.75e9, engines(base.instances[2]))}
+
+
+def test_a_report_carries_loads_legs_and_the_revision_routed_by() -> None:
+    report = codec.encode_report({1: 30, 2: 5}, {1: 2}, 9)
+    assert codec.decode_report(report) == ({1: 30, 2: 5}, {1: 2}, 9)
+    with pytest.raises(codec.CodecError):
+        codec.decode_report(report[:-1])
 
 
 def test_loads_and_sample_round_trip() -> None:

@@ -14,7 +14,8 @@ A table snapshot (``encode_state``), little-endian::
 
 The instance keeps its own key (normally equal to ``Instance.id``) so the round trip is exact.
 Loads (``encode_loads``) are ``u32 n | n x (u64 instance id, i64 load)``; a worker's report
-(``encode_report``) is its loads then its legs in flight in the same form; the hub's broadcast of
+(``encode_report``) is its loads then its legs in flight in the same form, then ``u64`` the table
+revision it routed by; the hub's broadcast of
 every worker's loads (``encode_worker_loads``) is ``u32 n | n x (u32 worker index, loads)``. A
 precision sample is ``u64 p | u64 d`` then the :class:`Completed` as UTF-8 JSON (the request is
 the client's parsed JSON body, so it serialises as it came).
@@ -166,24 +167,26 @@ def decode_loads(data: bytes) -> dict[int, int]:
     return loads
 
 
-def encode_report(loads: Mapping[int, int], legs: Mapping[int, int]) -> bytes:
-    """One worker's report: its loads, then its legs in flight per instance id (a drain is over
-    when no worker has one left on the instance)."""
+def encode_report(loads: Mapping[int, int], legs: Mapping[int, int], revision: int) -> bytes:
+    """One worker's report: its loads, its legs in flight per instance id (a drain is over when
+    no worker has one left on the instance), and the table revision it routed by then."""
     parts: list[bytes] = []
     try:
         _put_loads(parts, loads)
         _put_loads(parts, legs)
+        parts.append(_U64.pack(max(revision, 0)))
     except struct.error as exc:
         raise _fail("loads", exc) from exc
     return b"".join(parts)
 
 
-def decode_report(data: bytes) -> tuple[dict[int, int], dict[int, int]]:
+def decode_report(data: bytes) -> tuple[dict[int, int], dict[int, int], int]:
     r = _Reader(data, "loads")
     loads = _get_loads(r)
     legs = _get_loads(r)
+    (revision,) = r.unpack(_U64)
     r.done()
-    return loads, legs
+    return loads, legs, revision
 
 
 def encode_worker_loads(per_worker: Mapping[int, Mapping[int, int]]) -> bytes:

@@ -69,6 +69,7 @@ class _Worker:
     acked: int = -1  # the newest revision it acknowledged
     loads: dict[int, int] = field(default_factory=dict)
     legs: dict[int, int] = field(default_factory=dict)  # in flight per instance id
+    reported: int = -1  # the table revision it routed by when it sent its last report
     serving: bool = False  # it said it listens on the inference port
 
 
@@ -227,13 +228,17 @@ class WorkerHub:
         """index -> the newest revision each live worker acknowledged (-1: none yet)."""
         return {i: w.acked for i, w in sorted(self._workers.items())}
 
-    def legs(self) -> dict[int, int]:
-        """Legs in flight per instance id, every live worker's summed (as last reported)."""
+    def legs(self, since: int = 0) -> tuple[dict[int, int], int]:
+        """Legs in flight per instance id, every live worker's summed as last reported, and how
+        many workers last reported before they routed by revision ``since`` (their counts may
+        miss a request they were still sending to an instance that has since left routing)."""
         total: dict[int, int] = {}
+        behind = 0
         for w in self._workers.values():
+            behind += w.reported < since
             for iid, n in w.legs.items():
                 total[iid] = total.get(iid, 0) + n
-        return total
+        return total, behind
 
     def serving(self) -> dict[int, int]:
         """index -> pid of every live worker that said it listens (:meth:`WorkerLink.serving`)."""
@@ -349,9 +354,9 @@ class WorkerHub:
                 worker.acked = revision
                 self._notify()
         elif kind == codec.LOADS:
-            loads, legs = codec.decode_report(body)
+            loads, legs, revision = codec.decode_report(body)
             if worker is not None:
-                worker.loads, worker.legs = loads, legs
+                worker.loads, worker.legs, worker.reported = loads, legs, revision
         elif kind == codec.SERVING:
             if worker is not None and not worker.serving:
                 worker.serving = True

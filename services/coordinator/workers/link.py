@@ -317,10 +317,10 @@ class WorkerLink:
                 self._lose(f"no beat for {self.lost_after_s}s")
 
     async def _report(self, get_loads: LoadsGetter, get_legs: LoadsGetter) -> None:
-        last: tuple[dict[int, int], dict[int, int]] | None = None
+        last: tuple[dict[int, int], dict[int, int], int] | None = None
         sent_at = float("-inf")
         while True:
-            report = dict(get_loads()), dict(get_legs())
+            report = dict(get_loads()), dict(get_legs()), self.revision
             now = time.monotonic()
             if (report != last or now - sent_at >= LOADS_REFRESH_S) and self._send(
                 [codec.LOADS, self._peer, codec.encode_report(*report)]
