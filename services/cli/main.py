@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "motor_mesh.cli.status",
         "the cluster on one screen: Controller, Coordinators, NodeManagers, engines",
     ),
+    "drain": (
+        "motor_mesh.cli.drain",
+        "take instances out of routing for a planned stop and wait until their requests are done",
+    ),
     "faults": ("motor_mesh.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
     "config": ("motor_mesh.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
 }

@@ -218,6 +218,7 @@ class Controller:
             push_metadata=self.leadership.push_metadata if self.leadership else None,
         )
         self.clears.coordinators = lambda: self.coordinator_set.current
+        self.teardowns.drainer = self.coordinators  # planned removals drain on every Coordinator
         self.loops = (
             self.assembly_loop,
             self.instance_loop,

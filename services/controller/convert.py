@@ -124,7 +124,7 @@ def _teardown_from_json(d: dict[str, Any]) -> Teardown:
     known = {f.name for f in dataclasses.fields(Teardown)}
     d = {k: v for k, v in d.items() if k in known}
     d["reason"] = Removal(d["reason"])
-    for k in ("stop", "unreached"):
+    for k in ("stop", "unreached", "drained"):
         d[k] = tuple(d.get(k, ()))
     if d.get("precision") is not None:
         d["precision"] = (int(d["precision"][0]), int(d["precision"][1]))

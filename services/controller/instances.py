@@ -125,15 +125,22 @@ class InstanceTable:
         stop: Iterable[str] = (),
         after: int = 0,
         precision: tuple[int, int] | None = None,
+        drain: bool = False,
     ) -> None:
-        """Record that the instance must go (and which NodeManagers get Stop); the instance
-        reconcile deletes it. The first reason stands: a second wish changes nothing."""
+        """Record that the instance must go (and which NodeManagers get Stop; with ``drain``, a
+        planned removal, the Coordinators drain it first); the instance reconcile deletes it.
+        The first reason stands: a second wish changes nothing."""
         if inst.teardown is not None or inst.status == DELETED:
             return
-        td = Teardown(reason, detail, stop=tuple(stop), after=after, precision=precision)
+        td = Teardown(reason, detail, stop=tuple(stop), after=after, precision=precision, drain=drain)
         await self.update(inst, teardown=td)
         log.event(
-            "instance_doomed", instance_id=inst.id, reason=str(reason), detail=detail, stop=",".join(td.stop)
+            "instance_doomed",
+            instance_id=inst.id,
+            reason=str(reason),
+            detail=detail,
+            stop=",".join(td.stop),
+            drain=drain,
         )
         self.enqueue(inst.id)
 

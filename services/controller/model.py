@@ -147,10 +147,35 @@ class Teardown:
     precision_cleared: bool = False
     precision_moi: str = ""  # of the alarm it cleared
     coordinators_told: bool = False
+    # A planned removal (TerminateInstance) drains the instance before it is deleted: every
+    # Coordinator stops routing to it and finishes, or moves elsewhere, the requests on it
+    # (DrainInstances), until each reports none left or ``drain_until`` passes.
+    drain: bool = False
+    drain_started: float = 0.0  # wall clock; 0 = not started yet
+    # Wall clock: the Coordinators' move time, as first answered, plus a margin; 0 = no
+    # Coordinator has answered yet (the bound is then drain_started + a default).
+    drain_until: float = 0.0
+    drained: tuple[str, ...] = ()  # Coordinators that last reported nothing in flight on it
+    drain_done: bool = False
+
+    @property
+    def draining(self) -> bool:
+        """The drain has yet to finish: the instance is not deleted before it has."""
+        return self.drain and not self.drain_done
 
     @property
     def done(self) -> bool:
         return self.stopped and (self.precision is None or self.coordinators_told)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """One Coordinator's answer to DrainInstances for one instance (not stored)."""
+
+    drained: bool  # none of its requests (legs) are left on the instance there
+    move_at: float = 0.0  # wall clock: when that Coordinator moves them elsewhere; 0 = not said
+    in_flight: int = 0
+    code: str = ""  # why there is no count: a status code name; "" = it answered one
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,18 @@ Controller, run by :func:`serve` until stopped.
 
 Start-up: kill the engines an earlier NodeManager left behind (``state_dir/engines.json``),
 become child subreaper, serve motor.v1.NodeManager, then register with the Controller and keep
-the heartbeat stream open. Exit: SIGTERM (rc 0), ``Stop`` or suicide arbitration or a refused
-registration (rc 1); every path stops the engines first.
+the heartbeat stream open. Exit: SIGTERM (rc 0; its instance is drained first, stopping.py),
+SIGINT or stdin closing under ``motor up`` (rc 0, at once), ``Stop`` or suicide arbitration or a
+refused registration (rc 1); every path stops the engines first.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from motor_mesh.common import log, procgroup, tasks
+import grpc
+
+from motor_mesh.common import errors, log, procgroup, tasks
 from motor_mesh.common.config import Config, NodeManagerConfig
 from motor_mesh.common.metrics_http import MetricsServer
 from motor_mesh.common.server import MotorServer
@@ -22,6 +25,7 @@ from motor_mesh.nodemanager.arbiter import SuicideArbiter
 from motor_mesh.nodemanager.link import ControllerLink, RegistrationRefused
 from motor_mesh.nodemanager.service import NodeManagerService
 from motor_mesh.nodemanager.statefile import StateFile, kill_recorded_engines
+from motor_mesh.nodemanager.stopping import TERMINATE_TIMEOUT_S, StopSignals
 from motor_mesh.nodemanager.supervisor import EngineSupervisor
 
 # On shutdown engines get at most this long after SIGTERM before SIGKILL, whatever
@@ -46,22 +50,29 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     def request_exit(rc: int, reason: str, delay: float = 0.0) -> None:
         if exit_rc:
             return
+        if signals.planned.is_set():
+            rc = 0  # after SIGTERM every way out is the stop it asked for (the Stop it awaits)
         exit_rc.append(rc)
         log.event("exiting", rc=rc, reason=reason)
         loop.call_later(delay, done.set)
 
     sup = EngineSupervisor(c, cfg.engine, state, reaper)
     on_forced_exit(sup.kill_all_now)
+    # From here on SIGTERM drains the instance first (stopping.py); SIGINT stops at once.
+    signals = StopSignals(stop, sup.kill_all_now)
+    signals.install()
     # A look at /dev and PATH: off the loop, once, before any engine starts.
     sup.device_env, why = await asyncio.to_thread(devices.resolve, c.device_env)
     log.event("device_env", variable=sup.device_env, configured=c.device_env, reason=why)
     if sup.device_env == devices.CPU:
         log_cpu_cores(c)
     link_task: asyncio.Task[None] | None = None
+    stop_received = asyncio.Event()
 
     def leave() -> None:
         """Told to Stop: no more engines, and the link to the Controller ends."""
         sup.closed = True
+        stop_received.set()
         if link_task is not None:
             link_task.cancel()
 
@@ -114,12 +125,11 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     )
     running.append(tasks.spawn("suicide-arbiter", arbiter.run))
 
-    stop_wait = asyncio.create_task(stop.wait())
-    done_wait = asyncio.create_task(done.wait())
-    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    done_wait.cancel()
+    await first_of(stop, done, signals.planned)
     rc = exit_rc[0] if exit_rc else 0
+    if signals.planned.is_set() and not exit_rc:
+        await drain_first(link, sup, stop, done, stop_received, c.drain_wait_s)
+        rc = exit_rc[0] if exit_rc else 0
 
     for task in reversed(running[1:]):
         await tasks.cancel_quietly(task)
@@ -132,6 +142,76 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     if link is not None:
         await link.close()
     return rc
+
+
+async def first_of(*events: asyncio.Event, within: float | None = None) -> None:
+    """Until one of ``events`` is set (or ``within`` seconds pass)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def drain_first(
+    link: ControllerLink | None,
+    sup: EngineSupervisor,
+    stop: asyncio.Event,
+    done: asyncio.Event,
+    stop_received: asyncio.Event,
+    wait_s: float,
+) -> None:
+    """SIGTERM: have the Controller terminate this node's instance (it drains it on every
+    Coordinator, deletes it, and sends this node Stop), and wait for that Stop to be carried
+    out, at most ``wait_s`` (nodemanager.drain_wait_s) for it to arrive. Returns at once when
+    there is nothing to drain or the Controller does not take the request; ``stop`` (stdin
+    closed) cuts the wait short."""
+    if stop_received.is_set():  # the Controller's Stop is being carried out already
+        await first_of(done, stop)
+        return
+    if link is None or not link.registered.is_set() or not sup.instance_id or not sup.engines or not wait_s:
+        why = (
+            "not registered"
+            if link is None or not link.registered.is_set()
+            else "drain_wait_s is 0"
+            if not wait_s
+            else "no instance engines"
+        )
+        log.event("drain_skipped", reason=why)
+        return
+    instance_id = sup.instance_id
+    link.leaving = True  # never registered again into a new instance
+    sup.closed = True  # nor started engines
+    log.event("drain_requested", instance_id=instance_id, wait_s=wait_s)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        await link.terminate_instance(f"NodeManager {sup.address} stopping (SIGTERM)", TERMINATE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        failure = errors.RpcFailure.of(err)
+        log.warn(
+            "drain_request_failed", instance_id=instance_id, code=failure.code.name, message=failure.message
+        )
+        return
+    deadline = started + wait_s
+    while not (done.is_set() or stop.is_set()):
+        if stop_received.is_set():
+            await first_of(done, stop)  # the Stop stops the engines, then asks for the exit
+            continue
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        await first_of(done, stop, stop_received, within=left)
+    outcome = (
+        "stopped_by_controller" if stop_received.is_set() else "stdin_closed" if stop.is_set() else "timeout"
+    )
+    log.event(
+        "drain_wait_over",
+        instance_id=instance_id,
+        outcome=outcome,
+        waited_s=round(loop.time() - started, 3),
+    )
 
 
 def log_cpu_cores(c: NodeManagerConfig) -> None:

@@ -78,6 +78,9 @@ class ControllerLink:
         self._unacked: dict[int, tuple[controller_pb2.EngineEvent, asyncio.Future[bool]]] = {}
         self._last_rx = time.monotonic()
         self.connected = False  # a heartbeat stream is open and acking (/metrics)
+        # The node is leaving (a SIGTERM drains its instance): beats go on, but a request to
+        # register again ends the link instead, so it is never assembled into a new instance.
+        self.leaving = False
 
     # --- the EventSink the supervisor reports to ---------------------------------------------
 
@@ -156,6 +159,9 @@ class ControllerLink:
         backoff = retry.Backoff(initial=0.2, maximum=2.0)
         while True:
             outcome, healthy, failure = await self._stream_once()
+            if outcome == "reregister" and self.leaving:
+                log.event("reregister_skipped", node_id=self.node_id, reason="leaving")
+                return
             if outcome == "reregister":
                 await self.register()
                 backoff.reset()
@@ -296,6 +302,19 @@ class ControllerLink:
             self.connected = False
             watchdog.cancel()
             # Events taken from the queue by a dead stream are re-sent by the next one.
+
+    async def terminate_instance(
+        self, reason: str, timeout_s: float
+    ) -> controller_pb2.TerminateInstanceResponse:
+        """``TerminateInstance`` of this node's instance on the leading Controller: the
+        Controller drains it, deletes it and sends every one of its NodeManagers Stop. Answered
+        once that is recorded (``terminated`` false while it is under way); raises the
+        AioRpcError of a Controller that refused or could not be reached."""
+        req = controller_pb2.TerminateInstanceRequest(instance_id=self.sup.instance_id, reason=reason)
+        resp: controller_pb2.TerminateInstanceResponse = await self.target.call(
+            "TerminateInstance", req, timeout_s, wait_for_ready=False
+        )
+        return resp
 
     async def close(self) -> None:
         await self.target.close()

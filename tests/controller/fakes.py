@@ -100,6 +100,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.status_error: errors.MotorError | None = None
         self.incarnation = 0  # what GetStatus says this process is
         self.engines_dead = False  # GetStatus: every engine ABNORMAL with no process
+        self.instance_id = 0  # what GetStatus says it serves (0: not known)
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -137,7 +138,11 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                 for e in cmd.endpoints
             ]
             return nodemanager_pb2.GetStatusResponse(
-                ready=False, endpoints=dead, incarnation=self.incarnation, relaunch_count=self.relaunches
+                ready=False,
+                endpoints=dead,
+                incarnation=self.incarnation,
+                relaunch_count=self.relaunches,
+                instance_id=self.instance_id,
             )
         if not self.ready:
             # Engines loading (WAIT_TO_START), as a NodeManager reports them after a start or
@@ -150,7 +155,11 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                 for e in cmd.endpoints
             ]
             return nodemanager_pb2.GetStatusResponse(
-                ready=False, endpoints=loading, incarnation=self.incarnation, relaunch_count=self.relaunches
+                ready=False,
+                endpoints=loading,
+                incarnation=self.incarnation,
+                relaunch_count=self.relaunches,
+                instance_id=self.instance_id,
             )
         # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.
         cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
@@ -166,7 +175,11 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
             for e in cmd.endpoints
         ]
         return nodemanager_pb2.GetStatusResponse(
-            ready=True, endpoints=endpoints, incarnation=self.incarnation, relaunch_count=self.relaunches
+            ready=True,
+            endpoints=endpoints,
+            incarnation=self.incarnation,
+            relaunch_count=self.relaunches,
+            instance_id=self.instance_id,
         )
 
     async def RestartEngines(
@@ -241,6 +254,13 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.port = 0
         self.clears: list[tuple[int, int]] = []  # (p, d) of every ClearPrecisionAlarm taken
         self.refuse_clears = 0  # answer the next N ClearPrecisionAlarm with UNAVAILABLE
+        # DrainInstances, as the Coordinator answers it: requests in flight per instance (set
+        # by the test: it is what the drain waits for), the deadline of each drained one (the
+        # first call's time + drain_grace_s), and UNIMPLEMENTED like a Coordinator older than it.
+        self.in_flight: dict[int, int] = {}
+        self.drain_grace_s = 30.0
+        self.draining: dict[int, float] = {}
+        self.drain_unimplemented = False
 
     def restart_state(self) -> None:
         """What a restarted Coordinator looks like: empty table, new incarnation."""
@@ -304,6 +324,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         for i in req.instances:
             del self.table[i.id]
             self.paused.discard(i.id)
+            self.draining.pop(i.id, None)
         return self._ok("Delete", req, coordinator_pb2.DeleteInstancesResponse)
 
     async def PauseInstances(
@@ -338,6 +359,27 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             raise errors.unavailable("test: refusing ClearPrecisionAlarm")
         self.clears.append((req.p_instance_id, req.d_instance_id))
         return coordinator_pb2.ClearPrecisionAlarmResponse(dismissed=True)
+
+    async def DrainInstances(
+        self, req: coordinator_pb2.DrainInstancesRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DrainInstancesResponse:
+        await self._enter("Drain", req)
+        if self.drain_unimplemented:
+            self.calls.append(("Drain", req, False))
+            raise errors.unimplemented("DrainInstances")
+        missing = [i for i in req.ids if i not in self.table]
+        if missing:
+            self.calls.append(("Drain", req, False))
+            raise errors.not_found("instance", str(missing[0]))
+        now = time.time()
+        grace = req.grace.ToNanoseconds() / 1e9 if req.HasField("grace") else self.drain_grace_s
+        resp = coordinator_pb2.DrainInstancesResponse(revision=self.revision, incarnation=self.incarnation)
+        for iid in req.ids:
+            move_at = self.draining.setdefault(iid, now + grace)
+            entry = resp.drains.add(instance_id=iid, requests_in_flight=self.in_flight.get(iid, 0))
+            entry.move_time.FromNanoseconds(int(move_at * 1e9))
+        self.calls.append(("Drain", req, True))
+        return resp
 
     async def start(self, port: int = 0) -> FakeCoordinator:
         descriptor = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor_mesh.common import metrics_http
 from motor_mesh.common import server as grpc_server
-from motor_mesh.common.config import ConfigError, load_config, read_key_file
+from motor_mesh.common.config import DEFAULTS, ConfigError, load_config, read_key_file
 from motor_mesh.coordinator import inference
 from motor_mesh.coordinator.workers import pool
 from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
@@ -400,6 +402,21 @@ def test_network_policy_keeps_management_ports_in_the_namespace(
 # -- lifecycle and resources -----------------------------------------------------------------
 
 
+def prestop_drain(pod: Pod) -> list[str] | None:
+    """The ``motor drain`` arguments of the pod's preStop hook (a shell line), or None."""
+    command = pod.main.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    if command is None:
+        return None
+    assert command[:2] == ["/bin/sh", "-c"], f"{pod.name}: the preStop is one shell line"
+    words = shlex.split(command[2])
+    assert words[:3] == ["exec", "motor", "drain"], f"{pod.name}: the preStop runs motor drain"
+    return words[3:]
+
+
+def flag(args: list[str], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
+
+
 def drain_s(pod: Pod) -> float:
     """The longest a graceful stop takes, from the code's own timings."""
     grpc_stop = grpc_server.SHUTDOWN_DRAIN_S + grpc_server.STOP_GRACE_S + metrics_http.STOP_GRACE_S
@@ -409,7 +426,12 @@ def drain_s(pod: Pod) -> float:
         workers = pool.STOP_GRACE_S if cfg["workers"] != 1 else 0
         return sleep + grpc_stop + inference.HTTP_SHUTDOWN_S + workers
     if SECTION[pod.component] == "nodemanager":
-        return sleep + grpc_stop + min(cfg["engine_stop_grace_s"], nodemanager_main.SHUTDOWN_ENGINE_GRACE_S)
+        # The preStop's drain (its wait, then one last round of calls), then SIGTERM: the wait
+        # for the Controller's Stop, whose engine stop takes the full engine_stop_grace_s.
+        drain = prestop_drain(pod) or []
+        hook = float(flag(drain, "--max-wait", "0")) + float(flag(drain, "--timeout", "10")) if drain else 0
+        engines = max(cfg["engine_stop_grace_s"], nodemanager_main.SHUTDOWN_ENGINE_GRACE_S)
+        return hook + cfg["drain_wait_s"] + engines + grpc_stop
     return sleep + grpc_stop
 
 
@@ -417,6 +439,24 @@ def test_the_grace_period_outlasts_the_drain(pods: list[Pod]) -> None:
     for pod in pods:
         grace = pod.spec["terminationGracePeriodSeconds"]
         assert grace > drain_s(pod), f"{pod.name}: {grace} s grace, {drain_s(pod)} s drain"
+
+
+def test_the_nodemanagers_drain_their_instance_before_they_stop(pods: list[Pod]) -> None:
+    coordinators = section(next(p for p in pods if p.component == "controller"))["coordinators"]
+    for pod in pods:
+        if SECTION[pod.component] != "nodemanager":
+            continue
+        drain = prestop_drain(pod)
+        assert drain is not None, f"{pod.name}: no preStop drain"
+        cfg = section(pod)
+        # This pod's own NodeManager, every Coordinator the Controller pushes to, the key the
+        # Coordinators want, and a wait that lets requests finish within the drain grace.
+        assert flag(drain, "--nodemanager", "") == f"$MOTOR_NODEMANAGER_HOST:{cfg['port']}"
+        assert pod.env(POD_IP)["MOTOR_NODEMANAGER_HOST"] == POD_IP == cfg["host"]
+        assert [flag(drain, "--coordinator", "")] == coordinators
+        key = flag(drain, "--key-file", "")
+        assert key == cfg["management_key_file"] and pod.mount_of(key) is not None
+        assert float(flag(drain, "--max-wait", "0")) > DEFAULTS["coordinator"]["drain_grace_s"]
 
 
 def test_every_container_has_requests_within_limits(pods: list[Pod]) -> None:
@@ -506,3 +546,31 @@ def test_the_pods_answer_their_probes_metrics_and_a_request(
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         assert json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def test_the_nodemanager_prestop_drains_its_instance_on_the_coordinators(
+    running: list[tuple[Pod, Proc, dict[int, int]]],
+) -> None:
+    """Last (it leaves the instances draining): each NodeManager pod's preStop line, run here with
+    its NodeManager's address, the Coordinators' and the key file moved to the local ones."""
+    (coordinator,) = [moved for pod, _, moved in running if pod.component == "coordinator"]
+    coordinator_grpc = f"127.0.0.1:{coordinator[7200]}"
+    for pod, proc, moved in running:
+        drain = prestop_drain(pod)
+        if drain is None:
+            continue
+        given = pod.main["args"][pod.main["args"].index("--config") + 1]  # the pod's, moved here:
+        root = Path(proc.args[proc.args.index("--config") + 1].removesuffix(given))
+        key = flag(drain, "--key-file", "")
+        line = pod.main["lifecycle"]["preStop"]["exec"]["command"][2]
+        line = line.replace(":7300", f":{moved[7300]}").replace(
+            flag(drain, "--coordinator", ""), coordinator_grpc
+        )
+        line = line.replace(key, str(root / key.lstrip("/")))
+        env = {**os.environ, "MOTOR_NODEMANAGER_HOST": "127.0.0.1"}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        done = subprocess.run(["/bin/sh", "-c", line], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        first, *_, last = done.stdout.splitlines()
+        assert re.match(r"instance \d+: requests move at ", first), done.stdout
+        assert last.startswith("drained: nothing in flight on instance(s) ")

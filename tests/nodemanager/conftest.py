@@ -40,6 +40,11 @@ class FakeController:
         self.epoch = 0
         self.streams_opened = 0
         self._streams: list[asyncio.Queue[Any]] = []
+        # TerminateInstance: recorded, and answered (terminated false: the drain is under way,
+        # as the Controller answers before its Stop) only when accept_terminate is set; else
+        # UNIMPLEMENTED, like every method this fake does not serve.
+        self.terminates: list[controller_pb2.TerminateInstanceRequest] = []
+        self.accept_terminate = False
 
     # what the tests look at
     def beats(self) -> list[controller_pb2.Beat]:
@@ -101,6 +106,14 @@ class FakeController:
         finally:
             reader.cancel()
             self._streams.remove(out)
+
+    async def TerminateInstance(
+        self, request: controller_pb2.TerminateInstanceRequest, context: Any
+    ) -> controller_pb2.TerminateInstanceResponse:
+        self.terminates.append(request)
+        if not self.accept_terminate:
+            raise errors.unimplemented("TerminateInstance")
+        return controller_pb2.TerminateInstanceResponse(terminated=False)
 
     def __getattr__(self, name: str) -> Any:
         if not name[:1].isupper() or name == "VALIDATORS":

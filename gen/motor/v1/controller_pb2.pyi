@@ -518,7 +518,9 @@ class TerminateInstanceResponse(_message.Message):
     SCHEDULER_STATE_CLEARED_FIELD_NUMBER: _builtins.int
     MOI_FIELD_NUMBER: _builtins.int
     terminated: _builtins.bool
-    """Every NodeManager of the instance(s) accepted Stop."""
+    """Every NodeManager of the instance(s) accepted Stop; false while the drain or the Stop
+    round is still under way at the call's deadline (the reconcile carries it on).
+    """
     precision_alarm_cleared: _builtins.bool
     """The group's precision alarm was cleared."""
     scheduler_state_cleared: _builtins.bool

@@ -177,7 +177,10 @@ class ControllerServicer:
 
     def TerminateInstance(self, request, context):
         """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
-        stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
+        stops its engines and exits, so its pod restarts). Without precision_alarm_clear it is a
+        planned stop and drains the instance first: every Coordinator's DrainInstances, until each
+        has no request left on it or its move time plus a few seconds passes (the requests still
+        there continue on other instances). With p_instance_id it terminates the PD
         group, decode first, then prefill. With precision_alarm_clear it then clears the group's
         active precision alarm (a CLEAR with the same moi) and calls every Coordinator's
         ClearPrecisionAlarm. The termination is recorded first and carried out by the Controller's

@@ -106,7 +106,10 @@ class ControllerStub:
     """
     TerminateInstance: _grpc.UnaryUnaryMultiCallable[_controller_pb2.TerminateInstanceRequest, _controller_pb2.TerminateInstanceResponse]
     """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
-    stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
+    stops its engines and exits, so its pod restarts). Without precision_alarm_clear it is a
+    planned stop and drains the instance first: every Coordinator's DrainInstances, until each
+    has no request left on it or its move time plus a few seconds passes (the requests still
+    there continue on other instances). With p_instance_id it terminates the PD
     group, decode first, then prefill. With precision_alarm_clear it then clears the group's
     active precision alarm (a CLEAR with the same moi) and calls every Coordinator's
     ClearPrecisionAlarm. The termination is recorded first and carried out by the Controller's
@@ -228,7 +231,10 @@ class ControllerAsyncStub(ControllerStub):
     """
     TerminateInstance: _aio.UnaryUnaryMultiCallable[_controller_pb2.TerminateInstanceRequest, _controller_pb2.TerminateInstanceResponse]  # type: ignore[assignment]
     """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
-    stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
+    stops its engines and exits, so its pod restarts). Without precision_alarm_clear it is a
+    planned stop and drains the instance first: every Coordinator's DrainInstances, until each
+    has no request left on it or its move time plus a few seconds passes (the requests still
+    there continue on other instances). With p_instance_id it terminates the PD
     group, decode first, then prefill. With precision_alarm_clear it then clears the group's
     active precision alarm (a CLEAR with the same moi) and calls every Coordinator's
     ClearPrecisionAlarm. The termination is recorded first and carried out by the Controller's
@@ -371,7 +377,10 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.TerminateInstanceResponse, _abc.Awaitable[_controller_pb2.TerminateInstanceResponse]]:
         """Takes the instance out of routing and sends Stop to every one of its NodeManagers (each
-        stops its engines and exits, so its pod restarts). With p_instance_id it terminates the PD
+        stops its engines and exits, so its pod restarts). Without precision_alarm_clear it is a
+        planned stop and drains the instance first: every Coordinator's DrainInstances, until each
+        has no request left on it or its move time plus a few seconds passes (the requests still
+        there continue on other instances). With p_instance_id it terminates the PD
         group, decode first, then prefill. With precision_alarm_clear it then clears the group's
         active precision alarm (a CLEAR with the same moi) and calls every Coordinator's
         ClearPrecisionAlarm. The termination is recorded first and carried out by the Controller's

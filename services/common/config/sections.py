@@ -390,6 +390,11 @@ class NodeManagerConfig(ServerConfig):
     the count."""
     engine_stop_grace_s: float = setting(10, c.seconds(0, c.WEEK))  # 0: kill at once
     """Time between SIGTERM and SIGKILL when engines are stopped."""
+    drain_wait_s: float = setting(45, c.seconds(0, 3600))
+    """On SIGTERM, the longest the NodeManager waits for the Controller to drain its instance and
+    send Stop before it stops its engines itself (see docs/operations.md, "Planned drains"). At
+    least the Coordinators' `drain_grace_s` (30) plus the Controller's 5 s margin and its Stop
+    round; 0: stop at once, without a drain."""
     suicide_check_interval_s: float = setting(3, c.DURATION)
     """How often the pod-restart fallback looks for broken engines."""
     suicide_threshold: int = setting(5, c.COUNT)

@@ -7,8 +7,12 @@ a typed reason, stored: instances.py) and the instance reconcile carries it out
 - **TerminateInstance** dooms the instance (with ``p_instance_id``, the PD group: the prefill's
   teardown waits for the decode's, so no decode is left waiting on a prefill that is gone) with
   Stop for every NodeManager, then waits for the teardown within the call's deadline.
-  ``terminated`` says whether every NodeManager took the Stop. With ``precision_alarm_clear``
-  the decode's teardown also clears the group's precision alarms and tells every Coordinator.
+  ``terminated`` says whether every NodeManager took the Stop. A plain terminate is a planned
+  stop: the teardown first drains the instance on every Coordinator (reconcile/teardown.py), so
+  the answer may come, with ``terminated`` false, before the drain is over; the teardown goes
+  on. With ``precision_alarm_clear`` (the operator's side of a precision recovery: its engines
+  answer garbage) nothing is drained, and the decode's teardown also clears the group's
+  precision alarms and tells every Coordinator.
 - **ReportAlarms** stores the report and answers at once. A precision CLEAR from a Coordinator
   (its samples are normal again) that cleared an active alarm has the other Coordinators reset
   their state for the group, in the background.
@@ -125,9 +129,15 @@ class Recovery:
         p = self._live(req.p_instance_id, "p_instance_id") if req.p_instance_id else None
         detail = req.reason or "TerminateInstance"
         group = (p.id if p else 0, d.id) if req.precision_alarm_clear else None
-        await self._table.doom(d, Removal.TERMINATED, detail, stop=d.node_managers, precision=group)
+        # Planned, unless it recovers from a precision fault.
+        drain = not req.precision_alarm_clear
+        await self._table.doom(
+            d, Removal.TERMINATED, detail, stop=d.node_managers, precision=group, drain=drain
+        )
         if p is not None:
-            await self._table.doom(p, Removal.TERMINATED, detail, stop=p.node_managers, after=d.id)
+            await self._table.doom(
+                p, Removal.TERMINATED, detail, stop=p.node_managers, after=d.id, drain=drain
+            )
         waits = [self._table.wait_torn_down(i) for i in (d, p) if i is not None]
         budget = None if time_left is None else max(0.0, time_left - ANSWER_MARGIN_S)
         try:

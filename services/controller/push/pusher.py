@@ -40,7 +40,7 @@ from motor_mesh.common.tasks import cancelled_from_outside
 from motor_mesh.controller import state_machine as sm
 from motor_mesh.controller.convert import identity_pb, instance_pb
 from motor_mesh.controller.instances import InstanceTable
-from motor_mesh.controller.model import Instance
+from motor_mesh.controller.model import DrainReport, Instance
 from motor_mesh.controller.push.watch import CoordinatorWatch, Reachability
 from motor_mesh.controller.reconcile.runner import DONE, REQUEUE_NOW, Reconciler, Result, Retry
 from motor_mesh.gen.motor.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -57,6 +57,9 @@ _CALL_FAILED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledErro
 
 # The metadata every push carries (the HA leader's term); raises when no push may be sent.
 PushMetadata = Callable[[], tuple[tuple[str, str], ...]]
+# A Coordinator that answers these to DrainInstances has nothing of the instance to drain: it
+# does not hold it (or no longer: deleted meanwhile), or it predates DrainInstances.
+NOTHING_TO_DRAIN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED)
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,34 @@ class CoordinatorPusher:
         self._last_warn = ("", float("-inf"))
         self._check_incarnation(resp.incarnation)
 
+    async def drain(self, instance_id: int) -> DrainReport:
+        """``DrainInstances`` of one instance, with the Coordinator's own grace (an instance
+        already draining keeps its deadline, so calling again only reports). Changes nothing
+        of what this pusher knows the Coordinator holds: the drain is kept across Sets."""
+        stub, gen = self._stub, self.channel_gen
+        if stub is None:  # not started
+            return DrainReport(False, code="NOT_STARTED")
+        try:
+            resp = await stub.DrainInstances(
+                coordinator_pb2.DrainInstancesRequest(ids=[instance_id]),
+                timeout=self._timeout,
+                metadata=self._metadata(),
+                wait_for_ready=False,
+            )
+        except grpc.aio.AioRpcError as err:
+            return DrainReport(err.code() in NOTHING_TO_DRAIN, code=err.code().name)
+        except (grpc.aio.UsageError, asyncio.CancelledError) as err:
+            if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
+                raise
+            if gen == self.channel_gen:
+                self.reopen()  # nothing more goes through a closed channel
+            return DrainReport(False, code="CHANNEL_CLOSED")
+        entry = next((d for d in resp.drains if d.instance_id == instance_id), None)
+        if entry is None:
+            return DrainReport(False, code="NO_ANSWER")
+        move_at = entry.move_time.ToNanoseconds() / 1e9 if entry.HasField("move_time") else 0.0
+        return DrainReport(entry.requests_in_flight == 0, move_at, entry.requests_in_flight)
+
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         """The leader's term on every push (HA); raises NotLeader once leadership has ended, so
         nothing is sent."""
@@ -458,6 +489,12 @@ class CoordinatorSync:
             if self._started:
                 p.start()
                 self.reconciler.enqueue(address)
+
+    async def drain(self, instance_id: int) -> dict[str, DrainReport]:
+        """DrainInstances of one instance on every Coordinator pushed to now, at once."""
+        pushers = list(self.pushers.values())
+        reports = await asyncio.gather(*(p.drain(instance_id) for p in pushers))
+        return {p.address: r for p, r in zip(pushers, reports, strict=True)}
 
     async def _reconcile(self, address: str) -> Result:
         pusher = self.pushers.get(address)
