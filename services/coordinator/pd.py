@@ -194,6 +194,8 @@ class Router:
                     routes = fresh
         except NoUpstream as exc:
             log.warn("no_upstream", role=exc.role, model=call.model, error=str(exc))
+            if carry is not None and carry.reason:  # a continuation found nowhere to go
+                self.metrics.migration(carry.reason, "unroutable")
             raise _ended(call, server_error(502, str(exc), "upstream_unreachable")) from None
         except PhaseTimeout as exc:
             log.warn("upstream_timeout", role=exc.role, model=call.model, error=str(exc))
@@ -255,15 +257,21 @@ class Router:
         if carry.started:
             carry.gap_from = carry.last
         span = None if call.trace is None else call.trace.continuation(carry.moves + 1, reason, carry.count)
-        await asyncio.sleep(self.migration.delay_s * 2**carry.moves)
-        routes = routes_of() if routes_of is not None else None
-        if routes is None:
-            if span is not None:
-                span.end()
-            metrics.migration(reason, "unroutable")
-            await _give_up(call, carry, brk)
-            return None
-        carry.moves += 1
+        # No instance of the model routable (the only one relaunching): each look takes one of
+        # the request's continuations.
+        while True:
+            await asyncio.sleep(self.migration.delay_s * 2**carry.moves)
+            carry.moves += 1
+            routes = routes_of() if routes_of is not None else None
+            if routes is not None:
+                break
+            if carry.moves >= self.migration.limit:
+                if span is not None:
+                    span.end()
+                metrics.migration(reason, "unroutable")
+                await _give_up(call, carry, brk)
+                return None
+        carry.reason = reason
         metrics.migration(reason, "continued")
         call.req = req
         call.raw = _dumps(req)

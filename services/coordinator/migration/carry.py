@@ -54,6 +54,7 @@ class Carry:
         "moves",
         "prompt_ids",
         "prompt_n",
+        "reason",
         "refused",
         "req",
         "size",
@@ -87,6 +88,7 @@ class Carry:
         self.created: Any = None
         self.model: Any = None
         self.moves = 0  # continuations so far
+        self.reason = ""  # why the last one was needed (Break.reason)
         self.finish: Any = None  # the finish_reason delivered, once one was
         self.done = False  # "data: [DONE]" delivered
         self.usage_sent = False
