@@ -368,9 +368,8 @@ class Router:
 
     async def _serve_on(self, call: Call, t: Target, role: str, body: bytes, p_id: int) -> None:
         """Open the leg that answers the client on ``t`` and relay its answer.
-        Raises Unreachable (nothing was sent to the client yet), or Break with a carry."""
-        if call.carry is not None:
-            return await self._serve_carried(call, call.carry, t, role, body, p_id)
+        Raises Unreachable (nothing was sent to the client yet). With a carry the leg can be
+        moved off ``t`` (a drain, the instance leaving the table) and a break raises Break."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         ep = _endpoint(t, call.prompt)
@@ -382,47 +381,27 @@ class Router:
             work = _prefill_work(call) + call.total_tokens - call.prompt_tokens
         t.load += work
         t.legs += 1
+        carry = call.carry
+        flight = None
+        if carry is not None:
+            flight = Flight()
+            t.joined(flight)
         try:
-            resp = await self.engines.open(ep, call.path_b, body, role, leg)
+            if flight is None:
+                resp = await self.engines.open(ep, call.path_b, body, role, leg)
+            else:
+                resp = await self._open(call, t, ep, role, body, leg, flight)
             try:
-                await self.engines.relay(call.out, resp, role, call.t0, call.reply, leg)
+                if carry is None or flight is None:
+                    await self.engines.relay(call.out, resp, role, call.t0, call.reply, leg)
+                else:
+                    await self._relay_carried(call, carry, resp, t, flight, role, leg)
             finally:
                 _done_with(resp)
         finally:
-            t.load -= work
-            t.legs -= 1
-            if leg is not None:
-                leg.end()
-        self.metrics.phase("decode" if role == "decode" else "whole", loop.time() - started)
-        if resp.status < 400 and call.out.status < 400:
-            self._completed(call, p_id, t.id)
-
-    async def _serve_carried(
-        self, call: Call, carry: Carry, t: Target, role: str, body: bytes, p_id: int
-    ) -> None:
-        """:meth:`_serve_on` for a request that may continue elsewhere: the leg can be moved
-        off ``t`` (a drain, the instance leaving the table) and a break raises Break."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        ep = _endpoint(t, call.prompt)
-        leg = None if call.trace is None else call.trace.leg(role, ep)
-        if role == "decode":
-            work = call.total_tokens
-        else:
-            work = _prefill_work(call) + call.total_tokens - call.prompt_tokens
-        t.load += work
-        t.legs += 1
-        flight = Flight()
-        t.joined(flight)
-        try:
-            resp = await self._open(call, t, ep, role, body, leg, flight)
-            try:
-                await self._relay_carried(call, carry, resp, t, flight, role, leg)
-            finally:
-                _done_with(resp)
-        finally:
-            t.flights.discard(flight)
-            flight.close()
+            if flight is not None:
+                t.flights.discard(flight)
+                flight.close()
             t.load -= work
             t.legs -= 1
             if leg is not None:

@@ -39,10 +39,18 @@ def _cut(buf: bytes) -> int:
     return at + 2 if at >= 0 else -1
 
 
-def _broken(exc: BaseException, flight: Flight) -> str:
+def _broke(
+    engines: Engines, exc: BaseException, flight: Flight, target: Target, role: str, leg: Leg | None
+) -> Break:
+    """The Break for a read that failed (or was moved off its instance), counted and traced."""
     if isinstance(exc, Moved) or flight.reason is not None:
-        return flight.reason or "left"
-    return "timeout" if isinstance(exc, UpstreamTimeout) else "disconnect"
+        kind = flight.reason or "left"
+    else:
+        kind = "timeout" if isinstance(exc, UpstreamTimeout) else "disconnect"
+    engines.metrics.upstream_error(role, "timeout" if kind == "timeout" else "disconnect")
+    if leg is not None:
+        leg.failed(kind, str(exc))
+    return Break(kind, target, f"the {role} engine {kind}: {exc}")
 
 
 async def stream(
@@ -81,11 +89,7 @@ async def stream(
                 if data:
                     await _write(out, carry, data, reply, metrics, loop.time(), t0)
     except (Disconnected, UpstreamTimeout, Moved) as exc:
-        kind = _broken(exc, flight)
-        metrics.upstream_error(role, "timeout" if kind == "timeout" else "disconnect")
-        if leg is not None:
-            leg.failed(kind, str(exc))
-        raise Break(kind, target, f"the {role} engine {kind}: {exc}") from None
+        raise _broke(engines, exc, flight, target, role, leg) from None
     if pending.strip():
         data = carry.feed(pending)  # a last event without its blank line
         if data:
@@ -151,11 +155,7 @@ async def whole(
             raise Moved(flight.reason)
         data = await resp.read(loop.time() + idle)
     except (Disconnected, UpstreamTimeout, Moved) as exc:
-        kind = _broken(exc, flight)
-        engines.metrics.upstream_error(role, "timeout" if kind == "timeout" else "disconnect")
-        if leg is not None:
-            leg.failed(kind, str(exc))
-        raise Break(kind, target, f"the {role} engine {kind}: {exc}") from None
+        raise _broke(engines, exc, flight, target, role, leg) from None
     if resp.status >= 500:
         engines.metrics.upstream_error(role, "status")
         raise Break("status", target, f"the {role} engine answered {resp.status}")
