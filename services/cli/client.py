@@ -17,6 +17,19 @@ from motor_mesh.common.config import read_key_file
 from motor_mesh.common.leader_target import NOT_LEADER, ControllerTarget
 
 
+def instance_id(text: str) -> int:
+    """An argparse type: an instance id, decimal or 0x hex, 1..2^64-1."""
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an instance id (decimal or 0x hex), got {text!r}"
+        ) from None
+    if not 0 < value < 2**64:
+        raise argparse.ArgumentTypeError(f"instance id must be 1..2^64-1, got {text!r}")
+    return value
+
+
 def addresses(text: str) -> list[str]:
     """``H:P[,H:P...]``: the addresses of a comma-separated list, each once, in order."""
     found = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))

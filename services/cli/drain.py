@@ -53,18 +53,6 @@ class Failed(Exception):
     """The one line to print on stderr (exit 1)."""
 
 
-def _id(text: str) -> int:
-    try:
-        value = int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an instance id (decimal or 0x hex), got {text!r}"
-        ) from None
-    if not 0 < value < 2**64:
-        raise argparse.ArgumentTypeError(f"instance id must be 1..2^64-1, got {text!r}")
-    return value
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -84,7 +72,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         epilog="Exit codes: 0 drained (with --no-wait: the drain started), 1 a call failed or "
         "--max-wait passed, 2 bad usage.",
     )
-    p.add_argument("ids", nargs="*", type=_id, metavar="ID", help="instance ids (decimal or 0x hex)")
+    p.add_argument(
+        "ids", nargs="*", type=client.instance_id, metavar="ID", help="instance ids (decimal or 0x hex)"
+    )
     # Every Coordinator routes, so every one must drain.
     p.add_argument(
         "--coordinator",

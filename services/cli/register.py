@@ -58,18 +58,6 @@ def _instance_arg(role: str) -> Callable[[str], sa.InstanceSpec]:
     return parse
 
 
-def _id_arg(text: str) -> int:
-    try:
-        value = int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an instance id (decimal or 0x hex), got {text!r}"
-        ) from None
-    if not 0 < value < 2**64:
-        raise argparse.ArgumentTypeError(f"instance id must be 1..2^64-1, got {text!r}")
-    return value
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -103,7 +91,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
             dest="ids",
             action="append",
             default=[],
-            type=_id_arg,
+            type=client.instance_id,
             metavar="N",
             help="del: an instance to remove (repeatable); add/set: the id of the one instance "
             "given, instead of the one derived from its role and endpoints",
