@@ -111,7 +111,10 @@ class Carry:
         if self.size > self.budget.per_request:
             self._forget("state_bytes")
             return
-        step = max(STEP, self.size - self.held)
+        # A step at a time (one check per step, not per token), smaller near a bound that has
+        # little room left: one request must not take what several small ones would fit in.
+        room = self.budget.total - self.budget.used
+        step = max(self.size - self.held, min(STEP, room // 16))
         if not self.budget.take(step):
             self._forget("state_total_bytes")
             return

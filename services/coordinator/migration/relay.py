@@ -50,7 +50,15 @@ def _broke(
     engines.metrics.upstream_error(role, "timeout" if kind == "timeout" else "disconnect")
     if leg is not None:
         leg.failed(kind, str(exc))
-    return Break(kind, target, f"the {role} engine {kind}: {exc}")
+    return Break(kind, target, f"the {role} engine {_WHAT[kind]}: {exc}")
+
+
+_WHAT = {
+    "disconnect": "dropped the connection",
+    "timeout": "went quiet",
+    "drain": "was drained",
+    "left": "left the routing table",
+}
 
 
 async def stream(

@@ -286,12 +286,24 @@ async def test_past_the_state_bound_a_request_does_not_continue(
     http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # The whole bound is less than one request's prompt: nothing can be kept.
+    # The whole bound is less than this request's prompt: nothing of it can be kept.
     coord, e = await _cluster(start_coordinator, spawn_engines, max_migration_state_total_bytes=1024)
-    status, data, _ = await _killed_mid_answer(coord, e, http, CHAT, _body(CHAT, stream=True))
+    long = [{"role": "user", "content": "a long question " * 100}]
+    status, data, _ = await _killed_mid_answer(coord, e, http, CHAT, _body(CHAT, stream=True, messages=long))
     assert status == 200 and _events(data)[-1]["error"]["code"] == "upstream_disconnected"
     (line,) = _logged(caplog, "migration_refused")
     assert line["why"] == "state_total_bytes"
+
+
+async def test_a_small_state_bound_still_lets_small_requests_continue(
+    start_coordinator: StartCoordinator, spawn_engines: SpawnEngines, http: aiohttp.ClientSession
+) -> None:
+    coord, e = await _cluster(start_coordinator, spawn_engines, max_migration_state_total_bytes=4096)
+    body = _body(CHAT, stream=True)
+    _, ref = await _post(coord, CHAT, body)
+    status, data, _ = await _killed_mid_answer(coord, e, http, CHAT, body)
+    assert status == 200 and _text(CHAT, _events(data)) == _text(CHAT, _events(ref))
+    assert (await _migrations(http, coord)) == {("disconnect", "continued"): 1}
 
 
 async def test_a_request_continues_at_most_migration_limit_times(
