@@ -25,6 +25,13 @@ detection minus the engine's start. Target: a hang costs at most `engine_hang_ti
 more than a crash once detected (its after-detection time, worst round, against the crash's
 median); detection itself is the probes' settings, reported as measured.
 
+Then streams (bench/loadgen/stream_failover.py): `motor up --prefill 2 --decode 2`, 200 clients
+streaming greedy 256-token chat completions and one sending non-streamed requests while a decode
+engine is SIGKILLed every 10 s for 2 minutes, once with continuation on another instance
+(`coordinator.migration_limit`) off and once on: streams lost per kill, the share completed and
+equal token for token to a fault-free run, non-streamed failures, and the token gap a client
+sees across a continuation.
+
 Then the Controller (bench/loadgen/controller_failover.py): `motor up --ha` (etcd and two
 Controllers), 10 SIGKILLs of the leader, timing the new leader and the NodeManagers' re-attach.
 It needs etcd; without it the report says so and the rest runs.
@@ -33,8 +40,8 @@ Last, real engines (bench/loadgen/real_failover.py): vLLM's CPU build serving a 
 decode engine SIGKILLed 3 times, detection and the relaunch's overhead over the engine's own
 start. It needs `make real-engines`; without it the report says so.
 
-    python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,hang,controller,real]
-                                   [--out DIR]
+    python -m bench.bench_failover [--rounds 10] [--only engine,nodemanager,hang,streams,controller,real]
+                                   [--stream-duration 120] [--out DIR]
     python -m bench failover   # everything, into bench/results
 """
 
@@ -57,7 +64,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.loadgen import controller_failover, real_failover
+from bench.loadgen import controller_failover, real_failover, stream_failover
 from bench.loadgen.failover_load import Load, process_age_s
 from bench.loadgen.harness import machine, publish
 from bench.loadgen.up import CONTROLLER, NM, Up
@@ -72,7 +79,8 @@ KINDS = ("engine", "nodemanager")  # the instance faults; "controller" is the th
 # Hung engines, beside engine SIGKILLs on the same cluster: its process group stopped, and the
 # simulated engine's `hang` fault (a wedged scheduler the inference probe finds).
 HANG_KINDS = ("engine", "sigstop", "sim_hang")
-PARTS = (*KINDS, "hang", "controller", "real")  # real: real vLLM engines (make real-engines)
+# streams: streamed answers through decode engine kills, continuation off and on.
+PARTS = (*KINDS, "hang", "streams", "controller", "real")  # real: real vLLM engines (make real-engines)
 REAL_ROUNDS = 3  # each waits for a real engine to load: tens of seconds
 HANG_ROUNDS = 5  # each waits out the hang timeout, the sim hang its detection (30 s) too
 HANG_TIMEOUT_S = DEFAULTS["nodemanager"]["engine_hang_timeout_s"]
@@ -192,7 +200,7 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
     # each round measures the failover, not the backoff.
     nm_pid = c.nodemanager_pid(nm_index)
     time.sleep(max(0.0, HEALTHY_RUN_S + 1 - process_age_s(nm_pid)))
-    failed_before = load.failed
+    failed_before, errors_before = load.failed, len(load.errors)
     start = time.perf_counter()
     inject(kind, victim, nm_pid)
     detect = serving = 0.0
@@ -211,6 +219,8 @@ def one_round(c: Cluster, load: Load, kind: str, target: int) -> Round:
             raise RuntimeError(f"{kind} round did not recover in 120 s: {states}")
         time.sleep(0.01)
     result = Round(kind, detect, serving, load.failed - failed_before)
+    for error in load.errors[errors_before:]:
+        print(f"  {kind} round: a request failed: {error}", file=sys.stderr)
     print(
         f"{kind} round: detect {detect:.3f}s serving {serving:.2f}s failed {result.failed}", file=sys.stderr
     )
@@ -314,6 +324,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         metavar="PARTS",
         help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
     )
+    p.add_argument(
+        "--stream-duration",
+        type=float,
+        default=stream_failover.DURATION_S,
+        metavar="S",
+        help="seconds of decode engine kills (one every 10 s) in each mode of the streams part",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR", help=f"where {REPORT} goes")
     args = p.parse_args(argv)
     asked = {part.strip() for part in args.only.split(",") if part.strip()}
@@ -382,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         hung = run_mode(True, hang_rounds, HANG_KINDS, {"engine_probe_inference": True})
         lines += hang_section(hung, engine_s)
+    if "streams" in args.only:
+        lines += stream_failover.section(
+            stream_failover.run(args.stream_duration), duration_s=args.stream_duration
+        )
     if "controller" in args.only:
         ran = controller_failover.run(args.rounds) if controller_failover.available() else None
         lines += controller_failover.section(ran)

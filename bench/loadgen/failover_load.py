@@ -18,11 +18,12 @@ from openai.types.chat import ChatCompletionMessageParam
 
 @dataclass
 class Load:
-    """One client, one request at a time, counting failures."""
+    """One client, one request at a time, counting failures (``errors``: what each said)."""
 
     url: str
     ok: int = 0
     failed: int = 0
+    errors: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -32,8 +33,9 @@ class Load:
             try:
                 client.chat.completions.create(model="motor-sim", messages=messages, max_tokens=4)
                 self.ok += 1
-            except Exception:
+            except Exception as exc:
                 self.failed += 1
+                self.errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
                 time.sleep(0.01)
 
 
