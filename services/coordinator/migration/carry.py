@@ -18,17 +18,23 @@ new leg's role event is dropped, and ``usage`` counts the prompt once and the wh
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from motor_mesh.coordinator.bodies import KV, _dumps, loads
 from motor_mesh.coordinator.migration.budget import STEP, StateBudget
 from motor_mesh.coordinator.migration.refusal import refusal, single_prompt
+from motor_mesh.coordinator.migration.sse import events_of
 
 DONE = b"[DONE]"
-_IDS = b'"token_ids":['
 _PROMPT_IDS = b'"prompt_token_ids"'
-_NO_FINISH = b'"finish_reason":null'
 _TOOLS = b'"tool_calls"'
+_DONE_EVENT = b"data: [DONE]"
+# A key and its value found in the bytes of JSON: inside a string every quote is escaped, so
+# these can only match the keys themselves.
+_IDS_CUT = re.compile(rb',"token_ids":\[([0-9, ]*)\]')
+_NO_FINISH = b'"finish_reason":null'
+_FINISH_KEY = b'"finish_reason":"'
 ID_BYTES = 8  # what one kept token id is counted as
 
 
@@ -48,7 +54,8 @@ class Carry:
         "gap_from",
         "held",
         "id",
-        "ids",
+        "id_parts",
+        "ids_ok",
         "last",
         "model",
         "moves",
@@ -78,7 +85,10 @@ class Carry:
         # Why the request cannot continue once output was delivered; None: it can.
         self.refused: str | None = refusal(req, chat)
         self.prompt_ids: list[int] | None = None
-        self.ids: list[int] | None = []  # output ids delivered; None once an event lacked them
+        # Output ids delivered, as the engine wrote them ("12,34" per part: parsed only if the
+        # request continues); ids_ok false once an event came without them.
+        self.id_parts: list[bytes] = []
+        self.ids_ok = True
         self.text: list[str] = []  # output text delivered
         self.text_ok = True  # the text is the whole output (no reasoning or tool-call deltas)
         self.count = 0  # output tokens delivered (by ids; else one per event with text)
@@ -124,7 +134,8 @@ class Carry:
         """Past a bound: keep nothing more, and never continue."""
         self.refused = why
         self.text = []
-        self.ids = None
+        self.id_parts = []
+        self.ids_ok = False
         self.prompt_ids = None
         self.release()
 
@@ -143,10 +154,6 @@ class Carry:
     def feed(self, event: bytes) -> bytes | None:
         """One complete SSE event from the engine: what to send the client (None: nothing).
         An error event is kept in ``error`` and not sent: the caller decides."""
-        if not self.moves and not self.client_ids:
-            fast = self._feed_ids(event)
-            if fast is not None:
-                return fast
         if not event.startswith(b"data:"):
             return event  # a comment or another field: as it came
         payload = event[5:].strip()
@@ -194,33 +201,74 @@ class Carry:
             return event
         return b"data: " + _dumps(obj) + b"\n\n"
 
-    def _feed_ids(self, event: bytes) -> bytes | None:
-        """The common event of a first leg, read and cut as bytes: output token ids and no
-        finish yet, nothing else to keep or change. The ids are kept, removed from the bytes,
-        and the event goes on; None for any other event (the parsing path reads it).
+    def feed_block(self, block: bytes) -> bytes:
+        """Complete SSE events (each with its blank line) as they arrived together: what to
+        send the client. An error event stops the block (what came before it is returned) and
+        is kept in ``error``.
 
-        Most of a stream's events are this one, and parsing and dumping each as JSON cost
-        several times what relaying it does."""
-        at = event.find(_IDS)
-        if at < 0 or _NO_FINISH not in event or _PROMPT_IDS in event or _TOOLS in event:
-            return None
-        end = event.find(b"]", at)
-        if end < 0:
-            return None
-        listed = event[at + len(_IDS) : end]
-        try:
-            ids = [int(x) for x in listed.split(b",")] if listed.strip() else []
-        except ValueError:
-            return None
-        if event[at - 1 : at] == b",":
-            cut = event[: at - 1] + event[end + 1 :]
-        elif event[end + 1 : end + 2] == b",":
-            cut = event[:at] + event[end + 2 :]
-        else:
-            return None
-        self.text_ok = False  # the text is not kept on this path: the ids carry the output
-        self._took("", ids)
-        return cut
+        A first leg's events are read as bytes, the block at once: the output ids collected and
+        cut out, the finish and the end looked for, and nothing parsed. Parsing and dumping each
+        event as JSON cost more than relaying it; only the first event (the answer's id and the
+        prompt's ids), a continuation's, and anything unusual (an error, a tool call, a client
+        that asked for the ids itself) take the parsing way."""
+        if self.moves or self.client_ids or not self.want_ids or self.id is None:
+            if self.id is None and not self.moves:
+                return self._first(block)
+            return self._each(block)  # a continuation, ids the client wants, or text to keep
+        # Most blocks are only output: each of their events says "finish_reason":null (an
+        # error, the end, a usage-only event and a finish do not), so two counts tell. Anything
+        # else is looked at key by key.
+        marked = block.count(_NO_FINISH) != block.count(b"\n\n")
+        if (marked and (b"\r" in block or b'"error"' in block or _PROMPT_IDS in block)) or (
+            self.chat and _TOOLS in block
+        ):
+            return self._each(block)
+        parts = _IDS_CUT.split(block)  # the text between the ids, and the ids (odd items)
+        found = parts[1::2]
+        if len(found) != block.count(b'"finish_reason":'):
+            return self._each(block)  # a choice without its ids: its text must be kept
+        if found:
+            joined = b",".join(found)
+            self.count += joined.count(b",") + 1 - found.count(b"")
+            if self.ids_ok and self.refused is None:
+                self.id_parts.append(joined)
+                self.size += len(joined)
+                if self.size > self.held:
+                    self._grow(0)
+            block = b"".join(parts[::2])
+        self.text_ok = False  # the text is not kept this way: the ids carry the output
+        if marked:
+            at = block.find(_FINISH_KEY)  # the one choice's finish (a string: not null)
+            if at >= 0:
+                at += len(_FINISH_KEY)
+                self.finish = block[at : block.find(b'"', at)].decode("utf-8", "replace")
+            if block.startswith(_DONE_EVENT) or b"\n\n" + _DONE_EVENT in block:
+                self.done = True
+            if b'"choices":[]' in block and b'"usage":{' in block:
+                self.usage_sent = True
+        return block
+
+    def _first(self, block: bytes) -> bytes:
+        """A first leg's first event (its answer's id, the prompt's ids) the parsing way, the
+        rest of the block as :meth:`feed_block` reads it."""
+        cut = block.find(b"\n\n") + 2
+        if not cut:  # \r\n line ends
+            return self._each(block)
+        head = self.feed(block[:cut]) or b""
+        if self.error is not None or cut >= len(block) or self.id is None:
+            return head + (b"" if self.error is not None or cut >= len(block) else self._each(block[cut:]))
+        return head + self.feed_block(block[cut:])
+
+    def _each(self, block: bytes) -> bytes:
+        """``block`` one event at a time, the parsing way."""
+        sent = []
+        for event in events_of(block)[0]:
+            data = self.feed(event)
+            if self.error is not None:
+                break
+            if data:
+                sent.append(data)
+        return b"".join(sent)
 
     def _prompt(self, holder: dict[str, Any], pids: Any, later: bool) -> None:
         if not later and isinstance(pids, list):
@@ -266,12 +314,13 @@ class Carry:
         if isinstance(ids, list):  # empty with text: bytes the detokenizer had held back
             if ids:
                 self.count += len(ids)
-                if self.ids is not None and self.keeping:
-                    self.ids.extend(ids)
-                    self._grow(ID_BYTES * len(ids))
+                if self.ids_ok and self.keeping:
+                    part = b",".join(b"%d" % i for i in ids if isinstance(i, int))
+                    self.id_parts.append(part)
+                    self._grow(len(part))
         elif text:
             self.count += 1  # an engine that gives no ids streams about a token per event
-            self.ids = None
+            self.ids_ok = False
         if text and self.keeping:
             self.text.append(text)
             self._grow(len(text))
@@ -303,9 +352,13 @@ class Carry:
             return None if self.refused in (None, "tool_call_streamed") else _bound(self.refused)
         if self.refused is not None:
             return self.refused
-        if not (self.ids is not None and self.prompt_ids is not None) and not self._text_continues():
+        if not (self.ids_ok and self.prompt_ids is not None) and not self._text_continues():
             return "no_token_ids"
         return None
+
+    def output_ids(self) -> list[int]:
+        """The output token ids delivered, parsed from what was kept."""
+        return [int(x) for x in b",".join(self.id_parts).split(b",") if x.strip()]
 
     def _text_continues(self) -> bool:
         if not self.text_ok:
@@ -324,8 +377,8 @@ class Carry:
         self.before = n
         if not n:
             return req
-        if self.ids is not None and self.prompt_ids is not None:
-            context = self.prompt_ids + self.ids
+        if self.ids_ok and self.prompt_ids is not None:
+            context = self.prompt_ids + self.output_ids()
             if self.chat:
                 req[KV] = {"prompt_token_ids": context}
             else:

@@ -12,6 +12,7 @@ from motor_mesh.common.httpmessages import Headers, Responder
 from motor_mesh.coordinator.bodies import _dumps
 from motor_mesh.coordinator.migration.carry import Carry
 from motor_mesh.coordinator.migration.flight import Flight, Moved
+from motor_mesh.coordinator.migration.sse import complete_end
 from motor_mesh.coordinator.upstream import SSE_CT, SSE_HEADERS, Answer, Engines, _ctype
 
 if TYPE_CHECKING:
@@ -28,15 +29,6 @@ class Break(Exception):
         super().__init__(detail)
         self.reason = reason
         self.target = target
-
-
-def _cut(buf: bytes) -> int:
-    """Where the first complete event of ``buf`` ends (after its blank line); -1 when none."""
-    at = buf.find(b"\n\n")
-    crlf = buf.find(b"\r\n\r\n")
-    if crlf >= 0 and (at < 0 or crlf < at):
-        return crlf + 4
-    return at + 2 if at >= 0 else -1
 
 
 def _broke(
@@ -88,20 +80,24 @@ async def stream(
             if chunk is None:
                 break
             pending = pending + chunk if pending else chunk
-            while (cut := _cut(pending)) >= 0:
-                event, pending = pending[:cut], pending[cut:]
-                data = carry.feed(event)
-                if carry.error is not None:
-                    await _engine_error(out, carry, target, role, leg, reply)
-                    return
-                if data:
-                    await _write(out, carry, data, reply, metrics, loop.time(), t0)
+            end = complete_end(pending)
+            if not end:
+                continue
+            block, pending = (pending, b"") if end == len(pending) else (pending[:end], pending[end:])
+            # What the engine sent at once goes to the client at once: one write, not one per
+            # event (a socket send each would cost more than everything else together).
+            data = carry.feed_block(block)
+            if data:
+                await _write(out, carry, data, reply, metrics, loop.time(), t0)
+            if carry.error is not None:
+                await _engine_error(out, carry, target, role, leg, reply)
+                return
     except (Disconnected, UpstreamTimeout, Moved) as exc:
         raise _broke(engines, exc, flight, target, role, leg) from None
     if pending.strip():
-        data = carry.feed(pending)  # a last event without its blank line
-        if data:
-            await _write(out, carry, data, reply, metrics, loop.time(), t0)
+        last = carry.feed(pending)  # a last event without its blank line
+        if last:
+            await _write(out, carry, last, reply, metrics, loop.time(), t0)
     if not carry.over:
         if leg is not None:
             leg.failed("closed", "the stream ended before its last event")
