@@ -82,8 +82,9 @@ class Carry:
         self.budget = budget
         self.want_ids = want_ids  # the engines are asked for token ids
         self.client_ids = bool(req.get("return_token_ids"))  # ... and the client wants them too
-        # Why the request cannot continue once output was delivered; None: it can.
-        self.refused: str | None = refusal(req, chat)
+        # Why the request cannot continue once output was delivered; None: it can. A
+        # non-streamed answer delivers nothing before its end: it always can.
+        self.refused: str | None = refusal(req, chat) if self.stream else None
         self.prompt_ids: list[int] | None = None
         # Output ids delivered, as the engine wrote them ("12,34" per part: parsed only if the
         # request continues); ids_ok false once an event came without them.
