@@ -48,29 +48,25 @@ start. It needs `make real-engines`; without it the report says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from bench.loadgen import controller_failover, real_failover, stream_failover
-from bench.loadgen.failover_load import Load, process_age_s
+from bench.loadgen.failover_load import Load, UpCluster, process_age_s
 from bench.loadgen.harness import machine, publish
-from bench.loadgen.up import CONTROLLER, NM, Up
+from bench.loadgen.up import NM
 from motor_mesh.cli.up import HEALTHY_RUN_S
 from motor_mesh.common.config import DEFAULTS
-from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from motor_mesh.gen.motor.v1 import common_pb2
 from tools import real_engines
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,40 +131,18 @@ def engine_start_s(runs: int = 5) -> float:
     return statistics.median(times)
 
 
-class Cluster:
-    """``nodemanager``: settings of that section (the defaults otherwise)."""
+class Cluster(UpCluster):
+    """``motor up --prefill 1 --decode 2``; ``nodemanager``: settings of that section (the
+    defaults otherwise)."""
 
     def __init__(self, relaunch: bool, nodemanager: dict[str, object] | None = None) -> None:
-        self.tmp = tempfile.TemporaryDirectory()
-        cfg = Path(self.tmp.name) / "cfg.json"
         config = {"controller": {"enable_engine_relaunch": relaunch}, "nodemanager": nodemanager or {}}
-        cfg.write_text(json.dumps(config))
-        self.up = Up(["--prefill", "1", "--decode", "2", "--config", str(cfg)], Path(self.tmp.name))
-        self.channel = grpc.insecure_channel(self.up.addr(CONTROLLER))
-        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
-        self.url = self.up.url
-
-    def instances(self) -> list[common_pb2.Instance]:
-        return list(self.stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances)
-
-    def all_active(self, timeout: float = 120) -> list[common_pb2.Instance]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            live = self.instances()
-            if len(live) == 3 and all(i.status == ACTIVE for i in live):
-                return live
-            time.sleep(0.05)
-        raise RuntimeError("the cluster did not come back to three ACTIVE instances")
+        super().__init__(["--prefill", "1", "--decode", "2"], config, 3)
 
     def nodemanager_pid(self, index: int) -> int:
         """NodeManager ``index`` (motor up numbers them prefill, decode, decode)."""
         [pid] = self.up.children("nodemanager", str(NM + index + self.up.offset))
         return pid
-
-    def close(self) -> None:
-        self.channel.close()
-        self.up.stop()
-        self.tmp.cleanup()
 
 
 def inject(kind: str, victim: common_pb2.Instance, nm_pid: int) -> None:

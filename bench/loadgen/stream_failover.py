@@ -36,28 +36,23 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import os
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
-import grpc
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.loadgen.failover_load import Load
+from bench.loadgen.failover_load import Load, UpCluster
 from bench.loadgen.harness import percentile
-from bench.loadgen.up import CONTROLLER, Up
 from motor_mesh.common.config import DEFAULTS
-from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from motor_mesh.gen.motor.v1 import common_pb2
 
 TITLE = "Simulated engines: streams through decode engine SIGKILLs (motor up --prefill 2 --decode 2)"
 CLIENTS = 200
@@ -240,32 +235,16 @@ class Mode:
         return per
 
 
-class Cluster:
+class Cluster(UpCluster):
+    """``motor up --prefill 2 --decode 2``, relaunch on, continuation at ``limit``."""
+
     def __init__(self, limit: int, tpot_ms: float) -> None:
-        self.tmp = tempfile.TemporaryDirectory()
-        cfg = Path(self.tmp.name) / "cfg.json"
         config = {
             "controller": {"enable_engine_relaunch": True},
             "coordinator": {"migration_limit": limit},
             "engine": {"args": {"tpot_ms": tpot_ms}},
         }
-        cfg.write_text(json.dumps(config))
-        self.up = Up(["--prefill", "2", "--decode", "2", "--config", str(cfg)], Path(self.tmp.name))
-        self.channel = grpc.insecure_channel(self.up.addr(CONTROLLER))
-        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
-        self.url = self.up.url
-
-    def instances(self) -> list[common_pb2.Instance]:
-        return list(self.stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances)
-
-    def all_active(self, timeout: float = 120) -> list[common_pb2.Instance]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            live = self.instances()
-            if len(live) == 4 and all(i.status == ACTIVE and i.endpoints[0].pid for i in live):
-                return live
-            time.sleep(0.05)
-        raise RuntimeError("the cluster did not come back to four ACTIVE instances")
+        super().__init__(["--prefill", "2", "--decode", "2"], config, 4)
 
     def decode(self, index: int, timeout: float = 60) -> common_pb2.Instance:
         """Decode instance ``index`` (by job name) once it is ACTIVE with an engine."""
@@ -276,11 +255,6 @@ class Cluster:
                 return decodes[index]
             time.sleep(0.05)
         raise RuntimeError(f"decode instance {index} not back within {timeout:g} s")
-
-    def close(self) -> None:
-        self.channel.close()
-        self.up.stop()
-        self.tmp.cleanup()
 
 
 async def _run(c: Cluster, mode: Mode, duration_s: float, kill_every_s: float) -> None:
