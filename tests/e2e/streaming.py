@@ -248,6 +248,13 @@ class Probe:
         assert m is not None, "no vllm:num_requests_running"
         return float(m.group(1))
 
+    def generated(self, port: int) -> float:
+        """Output tokens the engine on ``port`` has sent (its ``vllm:generation_tokens_total``)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        m = re.search(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+        assert m is not None, "no vllm:generation_tokens_total"
+        return float(m.group(1))
+
     def wait_running(self, port: int, n: int) -> None:
         """Until the engine on ``port`` serves at least ``n`` requests."""
         wait_until(lambda: self.running(port) >= n, 30, f"{n} requests on the engine on {port}", every=0.05)

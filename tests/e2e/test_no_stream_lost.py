@@ -12,7 +12,6 @@ requests come and go."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -69,7 +68,14 @@ def test_streams_survive_decode_engine_kills_token_for_token(tmp_path: Path) -> 
                 victim = probe.decodes()[victim_index]
                 port = int(victim["endpoints"][0]["port"])
                 probe.wait_running(port, 3)
-                time.sleep(0.3)  # some tokens delivered
+                sent = probe.generated(port)
+                # Some tokens of this wave delivered, so the kill cuts answers in the middle.
+                wait_until(
+                    lambda port=port, sent=sent: probe.generated(port) >= sent + 10,
+                    30,
+                    "tokens streamed",
+                    every=0.05,
+                )
                 old_pid = kill_engine(victim)
                 probe.wait_back(victim["id"], old_pid)
             got = streams.results()

@@ -14,6 +14,7 @@ import pytest
 
 from motor_mesh.common import errors
 from motor_mesh.nodemanager import app
+from tests.poll import until
 
 
 class Link:
@@ -65,7 +66,7 @@ async def test_stdin_closing_ends_the_wait(caplog) -> None:
     link, sup = Link(), Sup()
     stop, done, received = events()
     waiting = asyncio.create_task(app.drain_first(link, sup, stop, done, received, 45))  # type: ignore[arg-type]
-    await asyncio.sleep(0.05)
+    await until(lambda: link.asked)  # the Controller was asked to terminate the instance
     assert not waiting.done()
     stop.set()
     await asyncio.wait_for(waiting, 10)
@@ -76,9 +77,11 @@ async def test_a_stop_that_arrived_is_waited_for_past_the_bound(caplog) -> None:
     link, sup = Link(), Sup()
     stop, done, received = events()
     waiting = asyncio.create_task(app.drain_first(link, sup, stop, done, received, 0.1))  # type: ignore[arg-type]
-    await asyncio.sleep(0.02)
+    await until(lambda: link.asked)
     received.set()  # the Controller's Stop: it stops the engines, then asks for the exit
-    await asyncio.sleep(0.3)
+    # Well past the 0.1 s bound, the wait goes on until the Stop is carried out.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(waiting), 0.3)
     assert not waiting.done()
     done.set()
     await asyncio.wait_for(waiting, 10)
