@@ -46,9 +46,10 @@ CONTRACT_KEYS = {
         controller_key_file precision_check_enabled precision_interval_s precision_logprobs
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s migration_limit migration_delay_s
-        max_migration_state_bytes max_migration_state_total_bytes drain_grace_s""",
+        max_migration_state_bytes max_migration_state_total_bytes drain_grace_s
+        engine_metrics_interval_s engine_metrics_stale_s""",
     "nodemanager": """port controller controller_key_file job_name role model served_model_name
-        engine_type sim_protocol ports device_count device_env cpu_cores ucx_port_range node_rank parallel state_dir
+        engine_type sim_protocol ports device_count device_env cpu_cores ucx_port_range pod_index node_rank parallel state_dir
         status_poll_interval_s status_probe_timeout_s max_probe_failures engine_startup_timeout_s
         engine_hang_timeout_s engine_probe_inference probe_inference_interval_s probe_inference_failures
         engine_stop_grace_s drain_wait_s suicide_check_interval_s suicide_threshold

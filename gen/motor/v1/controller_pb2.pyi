@@ -898,3 +898,118 @@ class ReportFaultsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportFaultsResponse: _TypeAlias = ReportFaultsResponse  # noqa: Y015
+
+@_typing.final
+class DesiredInstances(_message.Message):
+    """How many instances of one role the cluster should have."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    role: _common_pb2.Role.ValueType
+    """PREFILL, DECODE or UNION."""
+    replicas: _builtins.int
+    """Instance count (not pods or NodeManagers: a multi-node instance counts once)."""
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was last set."""
+
+    def __init__(
+        self,
+        *,
+        role: _common_pb2.Role.ValueType = ...,
+        replicas: _builtins.int = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "role", b"role", "update_time", b"update_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DesiredInstances: _TypeAlias = DesiredInstances  # noqa: Y015
+
+@_typing.final
+class SetDesiredInstancesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    role: _common_pb2.Role.ValueType
+    """Required: PREFILL, DECODE or UNION."""
+    replicas: _builtins.int
+    """0 .. 1024."""
+    def __init__(
+        self,
+        *,
+        role: _common_pb2.Role.ValueType = ...,
+        replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDesiredInstancesRequest: _TypeAlias = SetDesiredInstancesRequest  # noqa: Y015
+
+@_typing.final
+class SetDesiredInstancesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DESIRED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def desired(self) -> Global___DesiredInstances:
+        """What is now stored."""
+
+    def __init__(
+        self,
+        *,
+        desired: Global___DesiredInstances | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["desired", b"desired"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired", b"desired"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDesiredInstancesResponse: _TypeAlias = SetDesiredInstancesResponse  # noqa: Y015
+
+@_typing.final
+class ListDesiredInstancesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDesiredInstancesRequest: _TypeAlias = ListDesiredInstancesRequest  # noqa: Y015
+
+@_typing.final
+class ListDesiredInstancesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DESIRED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def desired(self) -> _containers.RepeatedCompositeFieldContainer[Global___DesiredInstances]:
+        """One per role with a recorded count, sorted by role."""
+
+    def __init__(
+        self,
+        *,
+        desired: _abc.Iterable[Global___DesiredInstances] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired", b"desired"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDesiredInstancesResponse: _TypeAlias = ListDesiredInstancesResponse  # noqa: Y015

@@ -87,6 +87,16 @@ class ControllerStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.FromString,
                 _registered_method=True)
+        self.SetDesiredInstances = channel.unary_unary(
+                '/motor.v1.Controller/SetDesiredInstances',
+                request_serializer=motor_dot_v1_dot_controller__pb2.SetDesiredInstancesRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.SetDesiredInstancesResponse.FromString,
+                _registered_method=True)
+        self.ListDesiredInstances = channel.unary_unary(
+                '/motor.v1.Controller/ListDesiredInstances',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -247,6 +257,26 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDesiredInstances(self, request, context):
+        """Records how many instances of a role the cluster should have. The Controller stores it
+        (it survives a restart and a change of leader) and exports it as
+        motor_desired_instances{role}; what runs the processes acts on it: `motor up` while it runs
+        starts or drains and stops whole instances, and in Kubernetes an HPA or KEDA scales the
+        role's StatefulSet to follow it. The Controller itself launches nothing. INVALID_ARGUMENT
+        (BadRequest) for ROLE_UNSPECIFIED or an unknown role, or replicas above 1024. UNAVAILABLE
+        (ErrorInfo reason STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDesiredInstances(self, request, context):
+        """The desired instance counts recorded so far, one per role that has one, sorted by role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +324,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ReportFaults,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.SerializeToString,
+            ),
+            'SetDesiredInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDesiredInstances,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.SetDesiredInstancesRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.SetDesiredInstancesResponse.SerializeToString,
+            ),
+            'ListDesiredInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDesiredInstances,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -547,6 +587,60 @@ class Controller:
             '/motor.v1.Controller/ReportFaults',
             motor_dot_v1_dot_controller__pb2.ReportFaultsRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.ReportFaultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDesiredInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Controller/SetDesiredInstances',
+            motor_dot_v1_dot_controller__pb2.SetDesiredInstancesRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.SetDesiredInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDesiredInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Controller/ListDesiredInstances',
+            motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -152,6 +152,17 @@ class ControllerStub:
     NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
     has no level.
     """
+    SetDesiredInstances: _grpc.UnaryUnaryMultiCallable[_controller_pb2.SetDesiredInstancesRequest, _controller_pb2.SetDesiredInstancesResponse]
+    """Records how many instances of a role the cluster should have. The Controller stores it
+    (it survives a restart and a change of leader) and exports it as
+    motor_desired_instances{role}; what runs the processes acts on it: `motor up` while it runs
+    starts or drains and stops whole instances, and in Kubernetes an HPA or KEDA scales the
+    role's StatefulSet to follow it. The Controller itself launches nothing. INVALID_ARGUMENT
+    (BadRequest) for ROLE_UNSPECIFIED or an unknown role, or replicas above 1024. UNAVAILABLE
+    (ErrorInfo reason STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+    """
+    ListDesiredInstances: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]
+    """The desired instance counts recorded so far, one per role that has one, sorted by role."""
 
 @_typing.type_check_only
 class ControllerAsyncStub(ControllerStub):
@@ -277,6 +288,17 @@ class ControllerAsyncStub(ControllerStub):
     NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
     has no level.
     """
+    SetDesiredInstances: _aio.UnaryUnaryMultiCallable[_controller_pb2.SetDesiredInstancesRequest, _controller_pb2.SetDesiredInstancesResponse]  # type: ignore[assignment]
+    """Records how many instances of a role the cluster should have. The Controller stores it
+    (it survives a restart and a change of leader) and exports it as
+    motor_desired_instances{role}; what runs the processes acts on it: `motor up` while it runs
+    starts or drains and stops whole instances, and in Kubernetes an HPA or KEDA scales the
+    role's StatefulSet to follow it. The Controller itself launches nothing. INVALID_ARGUMENT
+    (BadRequest) for ROLE_UNSPECIFIED or an unknown role, or replicas above 1024. UNAVAILABLE
+    (ErrorInfo reason STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+    """
+    ListDesiredInstances: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]  # type: ignore[assignment]
+    """The desired instance counts recorded so far, one per role that has one, sorted by role."""
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
     """The cluster Controller: assembles NodeManager registrations into instances, watches
@@ -453,5 +475,28 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         NodeManager no live instance has, INVALID_ARGUMENT for a fault that is not cleared and
         has no level.
         """
+
+    @_abc_1.abstractmethod
+    def SetDesiredInstances(
+        self,
+        request: _controller_pb2.SetDesiredInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.SetDesiredInstancesResponse, _abc.Awaitable[_controller_pb2.SetDesiredInstancesResponse]]:
+        """Records how many instances of a role the cluster should have. The Controller stores it
+        (it survives a restart and a change of leader) and exports it as
+        motor_desired_instances{role}; what runs the processes acts on it: `motor up` while it runs
+        starts or drains and stops whole instances, and in Kubernetes an HPA or KEDA scales the
+        role's StatefulSet to follow it. The Controller itself launches nothing. INVALID_ARGUMENT
+        (BadRequest) for ROLE_UNSPECIFIED or an unknown role, or replicas above 1024. UNAVAILABLE
+        (ErrorInfo reason STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+        """
+
+    @_abc_1.abstractmethod
+    def ListDesiredInstances(
+        self,
+        request: _controller_pb2.ListDesiredInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ListDesiredInstancesResponse, _abc.Awaitable[_controller_pb2.ListDesiredInstancesResponse]]:
+        """The desired instance counts recorded so far, one per role that has one, sorted by role."""
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from motor_mesh.gen.motor.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,72 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _EngineMetricsView:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EngineMetricsViewEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineMetricsView.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENGINE_METRICS_VIEW_UNSPECIFIED: _EngineMetricsView.ValueType  # 0
+    """The same as ENGINE_METRICS_VIEW_FULL."""
+    ENGINE_METRICS_VIEW_FULL: _EngineMetricsView.ValueType  # 1
+    """One series set for the whole cluster (labels: model_name and the engine's own, but not
+    engine).
+    """
+    ENGINE_METRICS_VIEW_INSTANCE: _EngineMetricsView.ValueType  # 2
+    """One per instance (adds instance_id and role)."""
+    ENGINE_METRICS_VIEW_ROLE: _EngineMetricsView.ValueType  # 3
+    """One per role (adds role)."""
+    ENGINE_METRICS_VIEW_DP: _EngineMetricsView.ValueType  # 4
+    """One per engine endpoint (adds instance_id, role, dp_rank and host)."""
+    ENGINE_METRICS_VIEW_NODE: _EngineMetricsView.ValueType  # 5
+    """One per node (adds host)."""
+
+class EngineMetricsView(_EngineMetricsView, metaclass=_EngineMetricsViewEnumTypeWrapper):
+    """How the engines' series are grouped."""
+
+ENGINE_METRICS_VIEW_UNSPECIFIED: EngineMetricsView.ValueType  # 0
+"""The same as ENGINE_METRICS_VIEW_FULL."""
+ENGINE_METRICS_VIEW_FULL: EngineMetricsView.ValueType  # 1
+"""One series set for the whole cluster (labels: model_name and the engine's own, but not
+engine).
+"""
+ENGINE_METRICS_VIEW_INSTANCE: EngineMetricsView.ValueType  # 2
+"""One per instance (adds instance_id and role)."""
+ENGINE_METRICS_VIEW_ROLE: EngineMetricsView.ValueType  # 3
+"""One per role (adds role)."""
+ENGINE_METRICS_VIEW_DP: EngineMetricsView.ValueType  # 4
+"""One per engine endpoint (adds instance_id, role, dp_rank and host)."""
+ENGINE_METRICS_VIEW_NODE: EngineMetricsView.ValueType  # 5
+"""One per node (adds host)."""
+Global___EngineMetricsView: _TypeAlias = EngineMetricsView  # noqa: Y015
+
+class _MetricType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MetricTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MetricType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    METRIC_TYPE_UNSPECIFIED: _MetricType.ValueType  # 0
+    METRIC_TYPE_COUNTER: _MetricType.ValueType  # 1
+    METRIC_TYPE_GAUGE: _MetricType.ValueType  # 2
+    METRIC_TYPE_HISTOGRAM: _MetricType.ValueType  # 3
+    METRIC_TYPE_SUMMARY: _MetricType.ValueType  # 4
+    METRIC_TYPE_UNTYPED: _MetricType.ValueType  # 5
+    """An engine's series without a TYPE line."""
+
+class MetricType(_MetricType, metaclass=_MetricTypeEnumTypeWrapper):
+    """Prometheus' metric types."""
+
+METRIC_TYPE_UNSPECIFIED: MetricType.ValueType  # 0
+METRIC_TYPE_COUNTER: MetricType.ValueType  # 1
+METRIC_TYPE_GAUGE: MetricType.ValueType  # 2
+METRIC_TYPE_HISTOGRAM: MetricType.ValueType  # 3
+METRIC_TYPE_SUMMARY: MetricType.ValueType  # 4
+METRIC_TYPE_UNTYPED: MetricType.ValueType  # 5
+"""An engine's series without a TYPE line."""
+Global___MetricType: _TypeAlias = MetricType  # noqa: Y015
 
 @_typing.final
 class SetInstancesRequest(_message.Message):
@@ -519,3 +586,205 @@ class ClearPrecisionAlarmResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearPrecisionAlarmResponse: _TypeAlias = ClearPrecisionAlarmResponse  # noqa: Y015
+
+@_typing.final
+class GetEngineMetricsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    INCLUDE_COORDINATOR_FIELD_NUMBER: _builtins.int
+    view: Global___EngineMetricsView.ValueType
+    """UNSPECIFIED = FULL."""
+    role: _common_pb2.Role.ValueType
+    """Only the engines of this role; ROLE_UNSPECIFIED = every role."""
+    include_coordinator: _builtins.bool
+    """Also answer this Coordinator's own series (motor_coordinator_*: requests, latencies,
+    migrations), as its /metrics exposes them, in coordinator_families.
+    """
+    def __init__(
+        self,
+        *,
+        view: Global___EngineMetricsView.ValueType = ...,
+        role: _common_pb2.Role.ValueType = ...,
+        include_coordinator: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_coordinator", b"include_coordinator", "role", b"role", "view", b"view"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEngineMetricsRequest: _TypeAlias = GetEngineMetricsRequest  # noqa: Y015
+
+@_typing.final
+class MetricSample(_message.Message):
+    """One sample, as in the text exposition: a counter's name carries _total, a histogram's its
+    _bucket (with le), _count and _sum.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    value: _builtins.float
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        value: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "name", b"name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MetricSample: _TypeAlias = MetricSample  # noqa: Y015
+
+@_typing.final
+class MetricFamily(_message.Message):
+    """One metric family, named as its engines name it (vllm:num_requests_running), or motor:...
+    for the series derived from them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    HELP_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    type: Global___MetricType.ValueType
+    help: _builtins.str
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricSample]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        type: Global___MetricType.ValueType = ...,
+        help: _builtins.str = ...,
+        samples: _abc.Iterable[Global___MetricSample] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["help", b"help", "name", b"name", "samples", b"samples", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MetricFamily: _TypeAlias = MetricFamily  # noqa: Y015
+
+@_typing.final
+class EngineScrape(_message.Message):
+    """What the Coordinator knows of one engine endpoint's scrapes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    DP_RANK_FIELD_NUMBER: _builtins.int
+    LAST_SUCCESS_TIME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    FRESH_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    role: _common_pb2.Role.ValueType
+    host: _builtins.str
+    port: _builtins.int
+    """Its business port, where /metrics is read."""
+    dp_rank: _builtins.int
+    """Its DP rank within the instance."""
+    error: _builtins.str
+    """Why the last scrape failed; "" when it succeeded."""
+    fresh: _builtins.bool
+    """Its values are in the aggregate: the last success is within engine_metrics_stale_s."""
+    @_builtins.property
+    def last_success_time(self) -> _timestamp_pb2.Timestamp:
+        """The last scrape that succeeded; unset = none yet."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.int = ...,
+        role: _common_pb2.Role.ValueType = ...,
+        host: _builtins.str = ...,
+        port: _builtins.int = ...,
+        dp_rank: _builtins.int = ...,
+        last_success_time: _timestamp_pb2.Timestamp | None = ...,
+        error: _builtins.str = ...,
+        fresh: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_success_time", b"last_success_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "error", b"error", "fresh", b"fresh", "host", b"host", "instance_id", b"instance_id", "last_success_time", b"last_success_time", "port", b"port", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineScrape: _TypeAlias = EngineScrape  # noqa: Y015
+
+@_typing.final
+class GetEngineMetricsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAMILIES_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    COLLECT_TIME_FIELD_NUMBER: _builtins.int
+    COORDINATOR_FAMILIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricFamily]:
+        """The aggregated series, sorted by name, and the derived motor:* ones."""
+
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScrape]:
+        """Every endpoint the collector scrapes, sorted by instance_id and dp_rank."""
+
+    @_builtins.property
+    def collect_time(self) -> _timestamp_pb2.Timestamp:
+        """When the last collection round ended; unset before the first."""
+
+    @_builtins.property
+    def coordinator_families(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricFamily]:
+        """This Coordinator's own series, when include_coordinator was set."""
+
+    def __init__(
+        self,
+        *,
+        families: _abc.Iterable[Global___MetricFamily] | None = ...,
+        engines: _abc.Iterable[Global___EngineScrape] | None = ...,
+        collect_time: _timestamp_pb2.Timestamp | None = ...,
+        coordinator_families: _abc.Iterable[Global___MetricFamily] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["collect_time", b"collect_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collect_time", b"collect_time", "coordinator_families", b"coordinator_families", "engines", b"engines", "families", b"families"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEngineMetricsResponse: _TypeAlias = GetEngineMetricsResponse  # noqa: Y015

@@ -90,6 +90,11 @@ class CoordinatorStub:
                 request_serializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.FromString,
                 _registered_method=True)
+        self.GetEngineMetrics = channel.unary_unary(
+                '/motor.v1.Coordinator/GetEngineMetrics',
+                request_serializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -204,6 +209,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineMetrics(self, request, context):
+        """The engines' own Prometheus metrics, aggregated by meaning: every endpoint of the table is
+        scraped every coordinator.engine_metrics_interval_s, and the series are summed, averaged
+        (with a _max beside them) or merged bucket-wise per view (docs/engine-metrics.md). The same
+        data as GET /metrics/engines on the inference port. An engine whose scrapes fail keeps its
+        last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
+        leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
+        FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +264,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DrainInstances,
                     request_deserializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.FromString,
                     response_serializer=motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.SerializeToString,
+            ),
+            'GetEngineMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineMetrics,
+                    request_deserializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +503,33 @@ class Coordinator:
             '/motor.v1.Coordinator/DrainInstances',
             motor_dot_v1_dot_coordinator__pb2.DrainInstancesRequest.SerializeToString,
             motor_dot_v1_dot_coordinator__pb2.DrainInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Coordinator/GetEngineMetrics',
+            motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.SerializeToString,
+            motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,6 +110,15 @@ class CoordinatorStub:
     repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
     not hold.
     """
+    GetEngineMetrics: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetEngineMetricsRequest, _coordinator_pb2.GetEngineMetricsResponse]
+    """The engines' own Prometheus metrics, aggregated by meaning: every endpoint of the table is
+    scraped every coordinator.engine_metrics_interval_s, and the series are summed, averaged
+    (with a _max beside them) or merged bucket-wise per view (docs/engine-metrics.md). The same
+    data as GET /metrics/engines on the inference port. An engine whose scrapes fail keeps its
+    last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
+    leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
+    FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -192,6 +201,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
     repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
     not hold.
+    """
+    GetEngineMetrics: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetEngineMetricsRequest, _coordinator_pb2.GetEngineMetricsResponse]  # type: ignore[assignment]
+    """The engines' own Prometheus metrics, aggregated by meaning: every endpoint of the table is
+    scraped every coordinator.engine_metrics_interval_s, and the series are summed, averaged
+    (with a _max beside them) or merged bucket-wise per view (docs/engine-metrics.md). The same
+    data as GET /metrics/engines on the inference port. An engine whose scrapes fail keeps its
+    last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
+    leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
+    FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -320,6 +338,21 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         as unavailable (and in draining_ids) by ListInstances. INVALID_ARGUMENT for a zero or
         repeated id or a grace that is negative or over a day; NOT_FOUND for an id the table does
         not hold.
+        """
+
+    @_abc_1.abstractmethod
+    def GetEngineMetrics(
+        self,
+        request: _coordinator_pb2.GetEngineMetricsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetEngineMetricsResponse, _abc.Awaitable[_coordinator_pb2.GetEngineMetricsResponse]]:
+        """The engines' own Prometheus metrics, aggregated by meaning: every endpoint of the table is
+        scraped every coordinator.engine_metrics_interval_s, and the series are summed, averaged
+        (with a _max beside them) or merged bucket-wise per view (docs/engine-metrics.md). The same
+        data as GET /metrics/engines on the inference port. An engine whose scrapes fail keeps its
+        last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
+        leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
+        FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

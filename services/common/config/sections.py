@@ -217,6 +217,12 @@ class CoordinatorConfig(ServerConfig):
     drain_grace_s: float = setting(30, c.seconds(0, 3600))
     """How long requests on a drained instance (`DrainInstances`, `motor drain`) may finish
     where they are before they continue on another instance."""
+    engine_metrics_interval_s: float = setting(3, c.seconds(0, 3600))
+    """How often every engine endpoint of the table is scraped (`/metrics`) for the aggregated
+    engine metrics (`/metrics/engines`, `GetEngineMetrics`, `motor top`; docs/engine-metrics.md);
+    0 = never."""
+    engine_metrics_stale_s: float = setting(15, c.seconds(1, 86400))
+    """How long an engine whose scrapes fail keeps its last values in the aggregate."""
     max_body_bytes: int = setting(67108864, c.integer(1024, 1 << 31))
     """Largest request body accepted; larger ones are answered 413."""
     max_json_depth: int = setting(64, c.integer(1, 512))  # the JSON parsers stop near 1000
@@ -344,6 +350,11 @@ class NodeManagerConfig(ServerConfig):
     the 16 * tp * pp ports from 18000 + k * 16 * tp * pp, or, when this is set, splits it over
     every engine of the cluster (both moved by --port-offset). An engine.env
     `UCX_TCP_PORT_RANGE` is kept."""
+    pod_index: int = setting(-1, c.integer(-1, 1_000_000))
+    """Kubernetes: the pod's StatefulSet ordinal, so that one StatefulSet per role holds whole
+    instances (docs/kubernetes.md, "Scaling"). When 0 or more, pods are grouped by ordinal,
+    `parallel.nnodes` per instance: this node's rank is `pod_index % nnodes` (`node_rank` is
+    ignored) and its job is `<job_name>-<pod_index // nnodes>`. -1 = not used."""
     node_rank: int = setting(0, c.integer(0, 1_000_000))
     """This node's rank in a multi-node instance (0 .. nnodes-1); rank 0 serves requests, the
     others run headless."""
