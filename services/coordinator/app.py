@@ -13,6 +13,9 @@ from motor_mesh.common import errors, exposure, log
 from motor_mesh.common.config import Config, ConfigError, CoordinatorConfig, read_key_file
 from motor_mesh.common.enums import ROLE_NAMES
 from motor_mesh.common.server import MotorServer
+from motor_mesh.coordinator.engine_metrics.collector import Collector
+from motor_mesh.coordinator.engine_metrics.snapshot import SnapshotFile
+from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
 from motor_mesh.coordinator.health import Breaker
 from motor_mesh.coordinator.inference import InferenceServer, api_keys, https, make_router
 from motor_mesh.coordinator.kv import routing as kv_routing
@@ -56,6 +59,21 @@ class Coordinator:
         else:
             use_own_process()
         self.metrics = Metrics()
+        # The engines' own metrics: scraped here, once, whoever serves HTTP.
+        self.collector: Collector | None = None
+        self.engine_metrics: EngineMetrics | None = None
+        if cfg.engine_metrics_interval_s > 0:
+            self.collector = Collector(
+                lambda: self.table.state,
+                cfg.engine_metrics_interval_s,
+                cfg.engine_metrics_stale_s,
+                SnapshotFile(self.pool.dir) if self.pool is not None else None,
+                self.metrics.engine_metrics_round,
+            )
+            collector = self.collector
+            self.engine_metrics = EngineMetrics(
+                lambda: collector.snapshot, lambda: self.table.state, blocking_read=False
+            )
         self.service = CoordinatorService(
             self.table,
             self._route_by,
@@ -63,6 +81,8 @@ class Coordinator:
             self.pool,
             legs=self._legs,
             drain_grace_s=cfg.drain_grace_s,
+            engine_metrics=self.engine_metrics,
+            own_metrics=self.metrics.render,
         )
         self.server = MotorServer(
             "coordinator",
@@ -90,7 +110,14 @@ class Coordinator:
         """Bind both servers, then log the one ``event=listening`` line. HTTP binds first: its
         port is the one most likely to be taken, and failing before gRPC started stops at once."""
         if self.pool is None:
-            self.inference = InferenceServer(self.cfg, lambda: self.view, self.metrics, self._keys, self._ssl)
+            self.inference = InferenceServer(
+                self.cfg,
+                lambda: self.view,
+                self.metrics,
+                self._keys,
+                self._ssl,
+                engine_metrics=self.engine_metrics,
+            )
             self.http_address = await self.inference.start()
             self._router = self.inference.router
         else:
@@ -109,6 +136,8 @@ class Coordinator:
         await self.server.start()
         if self.cfg.precision_check_enabled:
             await self._start_precision()
+        if self.collector is not None:
+            self.collector.start()
         self.server.on_stop(self._begin_http_stop)
         # http= stays host:port whatever the scheme, so the line parses the same with TLS on.
         tls = {"https": "true"} if self._ssl is not None else {}
@@ -220,6 +249,8 @@ class Coordinator:
             await self.inference.stop()
         elif self.pool is not None:
             await self.pool.stop()
+        if self.collector is not None:
+            await self.collector.stop()
         if self.precision is not None:
             await self.precision.close()
         if self._alarms is not None:

@@ -13,12 +13,14 @@ import hmac
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
 
 from motor_mesh.common.config import CoordinatorConfig, read_private_file
 from motor_mesh.common.http_errors import OpenAIError, invalid_request, model_not_found
 from motor_mesh.common.httpmessages import JSON_CT, Handler, Headers, Request, Responder, route_table
 from motor_mesh.coordinator.admission import Admission
 from motor_mesh.coordinator.bodies import BadBody, estimate_tokens, parse_request
+from motor_mesh.coordinator.engine_metrics.source import FORMATS, ROLES, EngineMetrics
 from motor_mesh.coordinator.metrics import Metrics
 from motor_mesh.coordinator.pd import Call, Router
 from motor_mesh.coordinator.routes import RoutingView
@@ -84,6 +86,7 @@ class InferenceApp:
         worker: int | None = None,
         tracer: RequestTracer | None = None,
         scheme: str = "http",
+        engine_metrics: EngineMetrics | None = None,
     ) -> None:
         self._view = view
         # Which inference worker answered (``workers > 1``): tells an operator, and a test,
@@ -98,6 +101,7 @@ class InferenceApp:
         self._admission = admission
         self._max_depth = cfg.max_json_depth
         self._tracer = tracer  # None: tracing is off
+        self._engine_metrics = engine_metrics  # None: collection is off
         self._scheme = scheme
         # Set when the process starts stopping: readiness fails so load balancers move away,
         # while requests already here (and late ones) are still served during the drain.
@@ -112,6 +116,7 @@ class InferenceApp:
                 ("GET", "/health"): self.health,
                 ("GET", "/readiness"): self.readiness,
                 ("GET", "/metrics"): self.prom,
+                ("GET", "/metrics/engines"): self.engines,
             }
         )
 
@@ -134,6 +139,28 @@ class InferenceApp:
     async def prom(self, req: Request, out: Responder) -> None:
         body = await self._metrics.render()
         out.send(200, body, b"text/plain; version=0.0.4; charset=utf-8")
+
+    async def engines(self, req: Request, out: Responder) -> None:
+        """The engines' metrics, aggregated (docs/engine-metrics.md): ``type`` (an unknown one is
+        ``full``), ``role``, ``format`` (``prometheus`` or ``opentelemetry``; another is 400)."""
+        try:
+            if self._engine_metrics is None:
+                raise OpenAIError(
+                    404, "engine metrics collection is off (coordinator.engine_metrics_interval_s = 0)",
+                    "not_found_error", "engine_metrics_off",
+                )  # fmt: skip
+            query = parse_qs(req.query, keep_blank_values=True)
+            view = query.get("type", ["full"])[-1]
+            fmt = query.get("format", ["prometheus"])[-1]
+            role = query.get("role", [""])[-1]
+            if fmt not in FORMATS:
+                raise invalid_request(f"format {fmt!r} is not one of {', '.join(FORMATS)}", "invalid_format")
+            if role and role not in ROLES:
+                raise invalid_request(f"role {role!r} is not one of {', '.join(ROLES)}", "invalid_role")
+            content_type, body = await self._engine_metrics.body(view, role, fmt)
+            out.send(200, body, content_type)
+        except OpenAIError as err:
+            out.error(err)
 
     # -- OpenAI API -----------------------------------------------------------------------
 

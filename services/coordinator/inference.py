@@ -16,6 +16,7 @@ from motor_mesh.common import telemetry
 from motor_mesh.common.config import ConfigError, CoordinatorConfig
 from motor_mesh.common.httpserver import HttpServer
 from motor_mesh.coordinator.admission import Admission
+from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
 from motor_mesh.coordinator.health import Breaker
 from motor_mesh.coordinator.http_app import ApiKeys, InferenceApp
 from motor_mesh.coordinator.kv import routing as kv_routing
@@ -119,6 +120,7 @@ class InferenceServer:
         workers: int = 1,
         worker: int | None = None,
         kv_shared_dir: str | None = None,
+        engine_metrics: EngineMetrics | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -132,7 +134,7 @@ class InferenceServer:
         self.tracer = request_tracer()
         scheme = "https" if ssl_context is not None else "http"
         self.app = InferenceApp(
-            cfg, view, self.router, metrics, keys, self.admission, worker, self.tracer, scheme
+            cfg, view, self.router, metrics, keys, self.admission, worker, self.tracer, scheme, engine_metrics
         )
         self.http = HttpServer(self.app.handler(), max_body_bytes=cfg.max_body_bytes)
         self.http.on_reject = self.app.rejected

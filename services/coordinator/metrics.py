@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Final
+import time
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,6 +27,9 @@ from prometheus_client import (
 from motor_mesh.common.tasks import supervise
 from motor_mesh.coordinator.kv.metrics import KvMetrics
 from motor_mesh.coordinator.tally import CounterTally, HistogramTally, Tallies
+
+if TYPE_CHECKING:
+    from motor_mesh.coordinator.engine_metrics.snapshot import Snapshot
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLUSH_S = 1.0
@@ -200,6 +204,20 @@ class Metrics:
             registry=r,
             multiprocess_mode=mode,
         )
+        self.engine_endpoints = Gauge(
+            "motor_coordinator_engine_metrics_endpoints",
+            "Engine endpoints the engine-metrics collector scrapes, by state: fresh (in the "
+            "aggregate), stale (failing, values older than engine_metrics_stale_s, left out).",
+            ["state"],
+            registry=r,
+            multiprocess_mode=mode,
+        )
+        self._scrape_failures = Counter(
+            "motor_coordinator_engine_metrics_scrape_failures",
+            "Engine /metrics scrapes that failed (no answer within the deadline, refused, not 200, "
+            "not an exposition).",
+            registry=r,
+        )
         # Every result from the start, so a dashboard sees 0 rather than no series.
         for result in ("normal", "anomalous", "error"):
             self._precision_samples.labels(result)
@@ -307,6 +325,15 @@ class Metrics:
 
     def precision_probe(self, result: str) -> None:
         self._precision_probes.labels(result).inc()
+
+    def engine_metrics_round(self, snap: Snapshot, failed: int) -> None:
+        """After each round of the engine-metrics collector (the management process)."""
+        now = time.time()
+        fresh = sum(1 for e in snap.engines if e.fresh(now, snap.stale_s))
+        self.engine_endpoints.labels("fresh").set(fresh)
+        self.engine_endpoints.labels("stale").set(len(snap.engines) - fresh)
+        if failed:
+            self._scrape_failures.inc(failed)
 
     async def render(self) -> bytes:
         self.flush()

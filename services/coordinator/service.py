@@ -12,18 +12,42 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from motor_mesh.common import errors, log
+from motor_mesh.common.enums import ROLE_NAMES, ROLES_BY_NAME
 from motor_mesh.common.interceptors import LEADER_TERM_METADATA
 from motor_mesh.coordinator import validation
+from motor_mesh.coordinator.engine_metrics import exposition
+from motor_mesh.coordinator.engine_metrics.aggregate import OutFamily
 from motor_mesh.coordinator.table import RoutingTable, TableState
 from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 
 if TYPE_CHECKING:
+    from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
     from motor_mesh.coordinator.workers.pool import WorkerPool
 
 R = TypeVar("R")
+
+_VIEWS = {
+    pb.ENGINE_METRICS_VIEW_FULL: "full",
+    pb.ENGINE_METRICS_VIEW_INSTANCE: "instance",
+    pb.ENGINE_METRICS_VIEW_ROLE: "role",
+    pb.ENGINE_METRICS_VIEW_DP: "dp",
+    pb.ENGINE_METRICS_VIEW_NODE: "node",
+}
+
+
+def _own_families(text: bytes) -> list[pb.MetricFamily]:
+    """This Coordinator's motor_coordinator_* series, from its own exposition."""
+    out = []
+    for fam in text_string_to_metric_families(text.decode()):
+        if not fam.name.startswith("motor_coordinator_"):
+            continue
+        samples = tuple((s.name, tuple(sorted(s.labels.items())), float(s.value)) for s in fam.samples)
+        out.append(OutFamily(fam.name, fam.type, fam.documentation, samples))
+    return exposition.protos(out)
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -38,8 +62,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         *,
         legs: Callable[[int], tuple[dict[int, int], int]] = lambda since: ({}, 0),
         drain_grace_s: float = 30.0,
+        engine_metrics: EngineMetrics | None = None,
+        own_metrics: Callable[[], Awaitable[bytes]] | None = None,
     ) -> None:
         self.table = table
+        # The engines' metrics (None: collection is off) and this Coordinator's own exposition.
+        self._engine_metrics = engine_metrics
+        self._own_metrics = own_metrics
         # Legs in flight per instance id, every process serving HTTP counted, and how many
         # workers have not reported since a given revision (DrainInstances).
         self._legs = legs
@@ -152,6 +181,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return await self._write(
             "ResumeInstances", context, lambda t: t.resume(request.ids), pb.ResumeInstancesResponse
         )
+
+    async def GetEngineMetrics(
+        self, request: pb.GetEngineMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetEngineMetricsResponse:
+        source = self._engine_metrics
+        if source is None:
+            raise errors.precondition(
+                "ENGINE_METRICS_OFF",
+                "coordinator.engine_metrics_interval_s",
+                "engine metrics collection is off (coordinator.engine_metrics_interval_s = 0)",
+            )
+        view = _VIEWS.get(request.view, "full")
+        role = ROLE_NAMES.get(request.role, "")
+        snap = await source.snapshot()
+        families = await asyncio.to_thread(source.families, snap, view, role)
+        resp = pb.GetEngineMetricsResponse(families=exposition.protos(families))
+        now = time.time()
+        for e in sorted(source.engines(snap), key=lambda e: (e.instance_id, e.dp_rank, e.host, e.port)):
+            if role and e.role != role:
+                continue
+            entry = resp.engines.add(
+                instance_id=e.instance_id,
+                role=ROLES_BY_NAME.get(e.role, 0),
+                host=e.host,
+                port=e.port,
+                dp_rank=e.dp_rank,
+                error=e.error,
+                fresh=e.fresh(now, snap.stale_s),
+            )
+            if e.ok_at:
+                entry.last_success_time.FromNanoseconds(int(e.ok_at * 1e9))
+        if snap.seq:
+            resp.collect_time.FromNanoseconds(int(snap.at * 1e9))
+        if request.include_coordinator and self._own_metrics is not None:
+            text = await self._own_metrics()
+            resp.coordinator_families.extend(await asyncio.to_thread(_own_families, text))
+        return resp
 
     async def ListInstances(
         self, request: pb.CoordinatorListInstancesRequest, context: grpc.aio.ServicerContext

@@ -133,6 +133,18 @@ def clear_precision_alarm(req: coordinator_pb2.ClearPrecisionAlarmRequest) -> li
     return [] if req.d_instance_id else [("d_instance_id", "required")]
 
 
+_VIEWS = frozenset(coordinator_pb2.EngineMetricsView.values())
+
+
+def get_engine_metrics(req: coordinator_pb2.GetEngineMetricsRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if req.view not in _VIEWS:
+        bad.append(("view", f"unknown view {req.view}"))
+    if req.role != ROLE_UNSPECIFIED and req.role not in _ROLES:
+        bad.append(("role", f"unknown role {req.role}"))
+    return bad
+
+
 VALIDATORS = {
     "SetInstances": set_instances,
     "AddInstances": add_instances,
@@ -141,4 +153,5 @@ VALIDATORS = {
     "DrainInstances": drain_instances,
     "ResumeInstances": resume_instances,
     "ClearPrecisionAlarm": clear_precision_alarm,
+    "GetEngineMetrics": get_engine_metrics,
 }

@@ -16,10 +16,13 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from motor_mesh.common import log
-from motor_mesh.common.config import ConfigError, load
+from motor_mesh.common.config import ConfigError, CoordinatorConfig, load
 from motor_mesh.common.server import run
+from motor_mesh.coordinator.engine_metrics.snapshot import SnapshotFile
+from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
 from motor_mesh.coordinator.inference import InferenceServer, api_keys, https
 from motor_mesh.coordinator.metrics import MULTIPROC_ENV, Metrics, use_shared_dir
 from motor_mesh.coordinator.pd import CompletedSink
@@ -35,9 +38,11 @@ class ViewHolder:
 
     def __init__(self) -> None:
         self.view = RoutingView()
+        self.state = TableState()
 
     def apply(self, state: TableState) -> None:
         self.view = build_view(state, self.view.targets, self.view.retired)
+        self.state = state
 
     def remote_loads(self, loads: dict[int, int]) -> None:
         for t in self.view.targets:
@@ -74,6 +79,15 @@ class SampleGate:
         self._send(p, d, completed)
 
 
+def _engine_metrics(
+    cfg: CoordinatorConfig, directory: str, table: Callable[[], TableState]
+) -> EngineMetrics | None:
+    """The management process scrapes the engines; each worker answers from the file it writes."""
+    if cfg.engine_metrics_interval_s <= 0:
+        return None
+    return EngineMetrics(SnapshotFile(directory).read, table, blocking_read=True)
+
+
 async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
     settings = await asyncio.to_thread(_settings, directory)
     cfg = load(None, env={}, overrides={"coordinator": settings}).coordinator
@@ -100,6 +114,7 @@ async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
         workers=workers,
         worker=index,
         kv_shared_dir=directory,
+        engine_metrics=_engine_metrics(cfg, directory, lambda: holder.state),
     )
     if cfg.precision_check_enabled:
         server.set_completed(SampleGate(cfg.precision_interval_s, link.send_sample))

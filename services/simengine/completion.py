@@ -571,6 +571,7 @@ class Completions:
             raise
         if plan.n_tokens > 1:
             m.tpot.observe(self.tpot_s)
+        m.e2e.observe(engine.loop.time() - arrived)
         m.success["length"] += 1
         m.prompt_tokens += plan.prompt_tokens
         m.generation_tokens += plan.gen_tokens

@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# vLLM's own bounds for end-to-end latency.
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 FINISH_REASONS = ("length", "stop", "abort")
 SIDES = ("prefill", "decode")
 PROTOCOLS = ("vllm", "sglang")
@@ -54,6 +56,7 @@ class Metrics(Collector):
         self.prefix_hits = 0  # of which were cached
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
         self.legs = {(side, proto): 0 for side in SIDES for proto in PROTOCOLS}
         self.tickets = {"known": 0, "unknown": 0}
         self.faults: dict[str, int] = {}
@@ -94,6 +97,9 @@ class Metrics(Collector):
         yield self.ttft.family("vllm:time_to_first_token_seconds", "Time to first token in seconds.", model)
         yield self.tpot.family(
             "vllm:time_per_output_token_seconds", "Time per output token in seconds.", model
+        )
+        yield self.e2e.family(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", model
         )
         c = CounterMetricFamily(
             "motor_sim_pd_legs", "PD legs served by this engine.", labels=["side", "protocol"]

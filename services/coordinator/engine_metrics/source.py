@@ -1,0 +1,71 @@
+"""Answers ``/metrics/engines`` and ``GetEngineMetrics`` from the newest snapshot.
+
+Only engines still in the routing table count (one that left it is out of the next answer,
+not the next round), and only fresh ones (a failing engine's last values are kept for
+``engine_metrics_stale_s``). An answer is computed once per (round, table revision, view, role,
+format), in a thread, and served from a cache until either changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from motor_mesh.coordinator.engine_metrics import exposition
+from motor_mesh.coordinator.engine_metrics.aggregate import VIEWS, OutFamily, aggregate
+from motor_mesh.coordinator.engine_metrics.collector import endpoints
+from motor_mesh.coordinator.engine_metrics.snapshot import Engine, Snapshot
+from motor_mesh.coordinator.table import TableState
+
+FORMATS = ("prometheus", "opentelemetry")
+ROLES = ("prefill", "decode", "union")
+
+
+class EngineMetrics:
+    def __init__(
+        self, read: Callable[[], Snapshot], table: Callable[[], TableState], *, blocking_read: bool
+    ) -> None:
+        self._read = read  # the newest snapshot; blocking_read: it reads a file
+        self._blocking = blocking_read
+        self._table = table
+        self._cache: dict[tuple[str, str, str], bytes] = {}
+        self._cache_of: tuple[int, int] = (-1, -1)
+        self._lock = asyncio.Lock()
+
+    async def snapshot(self) -> Snapshot:
+        return await asyncio.to_thread(self._read) if self._blocking else self._read()
+
+    def engines(self, snap: Snapshot) -> list[Engine]:
+        """Every engine of the snapshot that is still in the table."""
+        present = endpoints(self._table())
+        return [e for e in snap.engines if e.key in present]
+
+    def families(self, snap: Snapshot, view: str, role: str) -> list[OutFamily]:
+        """Blocking (the aggregation is CPU work): call through a thread on a serving loop."""
+        now = time.time()
+        chosen = [
+            e for e in self.engines(snap) if e.fresh(now, snap.stale_s) and (not role or e.role == role)
+        ]
+        return aggregate(chosen, view if view in VIEWS else "full")
+
+    async def body(self, view: str, role: str, fmt: str) -> tuple[bytes, bytes]:
+        """(content type, body). ``view`` unknown = full; ``fmt`` and ``role`` must be known."""
+        view = view if view in VIEWS else "full"
+        snap = await self.snapshot()
+        at = (snap.seq, self._table().revision)
+        key = (view, role, fmt)
+        async with self._lock:  # one computation per key and round, however many ask at once
+            if at != self._cache_of:
+                self._cache, self._cache_of = {}, at
+            body = self._cache.get(key)
+            if body is None:
+                body = await asyncio.to_thread(self._render, snap, view, role, fmt)
+                self._cache[key] = body
+        return (exposition.OTLP_CT if fmt == "opentelemetry" else exposition.PROMETHEUS_CT), body
+
+    def _render(self, snap: Snapshot, view: str, role: str, fmt: str) -> bytes:
+        families = self.families(snap, view, role)
+        if fmt == "opentelemetry":
+            return exposition.otlp_json(families, snap.at or time.time())
+        return exposition.prometheus(families)
