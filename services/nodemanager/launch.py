@@ -350,6 +350,9 @@ def _sglang_args(params: LaunchParams, ep: EndpointSpec) -> list[str]:
             "--disaggregation-bootstrap-port",
             str(own_head.port + 1),
         ]
+    # SGLang serves /metrics only when asked; the Coordinator aggregates it (docs/engine-metrics.md).
+    if "enable_metrics" not in params.args:
+        args.append("--enable-metrics")
     # Without an accelerator SGLang stops at start-up unless told its device.
     if params.on_cpu and "device" not in params.args:
         args += ["--device", "cpu"]

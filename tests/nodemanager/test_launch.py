@@ -131,7 +131,7 @@ def test_sglang_one_process_per_rank_and_multinode_flags() -> None:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "/data/llama", "--served-model-name", "llama",
         "--host", "10.0.0.5", "--port", "10002", "--tp-size", "4", "--dp-size", "1",
-        *kv_events(12002),
+        "--enable-metrics", *kv_events(12002),
     ]  # fmt: skip
     heads = (Head("10.0.0.5", 10000), Head("10.0.0.7", 10004))
     p = params(engine_type="sglang", role="decode", dp=2, nnodes=2, node_rank=1, heads=heads)
@@ -142,6 +142,7 @@ def test_sglang_one_process_per_rank_and_multinode_flags() -> None:
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.7:16004",
         # every part of rank 1 names its head's bootstrap port
         "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "10005",
+        "--enable-metrics",
     ]  # fmt: skip
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in launch.build_env(p, headless, {})
     assert launch.bootstrap_port(p, headless) == 0  # only the head serves it

@@ -66,6 +66,7 @@ def test_sglang_engines_get_sglangs_variable_and_the_cpu_device() -> None:
     assert argv[argv.index("--dp-size") :] == [
         "--dp-size", "1",
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "10001",
+        "--enable-metrics",
         "--device", "cpu",  # SGLang stops at start-up without it on a machine with no accelerator
         "--kv-events-config", launch.kv_events.config(12000, 12001, 0),
     ]  # fmt: skip

@@ -170,6 +170,7 @@ def test_sglang_prefill_dp2_one_node() -> None:
             "--dp-size", "1",
             "--disaggregation-mode", "prefill",
             "--disaggregation-bootstrap-port", str(port + 1),
+            "--enable-metrics",
             "--kv-events-config", kv_events(port + 2000),
         ]  # fmt: skip
         assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in x["env"]
@@ -192,6 +193,7 @@ def test_sglang_decode_dp1_two_nodes_headless() -> None:
         "--dist-init-addr", "127.0.0.1:16000",
         "--disaggregation-mode", "decode",
         "--disaggregation-bootstrap-port", "10001",
+        "--enable-metrics",
     ]  # fmt: skip
 
 

@@ -133,6 +133,7 @@ async def test_sglang_launch_line(tmp_path: Path, start_nm) -> None:
         "--dp-size", "1",
         "--disaggregation-mode", "prefill",
         "--disaggregation-bootstrap-port", str(port + 1),
+        "--enable-metrics",
         "--kv-events-config",
         '{"enable_kv_cache_events":true,"publisher":"zmq",'
         f'"endpoint":"tcp://*:{plus(port, 2000)}","replay_endpoint":"tcp://*:{plus(port, 2001)}","topic":""}}',
