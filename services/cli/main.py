@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "motor_mesh.cli.drain",
         "take instances out of routing for a planned stop and wait until their requests are done",
     ),
+    "top": ("motor_mesh.cli.top", "a live view of the engines: load, KV cache, tokens/s, latency, alarms"),
+    "scale": ("motor_mesh.cli.scale", "set how many instances of a role the cluster should have"),
     "faults": ("motor_mesh.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
     "config": ("motor_mesh.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
 }

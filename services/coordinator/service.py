@@ -198,7 +198,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         families = await asyncio.to_thread(source.families, snap, view, role)
         resp = pb.GetEngineMetricsResponse(families=exposition.protos(families))
         now = time.time()
-        for e in sorted(source.engines(snap), key=lambda e: (e.instance_id, e.dp_rank, e.host, e.port)):
+        for e in sorted(source.endpoints(snap), key=lambda e: (e.instance_id, e.dp_rank, e.host, e.port)):
             if role and e.role != role:
                 continue
             entry = resp.engines.add(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
@@ -14,8 +15,9 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.cluster import COORDINATOR, Cluster
-from tests.poll import until
+from tests.e2e.cluster import CONTROLLER, COORDINATOR, Cluster
+from tests.poll import until, wait_until
+from tests.procs import motor_argv
 
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total")
 
@@ -182,3 +184,27 @@ async def test_the_instance_view_has_one_series_set_per_instance(cluster: Cluste
         status, body = await get(http, f"{cluster.base_url}/metrics/engines?format=bogus")
         assert status == 400
         assert json.loads(body)["error"]["code"] == "invalid_format"
+
+
+def test_motor_top_once_json_lists_every_instance(cluster: Cluster) -> None:
+    ids = sorted(int(i["id"]) for i in cluster.controller_instances())
+
+    def every() -> dict | None:
+        out = subprocess.run(
+            motor_argv(
+                "top", "--once", "-o", "json",
+                "--coordinator", cluster.grpc(COORDINATOR), "--controller", cluster.grpc(CONTROLLER),
+            ),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        listed = sorted(int(i["instance_id"]) for i in doc["instances"])
+        fresh = all(e["fresh"] for i in doc["instances"] for e in i["engines"])
+        return doc if listed == ids and fresh else None
+
+    doc = wait_until(every, 30, "motor top listing every instance, scraped")
+    assert {i["role"] for i in doc["instances"]} == {"prefill", "decode"}
+    assert all(i["status"] == "ACTIVE" for i in doc["instances"])
+    assert doc["roles"]["decode"]["engines"] == 2
+    assert doc["alarms"] == [] and doc["controller"]["error"] is None

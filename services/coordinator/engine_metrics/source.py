@@ -41,6 +41,18 @@ class EngineMetrics:
         present = endpoints(self._table())
         return [e for e in snap.engines if e.key in present]
 
+    def endpoints(self, snap: Snapshot) -> list[Engine]:
+        """Every serving endpoint of the table, with what the snapshot knows of it (an endpoint
+        added since the last round: not scraped yet)."""
+        known = {e.key: e for e in snap.engines}
+        out = []
+        for key, (role, rank) in endpoints(self._table()).items():
+            e = known.get(key)
+            out.append(
+                e if e is not None else Engine(key[0], role, key[1], key[2], rank, error="not scraped yet")
+            )
+        return out
+
     def families(self, snap: Snapshot, view: str, role: str) -> list[OutFamily]:
         """Blocking (the aggregation is CPU work): call through a thread on a serving loop."""
         now = time.time()
