@@ -125,6 +125,14 @@ class FakeController:
         self._lead()
         raise errors.unimplemented("TerminateInstance")
 
+    async def SetDesiredInstances(self, request: Any, context: Any) -> Any:
+        self._lead()
+        raise errors.unimplemented("SetDesiredInstances")
+
+    async def ListDesiredInstances(self, request: Any, context: Any) -> Any:
+        self._lead()
+        return controller_pb2.ListDesiredInstancesResponse()
+
 
 class FakeControllerServer:
     """``fake`` served on loopback (``port`` 0: any free one), with health ``""`` SERVING."""

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor_mesh.cli import client, status_table
 from motor_mesh.cli.alarms import list_alarms
+from motor_mesh.cli.scale import entry as desired_entry
 from motor_mesh.cli.status_table import UNREACHABLE
 from motor_mesh.cli.views import run, short_enum
 from motor_mesh.common import enums
@@ -88,6 +89,19 @@ def instance_counts(instances: list[common_pb2.Instance]) -> dict[str, dict[str,
     return counts
 
 
+def desired_counts(
+    listed: controller_pb2.ListDesiredInstancesResponse, counts: dict[str, dict[str, int]] | None
+) -> dict[str, dict[str, Any]]:
+    """Each role with a recorded desired count: the count, when it was set, and how many of its
+    instances are running (live: every status but DELETED; None when the instances are unknown)."""
+    out: dict[str, dict[str, Any]] = {}
+    for d in listed.desired:
+        e = desired_entry(d)
+        running = None if counts is None else sum(counts.get(e["role"], {}).values())
+        out[e["role"]] = {"replicas": e["replicas"], "running": running, "update_time": e["update_time"]}
+    return out
+
+
 def recovery_entry(e: controller_pb2.FaultToleranceEntry) -> dict[str, Any]:
     return {
         "instance_id": e.instance_id,
@@ -127,6 +141,9 @@ async def controller_part(
         "strategies_running": None,
         "fault_tolerance": None,
         "alarms": None,
+        # Recorded desired instance counts by role; None when unknown (a Controller without
+        # ListDesiredInstances, or a failed call).
+        "desired": None,
     }
     target = client.controller_target(args, key)
     try:
@@ -140,7 +157,7 @@ async def controller_part(
         if not isinstance(listed, grpc.aio.AioRpcError):
             part["address"] = target.address
         left = deadline.left()
-        served, ft, active = await asyncio.gather(
+        served, ft, active, desired = await asyncio.gather(
             attempt(health(target.channel(), "", deadline)),
             attempt(
                 target.stub().GetFaultToleranceStatus(
@@ -150,10 +167,18 @@ async def controller_part(
             attempt(
                 list_alarms(target, active_only=True, alarm_id="", deadline_s=left, wait_for_ready=False)
             ),
+            attempt(
+                target.stub().ListDesiredInstances(
+                    controller_pb2.ListDesiredInstancesRequest(), timeout=left, wait_for_ready=False
+                )
+            ),
         )
     finally:
         await target.close()
-    errors = [r for r in (listed, served, ft, active) if isinstance(r, grpc.aio.AioRpcError)]
+    # A Controller older than ListDesiredInstances: nothing to show, and nothing wrong.
+    older = isinstance(desired, grpc.aio.AioRpcError) and desired.code() == grpc.StatusCode.UNIMPLEMENTED
+    asked = (listed, served, ft, active) if older else (listed, served, ft, active, desired)
+    errors = [r for r in asked if isinstance(r, grpc.aio.AioRpcError)]
     part["health"] = UNREACHABLE if isinstance(served, grpc.aio.AioRpcError) else served
     part["error"] = failure(errors[0]) if errors else None
     instances = None
@@ -167,6 +192,8 @@ async def controller_part(
         part["fault_tolerance"] = [recovery_entry(e) for e in entries]
     if isinstance(active, list):
         part["alarms"] = {"active": len(active), "most_severe": [alarm_entry(a) for a in most_severe(active)]}
+    if isinstance(desired, controller_pb2.ListDesiredInstancesResponse):
+        part["desired"] = desired_counts(desired, part["instances"])
     return part, instances
 
 

@@ -78,6 +78,18 @@ def instance_summary(counts: dict[str, dict[str, int]]) -> str:
     return "; ".join(roles) or "none"
 
 
+def desired_summary(desired: dict[str, dict[str, Any]]) -> str:
+    """``prefill 1 (1 running), decode 3 (2 running)``: each role's recorded desired count, and
+    its live instances."""
+    if not desired:
+        return "none recorded"
+    parts = []
+    for role, d in desired.items():
+        running = f" ({d['running']} running)" if d.get("running") is not None else ""
+        parts.append(f"{role} {d['replicas']}{running}")
+    return ", ".join(parts)
+
+
 def recovery_lines(part: dict[str, Any]) -> list[str]:
     """One line per instance with a fault level or a running strategy (the earlier outcomes of
     the others are in ``-o json``)."""
@@ -117,6 +129,8 @@ def controller_lines(part: dict[str, Any]) -> list[str]:
         ("instances", [instance_summary(part["instances"])] if part["instances"] is not None else []),
         ("recovery", recovery_lines(part) if part["fault_tolerance"] is not None else []),
         ("alarms", alarm_lines(part["alarms"]) if part["alarms"] is not None else []),
+        # Last: a Controller without desired counts (older, or none recorded) changes no line above.
+        ("desired", [desired_summary(part["desired"])] if part.get("desired") is not None else []),
     ]
     for name, values in sections:
         for k, value in enumerate(values or ["-"]):

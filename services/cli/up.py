@@ -33,6 +33,11 @@ line on stderr for each engine it still waits for (``motor up: waiting for engin
 port P, pid N): starting for 2m13s; last output: ...``), from each NodeManager's GetStatus: a real
 model takes minutes to load, and without this nothing would say what it is doing.
 
+While it runs it follows the Controller's desired instance counts (``motor scale``): once a
+Controller answers it records its own counts there, and from READY on it starts instances or
+drains and stops the highest-numbered ones to match (services/cli/up_scale.py). A NodeManager it
+removes exits unrestarted; its stop stops the ones it added too.
+
 Every instance has ``--dp`` DP ranks (default: ``nodemanager.parallel.dp`` of the configuration),
 one engine each. Engines are numbered k = 0, 1, ... across the NodeManagers: NodeManager i owns
 engines i * dp ... i * dp + dp - 1, and engine k's business port is ``nodemanager.ports[0]`` +
@@ -61,6 +66,7 @@ from motor_mesh.cli.up_args import parse
 from motor_mesh.cli.up_output import error_line, pump
 from motor_mesh.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
 from motor_mesh.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
+from motor_mesh.cli.up_scale import Scaler, first_of
 from motor_mesh.common import enums, log, tasks
 from motor_mesh.common.channel import open_channel
 from motor_mesh.common.config import Config, ConfigError, ServerConfig, load, read_key_file
@@ -97,13 +103,23 @@ class Cluster:
         self.http_port = cfg.coordinator.http_port + args.port_offset
         self.stopping = asyncio.Event()
         self.ready = False  # READY printed: from then on a child's exit is a crash to restart
+        self.announced = asyncio.Event()  # set with ``ready``
         self.failure: str | None = None  # why start-up failed: our last line
         self.pumps: set[asyncio.Task[None]] = set()  # every output pump still reading
+        self.running: list[asyncio.Task[None]] = []  # the reaper and every child's supervisor
         # Engines of a NodeManager that died re-parent to us (subreaper): reap them, but leave
         # our own children to asyncio, which waits on them by pid.
         self.reaper = Reaper()
 
     # -- running children ----------------------------------------------------------------------
+    async def start(self, child: Child) -> None:
+        """Run ``child`` and restart it whenever it exits unasked, until we stop (or it is
+        removed: ``child.retiring``)."""
+        await self.spawn(child)
+        child.supervisor = tasks.start(f"{child.name}-supervisor", self.supervise(child))
+        self.running[:] = [t for t in self.running if not t.done()]  # a removed child's is
+        self.running.append(child.supervisor)
+
     async def spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
@@ -152,7 +168,7 @@ class Cluster:
             rc = await child.proc.wait()
             self.reaper.unwatch(child.proc.pid)
             await self._drained(child)  # its last lines, the error among them, are read
-            if self.stopping.is_set():
+            if self.stopping.is_set() or child.retiring.is_set():  # the exit we asked for
                 return
             if rc > 0 and not self.ready and rc not in child.restart_codes:
                 self._start_failed(child, rc)
@@ -162,9 +178,8 @@ class Cluster:
             delay = child.backoff.next()
             log.warn("restart", component=child.name, rc=rc, in_s=round(delay, 2))
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
-                if self.stopping.is_set():
+                await first_of(self.stopping, child.retiring, within=delay)
+                if self.stopping.is_set() or child.retiring.is_set():
                     return
                 try:
                     await self.spawn(child)
@@ -229,6 +244,7 @@ class Cluster:
                     async with http.get(f"{url}/readiness", ssl=ssl_ctx) as resp:
                         if resp.status == 200:
                             self.ready = True
+                            self.announced.set()
                             print(f"READY {url}", flush=True)
                             return
                 await asyncio.sleep(0.05)
@@ -318,20 +334,21 @@ class Cluster:
         if taken is not None:
             self.failure = taken
             return 1
-        running = [tasks.spawn("reaper", self.reaper.run)]
+        running = self.running
+        running.append(tasks.spawn("reaper", self.reaper.run))
         p = self.plan
-
-        async def start(child: Child) -> None:
-            await self.spawn(child)
-            running.append(tasks.start(f"{child.name}-supervisor", self.supervise(child)))
-
+        scaler = Scaler(self, self.start)
+        follow: asyncio.Task[None] | None = None
         try:
             if p.etcd is not None:
-                await start(p.etcd)
+                await self.start(p.etcd)
                 await self.wait_etcd(p.etcd_endpoint)
             for child in [*p.controllers, p.coordinator]:
                 if not self.stopping.is_set():
-                    await start(child)
+                    await self.start(child)
+            # The Controller records our counts as the desired ones once it answers; from READY
+            # on, the cluster follows them (up_scale.py).
+            follow = tasks.start("scale", scaler.run(self.announced))
             await asyncio.gather(
                 self.wait_leader(),
                 self.wait_serving(p.coordinator_addr, "motor.v1.Coordinator", self.cfg.coordinator),
@@ -339,7 +356,7 @@ class Cluster:
             for child in p.nodes:
                 if self.stopping.is_set():
                     break
-                await start(child)
+                await self.start(child)
             running.append(tasks.start("announce-ready", self.announce_ready()))
             running.append(tasks.start("progress", self.report_progress(progress_interval())))
             await self.stopping.wait()
@@ -347,6 +364,9 @@ class Cluster:
             log.exception("spawn_failed")
             self.failure = f"cannot start the cluster: {exc}"
         finally:
+            # Nothing is started or removed any more: whatever runs is stopped by the shutdown.
+            await tasks.cancel_quietly(follow)
+            await scaler.close()
             await self.shutdown()
             for task in [*running, *self.pumps]:
                 await tasks.cancel_quietly(task)

@@ -17,7 +17,13 @@ channel).
 controller-0 on 7100 (metrics 9100) and controller-1 on 7101 (metrics 9101): one leads, the other
 stands by and takes over when the leader goes. NodeManagers and the Coordinator follow the
 leader; give the operator commands both too: motor status --controller 127.0.0.1:7100,127.0.0.1:7101
-(each port + --port-offset)."""
+(each port + --port-offset).
+
+While it runs, motor up follows the Controller's desired instance counts, which it sets at start
+to its --prefill/--decode/--union counts. With one decode instance, motor scale --role decode
+--replicas 3 starts two more (on the next NodeManager numbers and their ports); --replicas 1 then
+drains the highest-numbered ones (TerminateInstance) and stops them. motor scale's --controller is
+127.0.0.1:7100 + --port-offset."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -34,6 +34,9 @@ ETCD_PREFIX = "/motor"
 # back as a standby, so even before READY that is a restart, not a failed start.
 LOST_LEADERSHIP_EXIT = 3
 NO_ETCD = "motor up --ha needs etcd (Debian package etcd-server; `make system-deps` installs it)"
+# The instance roles, in the order NodeManagers are numbered.
+PREFILL, DECODE, UNION = "prefill", "decode", "union"
+ROLES = (PREFILL, DECODE, UNION)
 
 
 @dataclass
@@ -54,6 +57,14 @@ class Child:
     backoff: retry.Backoff = field(default_factory=lambda: retry.Backoff(initial=0.1, maximum=10.0))
     started: float = 0.0
     last_error: str | None = None  # the last line of its output that can say why it failed
+    # NodeManagers: the instance's role, its number among the role's (its job's <n>) and the
+    # NodeManager's own (nm-<i>, its ports and engines).
+    role: str = ""
+    number: int = -1
+    index: int = -1
+    # Being removed (a scale-down): its exit is the one asked for, never restarted.
+    retiring: asyncio.Event = field(default_factory=asyncio.Event)
+    supervisor: asyncio.Task[None] | None = None  # restarts it while it runs; ends with it
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Plan:
     controller_addrs: list[str]  # where each Controller serves, in the order of ``controllers``
     coordinator_addr: str
     etcd_endpoint: str  # "" without --ha
+    make_node: NodeMaker  # another NodeManager, run as the first ones are
 
     @property
     def children(self) -> list[Child]:
@@ -132,14 +144,9 @@ def plan(
         [*base, "coordinator", *config, "--port", str(co.port + off), "--http-port", str(co.http_port + off)],
         dict(env, **_coordinator_env(cfg, target)),
     )
+    nodes, make_node = _nodemanagers(args, cfg, state, env, [*base, "nodemanager", *config], target, cores)
     return Plan(
-        etcd_child,
-        controllers,
-        coordinator,
-        _nodemanagers(args, cfg, state, env, [*base, "nodemanager", *config], target, cores),
-        controller_addrs,
-        coordinator_addr,
-        endpoint,
+        etcd_child, controllers, coordinator, nodes, controller_addrs, coordinator_addr, endpoint, make_node
     )
 
 
@@ -184,55 +191,111 @@ def _nodemanagers(
     argv: list[str],
     target: str,
     cores: Sequence[int] | None,
-) -> list[Child]:
-    """One NodeManager per instance, in the order prefill, decode, union."""
-    off, nm_cfg = args.port_offset, cfg.nodemanager
+) -> tuple[list[Child], NodeMaker]:
+    """One NodeManager per instance, in the order prefill, decode, union, and how to make more
+    the same way."""
+    nm_cfg = cfg.nodemanager
     dp = args.dp or nm_cfg.parallel.dp
     nm_env = dict(env)
     if args.dp:  # replaces the configured DP size; tp, pp, ... stay as configured
         nm_env["MOTOR_NODEMANAGER_PARALLEL"] = json.dumps(asdict(replace(nm_cfg.parallel, dp=dp)))
-    engine_base = nm_cfg.ports[0] + off
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["union"] * args.union
+    roles = [PREFILL] * args.prefill + [DECODE] * args.decode + [UNION] * args.union
     machine = devices.node_cores(nm_cfg.cpu_cores if cores is None else cores)
-    node_cores = nodemanager_cores(machine, len(roles), dp)
+    make = NodeMaker(
+        args, nm_cfg, state, nm_env, argv, target, dp, nodemanager_cores(machine, len(roles), dp), len(roles)
+    )
     seen: dict[str, int] = {}
     nodes = []
     for i, role in enumerate(roles):
         n = seen[role] = seen.get(role, -1) + 1
-        first = i * dp  # this NodeManager's engines are first .. first + dp - 1
-        state_dir = state / f"nm-{i}"
-        ports = json.dumps([engine_base + 2 * k for k in range(first, first + dp)])
-        nodes.append(
-            Child(
-                f"nm-{i}",
-                [
-                    *argv,
-                    "--port",
-                    str(nm_cfg.port + i + off),
-                    "--metrics-port",
-                    str((nm_cfg.metrics_port or NODEMANAGER_METRICS_PORT) + i + off),
-                ],
-                dict(
-                    nm_env,
-                    MOTOR_NODEMANAGER_CONTROLLER=target,
-                    # A model given as a path names its job by its last component.
-                    MOTOR_NODEMANAGER_JOB_NAME=job_name_of(args.model, role, n),
-                    MOTOR_NODEMANAGER_ROLE=role,
-                    MOTOR_NODEMANAGER_MODEL=args.model,
-                    MOTOR_NODEMANAGER_ENGINE_TYPE=args.engine_type,
-                    MOTOR_NODEMANAGER_SIM_PROTOCOL=args.sim_protocol,
-                    MOTOR_NODEMANAGER_PORTS=ports,
-                    MOTOR_NODEMANAGER_STATE_DIR=str(state_dir),
-                    # Read on the CPU platform only (harmless elsewhere, so always set).
-                    MOTOR_NODEMANAGER_CPU_CORES=json.dumps(node_cores[i]),
-                    MOTOR_NODEMANAGER_UCX_PORT_RANGE=ucx_port_range(first, dp, len(roles) * dp, nm_cfg, off),
-                    # Engine output is prefixed [engine-<k>] by the NodeManager itself.
-                    MOTOR_UP_ENGINE_INDEX=str(first),
-                ),
-                state_dir=state_dir,
+        nodes.append(make(i, role, n))
+    return nodes, make
+
+
+# How many NodeManagers and engines motor up's port scheme has room for: NodeManager i's gRPC
+# port 7300 + i stays under the Coordinator's HTTP 8000 and its /metrics 9300 + i under the
+# engines' 10000; engine k's 10000 + 2k under their KV events ports at 12000 (by default; a
+# --config moving the bases moves the ports, not these counts).
+MAX_NODEMANAGERS = 700
+MAX_ENGINES = 1000
+
+
+@dataclass
+class NodeMaker:
+    """How NodeManager ``i``, the ``n``-th instance of its role, is run: the ones ``motor up``
+    starts with and the ones it adds later (following the Controller's desired instance counts,
+    services/cli/up_scale.py) alike, so an added one differs only in its numbers. NodeManager i
+    serves on ``nodemanager.port`` + i and its /metrics on 9300 + i, owns engines i * dp ..
+    i * dp + dp - 1 (engine k on ``nodemanager.ports[0]`` + 2k), its state is ``nm-<i>``, all
+    moved by --port-offset; its job is ``<model>-<role>-<n>``. Its cores are the ``i``-th share
+    of the split made for the NodeManagers started first (round-robin past them)."""
+
+    args: argparse.Namespace
+    nm_cfg: NodeManagerConfig
+    state: Path
+    env: dict[str, str]
+    argv: list[str]
+    target: str
+    dp: int
+    cores: list[list[int]]  # each first NodeManager's share of the machine
+    first_nodes: int  # how many NodeManagers motor up started with
+
+    def room(self, i: int) -> str | None:
+        """Why NodeManager ``i`` cannot be run (its ports are not free of others' in the port
+        scheme), or None."""
+        if i >= MAX_NODEMANAGERS:
+            return f"motor up's ports have room for {MAX_NODEMANAGERS} NodeManagers"
+        if (i + 1) * self.dp > MAX_ENGINES:
+            return f"motor up's ports have room for {MAX_ENGINES // self.dp} instances of {self.dp} engines"
+        if self.nm_cfg.ucx_port_range and i >= self.first_nodes:
+            # The configured range was split over the engines motor up started with: a window
+            # for another one would be outside it.
+            return (
+                f"nodemanager.ucx_port_range is split over the {self.first_nodes * self.dp} engines "
+                "motor up started with"
             )
+        return None
+
+    def __call__(self, i: int, role: str, n: int) -> Child:
+        off, nm_cfg, dp = self.args.port_offset, self.nm_cfg, self.dp
+        first = i * dp  # this NodeManager's engines are first .. first + dp - 1
+        state_dir = self.state / f"nm-{i}"
+        engine_base = nm_cfg.ports[0] + off
+        ports = json.dumps([engine_base + 2 * k for k in range(first, first + dp)])
+        cores = self.cores[i % len(self.cores)] if self.cores else []
+        return Child(
+            f"nm-{i}",
+            [
+                *self.argv,
+                "--port",
+                str(nm_cfg.port + i + off),
+                "--metrics-port",
+                str((nm_cfg.metrics_port or NODEMANAGER_METRICS_PORT) + i + off),
+            ],
+            dict(
+                self.env,
+                MOTOR_NODEMANAGER_CONTROLLER=self.target,
+                # A model given as a path names its job by its last component.
+                MOTOR_NODEMANAGER_JOB_NAME=job_name_of(self.args.model, role, n),
+                MOTOR_NODEMANAGER_ROLE=role,
+                MOTOR_NODEMANAGER_MODEL=self.args.model,
+                MOTOR_NODEMANAGER_ENGINE_TYPE=self.args.engine_type,
+                MOTOR_NODEMANAGER_SIM_PROTOCOL=self.args.sim_protocol,
+                MOTOR_NODEMANAGER_PORTS=ports,
+                MOTOR_NODEMANAGER_STATE_DIR=str(state_dir),
+                # Read on the CPU platform only (harmless elsewhere, so always set).
+                MOTOR_NODEMANAGER_CPU_CORES=json.dumps(cores),
+                MOTOR_NODEMANAGER_UCX_PORT_RANGE=ucx_port_range(
+                    first, dp, self.first_nodes * dp, nm_cfg, off
+                ),
+                # Engine output is prefixed [engine-<k>] by the NodeManager itself.
+                MOTOR_UP_ENGINE_INDEX=str(first),
+            ),
+            state_dir=state_dir,
+            role=role,
+            number=n,
+            index=i,
         )
-    return nodes
 
 
 def nodemanager_cores(cores: Sequence[int], nodes: int, dp: int) -> list[list[int]]:

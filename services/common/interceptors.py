@@ -84,6 +84,13 @@ class ManagementKeyInterceptor(grpc.aio.ServerInterceptor):
         return _same_kind(handler, deny)
 
 
+# Reads that clients poll every second or two (`motor up` following the desired counts, `motor
+# top`): logged only when they fail, or at debug level, so they do not drown the other lines.
+POLLED_METHODS = frozenset(
+    {"/motor.v1.Controller/ListDesiredInstances", "/motor.v1.Coordinator/GetEngineMetrics"}
+)
+
+
 class AccessLogInterceptor(grpc.aio.ServerInterceptor):
     """One ``event=rpc`` line per finished motor.v1 call: method, code, duration, peer."""
 
@@ -109,9 +116,10 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
                     if exc is None
                     else (grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.UNKNOWN)
                 )
-            level = (
-                logging.INFO if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED) else logging.WARNING
-            )
+            if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                level = logging.DEBUG if method in POLLED_METHODS else logging.INFO
+            else:
+                level = logging.WARNING
             fields = {
                 "method": method,
                 "code": code.name,

@@ -40,6 +40,7 @@ from motor_mesh.controller.alarms.alertmanager import AlertmanagerSink
 from motor_mesh.controller.alarms.sources import COORDINATOR_ALARM_AFTER_S, CoordinatorAlarms, InstanceAlarms
 from motor_mesh.controller.alarms.store import AlarmStore
 from motor_mesh.controller.alarms.watch import AlarmWatchHub
+from motor_mesh.controller.desired import DesiredInstances, role_label
 from motor_mesh.controller.faults.manager import FaultManager
 from motor_mesh.controller.faults.recovery import CoordinatorClears, Group, Recovery
 from motor_mesh.controller.instances import InstanceTable
@@ -127,6 +128,8 @@ class Controller:
         self.table = InstanceTable(self.store, lambda iid: self.instance_loop.enqueue(iid))
         self.alarms = AlarmStore(self.store)
         self.alarm_watch = AlarmWatchHub(self.alarms)
+        # SetDesiredInstances: recorded and exported for what runs the processes.
+        self.desired = DesiredInstances(self.store)
         self.instance_alarms = InstanceAlarms(self.table, self.alarms)
         # controller.coordinators, with dns:/// names expanded (and followed while running).
         self.coordinator_set = CoordinatorSet(cfg.coordinators, self._coordinators_changed)
@@ -242,6 +245,7 @@ class Controller:
             at=cfg.state_dir if store is None else cfg.etcd_prefix,
             instances=len(self.table.live),
             pending=len(self.pending),
+            desired=",".join(f"{role_label(r)}={n}" for r, n in self.desired.counts().items()) or "none",
         )
 
     def _coordinators_changed(self, addresses: list[str]) -> None:

@@ -10,6 +10,10 @@ streams, the active alarms and the reconciles in flight, into metric families. C
 read from the pushers present at scrape time, so one added or removed at run time appears or
 disappears. The reconcile loops' families follow client-go's workqueue and controller-runtime's
 reconcile metrics, labelled ``name`` by loop (assembly, instance, precision, coordinator).
+
+One family is not ``motor_controller_``: ``motor_desired_instances{role}``, the desired instance
+counts (SetDesiredInstances), named for what follows it (``motor up``, an HPA or KEDA) rather than
+for who records it. Only the roles with a recorded count have a series: 0 is a count someone set.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from motor_mesh.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
 from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.controller.desired import role_label
 from motor_mesh.controller.reconcile.runner import DURATION_BUCKETS, FAILURE_KINDS, Reconciler
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
 
@@ -35,6 +40,7 @@ if TYPE_CHECKING:  # app.py and leader/ha.py hand their objects to the collector
     from motor_mesh.controller.leader.ha import Lead
 
 P = "motor_controller_"
+DESIRED = "motor_desired_instances"
 # Every live status (DELETED instances are history, not counted) of every role, so a dashboard
 # or an alert sees 0 rather than no series.
 STATUSES = (INITIAL, ACTIVE, INACTIVE, PAUSED)
@@ -144,6 +150,7 @@ class ControllerCollector(Collector):
         c = self._c
         yield from leader_metrics(c.leadership)
         yield self._instances()
+        yield self._desired()
 
         hub = c.hub
         streams = GaugeMetricFamily(P + "nodemanagers_connected", "Open NodeManager heartbeat streams.")
@@ -191,6 +198,17 @@ class ControllerCollector(Collector):
         for (other_role, other_status), n in sorted(counts.items()):  # one this list lacks
             name = enum_name(common_pb2.Role, other_role, "ROLE_").lower()
             g.add_metric([name, status_name(other_status)], n)
+        return g
+
+    def _desired(self) -> Metric:
+        g = GaugeMetricFamily(
+            DESIRED,
+            "Instances the cluster should have, by role, as last set with SetDesiredInstances "
+            "(`motor scale`); no series for a role without a recorded count.",
+            labels=["role"],
+        )
+        for role, replicas in self._c.desired.counts().items():
+            g.add_metric([role_label(role)], replicas)
         return g
 
     def _strategies(self) -> Iterator[Metric]:

@@ -95,3 +95,16 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         for iid in affected:
             self._c.instance_loop.enqueue(iid)
         return pb.ReportFaultsResponse(affected_instance_ids=sorted(affected))
+
+    async def SetDesiredInstances(
+        self, request: pb.SetDesiredInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetDesiredInstancesResponse:
+        # Stored before it is shown: a failed write raises StateWriteError (UNAVAILABLE,
+        # STATE_WRITE_FAILED) and the count stays what it was.
+        stored = await self._c.desired.set(request.role, request.replicas)
+        return pb.SetDesiredInstancesResponse(desired=stored)
+
+    async def ListDesiredInstances(
+        self, request: pb.ListDesiredInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDesiredInstancesResponse:
+        return pb.ListDesiredInstancesResponse(desired=self._c.desired.entries())

@@ -30,6 +30,8 @@ MAX_PORTS = 1024
 # by them, so an absurd one must be refused, not allocated.
 MAX_PARALLEL = 65_536
 MAX_DEVICES = 4096
+# SetDesiredInstances: instances of one role the cluster may be asked to have.
+MAX_DESIRED_REPLICAS = 1024
 
 
 def _host_problem(host: str) -> str | None:
@@ -174,6 +176,17 @@ def list_alarms(req: controller_pb2.ListAlarmsRequest) -> list[tuple[str, str]]:
     return bad
 
 
+def set_desired_instances(req: controller_pb2.SetDesiredInstancesRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if req.role == common_pb2.ROLE_UNSPECIFIED:
+        bad.append(("role", "required: ROLE_PREFILL, ROLE_DECODE or ROLE_UNION"))
+    elif req.role not in _ROLES:
+        bad.append(("role", f"unknown role {req.role}"))
+    if req.replicas > MAX_DESIRED_REPLICAS:
+        bad.append(("replicas", f"at most {MAX_DESIRED_REPLICAS}"))
+    return bad
+
+
 VALIDATORS = {
     "Register": register,
     "ReportAlarms": report_alarms,
@@ -181,4 +194,5 @@ VALIDATORS = {
     "TerminateInstance": terminate_instance,
     "ListInstances": list_instances,
     "ReportFaults": report_faults,
+    "SetDesiredInstances": set_desired_instances,
 }

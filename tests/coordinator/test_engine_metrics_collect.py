@@ -5,6 +5,7 @@ leaves it at once, and inference workers answer the same as the management proce
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -202,3 +203,25 @@ async def test_inference_workers_answer_from_the_management_process_scrapes(
     for _ in range(6):
         text = await engines_text(http, coord, "?type=instance")
         assert {dict(k)["instance_id"] for k in values(text, "vllm:num_requests_running")} == {"1"}
+
+
+async def test_polling_it_does_not_fill_the_access_log(
+    start_coordinator: StartCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """motor top asks every 2 s: its answers are logged at debug level, other calls at info."""
+    coord = await start_coordinator(engine_metrics_interval_s=3600)
+    caplog.set_level(logging.DEBUG, "motor")
+    await coord.stub.GetEngineMetrics(pb.GetEngineMetricsRequest(), timeout=5)
+    await coord.stub.ListInstances(pb.CoordinatorListInstancesRequest(), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await coord.stub.GetEngineMetrics(pb.GetEngineMetricsRequest(view=99), timeout=5)
+    levels = {
+        (r.fields["method"].rsplit("/", 1)[1], r.fields["code"]): r.levelno  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "event", "") == "rpc"
+    }
+    assert levels == {
+        ("GetEngineMetrics", "OK"): logging.DEBUG,
+        ("ListInstances", "OK"): logging.INFO,
+        ("GetEngineMetrics", "INVALID_ARGUMENT"): logging.WARNING,
+    }

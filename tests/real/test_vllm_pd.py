@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.e2e.cluster import CONTROLLER, COORDINATOR, CallFailed
+from tests.metrics import Scrape, scrape
 from tests.poll import wait_until
 from tests.procs import group_gone
 from tests.real.engines import RealCluster, chat, client, engine_client, running, unique
@@ -153,6 +154,32 @@ def _restart_keeps_engines(cluster: RealCluster, component: str, port: int) -> N
         return True
 
     wait_until(serves, 60, "a request served after the restart", every=1.0)
+
+
+def test_the_coordinator_aggregates_the_real_engines_metrics(cluster: RealCluster) -> None:
+    """/metrics/engines?type=role reads the real engines' own vLLM series: both roles are there,
+    and at rest each role's counters are its engine's own, exactly."""
+    api = client(cluster)
+    api.chat.completions.create(model=MODEL, messages=chat(unique()), max_tokens=4)
+    names = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total")
+
+    def agreed() -> Scrape | None:
+        m = scrape(f"{cluster.base_url}/metrics/engines?type=role")
+        for role, k in (("prefill", PREFILL), ("decode", DECODE)):
+            for name in names:
+                got = sum(s.value for s in m.samples if s.name == name and s.labels.get("role") == role)
+                if got != cluster.engine_counter(k, name):
+                    return None
+        return m
+
+    m = wait_until(agreed, 30, "the role view equal to each engine's own counters")
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count",
+    ):
+        assert {s.labels["role"] for s in m.samples if s.name == name} == {"prefill", "decode"}, name
+    assert m.value("motor:active_decode_workers", role="decode") == 1
 
 
 def test_a_controller_restart_leaves_the_engines_serving(cluster: RealCluster) -> None:

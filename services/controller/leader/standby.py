@@ -102,3 +102,13 @@ class LeaderGate(controller_pb2_grpc.ControllerServicer):
         self, request: pb.ReportFaultsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportFaultsResponse:
         return await self._serving().ReportFaults(request, context)
+
+    async def SetDesiredInstances(
+        self, request: pb.SetDesiredInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetDesiredInstancesResponse:
+        return await self._serving().SetDesiredInstances(request, context)
+
+    async def ListDesiredInstances(
+        self, request: pb.ListDesiredInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDesiredInstancesResponse:
+        return await self._serving().ListDesiredInstances(request, context)

@@ -31,7 +31,7 @@ from typing import NoReturn
 import grpc
 
 from motor_mesh.common import log
-from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.common.enums import DELETED, InstanceStatus, Role
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store import etcd_layout as lay
 from motor_mesh.controller.store.db import StateWriteError
@@ -45,7 +45,7 @@ from motor_mesh.controller.store.etcd_client import (
     prefix_end,
 )
 from motor_mesh.controller.store.etcd_layout import Op
-from motor_mesh.controller.store.interface import KEEP_DELETED, Fence, NodeFaults, NotLeader
+from motor_mesh.controller.store.interface import KEEP_DELETED, DesiredCounts, Fence, NodeFaults, NotLeader
 from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
@@ -137,6 +137,9 @@ class EtcdStore:
         """The history (oldest first), the active alarms (by sequence) and the last sequence
         handed out."""
         return self._snap.alarms()
+
+    def load_desired(self) -> DesiredCounts:
+        return self._snap.desired()
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -245,6 +248,10 @@ class EtcdStore:
         if cut > 0:
             ops.append(("range", lay.ALARM_HISTORY, lay.num(lay.ALARM_HISTORY, cut + 1)))
         await self._write("alarms", ops)
+
+    async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
+        op: Op = ("put", lay.desired_key(role), lay.desired_value(replicas, update_time_ns))
+        await self._write("desired instances", [op])
 
     # ---- transactions ------------------------------------------------------------------------
 

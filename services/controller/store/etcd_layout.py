@@ -11,6 +11,8 @@ Keys, under ``<etcd_prefix>/`` (ids and sequences as 20 digits, so key order is 
     fault_history/<instance id>  [[order, entry], ...] (oldest first, the newest ``keep``)
     alarm_history/<sequence>     the motor.v1.Alarm message
     alarm_active/<dedupe key>    {"seq": sequence, "alarm": <motor.v1.Alarm, base64>}
+    desired_instances/<role>     {"replicas": n, "update_time_ns": ...}: the desired instance
+                                 count of the role (prefill, decode or union)
     meta/journal                 {"id": ..., "chunks": n}: the journal below is committed
     journal/<id>/<n>             [[kind, key, value or range end (base64)], ...]: operations of
                                  a write too large for one transaction
@@ -29,11 +31,11 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.common.enums import ROLE_NAMES, ROLES_BY_NAME, InstanceStatus, Role
 from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store.db import StateCorrupt
-from motor_mesh.controller.store.interface import NodeFaults
+from motor_mesh.controller.store.interface import DesiredCounts, NodeFaults
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
 # etcd's defaults (--max-txn-ops 128, --max-request-bytes 1.5 MiB), with room for the compares.
@@ -46,6 +48,7 @@ JOURNAL = b"meta/journal"
 JOURNALS = b"journal/"
 INSTANCES, PENDING, NODE_FAULTS = b"instances/", b"pending/", b"node_faults/"
 FAULT_HISTORY, ALARM_HISTORY, ALARM_ACTIVE = b"fault_history/", b"alarm_history/", b"alarm_active/"
+DESIRED = b"desired_instances/"
 
 # One operation, on keys relative to the prefix: ("put", key, value), ("del", key, b"") or
 # ("range", start, end): delete every key in [start, end).
@@ -72,6 +75,14 @@ def instance_value(inst: Instance, status: InstanceStatus | None = None) -> byte
 
 def pending_value(job: str, p: Pending) -> bytes:
     return dumps({"job_name": job, "data": pending_row(p)})
+
+
+def desired_key(role: Role) -> bytes:
+    return DESIRED + ROLE_NAMES[role].encode()
+
+
+def desired_value(replicas: int, update_time_ns: int) -> bytes:
+    return dumps({"replicas": replicas, "update_time_ns": update_time_ns})
 
 
 def journal_marker(jid: str, chunks: int) -> bytes:
@@ -184,6 +195,14 @@ class Snapshot:
         tops = [int(k[len(ALARM_HISTORY) :]) for k, _ in stored[-1:]]
         last = max([self.counter(ALARM_SEQUENCE, 0), *tops, *(seq for seq, _ in active)])
         return history, [a for _, a in active], last
+
+    def desired(self) -> DesiredCounts:
+        def decode(key: bytes, raw: bytes) -> tuple[Role, tuple[int, int]]:
+            d = json.loads(raw)
+            role = ROLES_BY_NAME[key[len(DESIRED) :].decode()]
+            return role, (int(d["replicas"]), int(d["update_time_ns"]))
+
+        return dict(sorted(self.decode(k, decode, k, v) for k, v in self.entries(DESIRED)))
 
 
 def _history(key: bytes, raw: bytes) -> tuple[int, list[tuple[int, str]]]:

@@ -20,7 +20,7 @@ import grpc
 from google.rpc import error_details_pb2
 
 from motor_mesh.common import errors
-from motor_mesh.common.enums import InstanceStatus
+from motor_mesh.common.enums import InstanceStatus, Role
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store.db import StateWriteError
 from motor_mesh.gen.motor.v1 import alarm_pb2
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 # A node's reported faults by code: (level, reason).
 NodeFaults = dict[str, tuple[int, str]]
+# The desired instance counts (SetDesiredInstances) by role (a motor.v1.Role value): (replicas,
+# when it was set, in nanoseconds since the Unix epoch).
+DesiredCounts = dict[Role, tuple[int, int]]
 
 # DELETED instances kept for ListInstances(status=DELETED), in memory and in the store; older
 # ones are pruned as new ones are deleted and at start-up. The id counter is stored apart from
@@ -91,6 +94,10 @@ class StateStore(Protocol):
         handed out."""
         ...
 
+    def load_desired(self) -> DesiredCounts:
+        """The desired instance count of each role that has one."""
+        ...
+
     # ---- writes ------------------------------------------------------------------------------
 
     async def next_instance_id(self) -> int:
@@ -132,6 +139,10 @@ class StateStore(Protocol):
         """One alarm report: new history records ``(sequence, alarm)``, active alarms by dedupe
         key (None: no longer active), the sequence counter, and the history trimmed to the newest
         ``keep`` sequences (the sequences are contiguous)."""
+        ...
+
+    async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
+        """Record ``replicas`` as the desired instance count of ``role``, set at ``update_time_ns``."""
         ...
 
     async def close(self) -> None:

@@ -2,8 +2,9 @@
 
 Holds the instance-id counter, every assembled instance (DELETED ones too, so an id is never
 handed out twice and operators can list what was removed), the pending assemblies, the node
-faults reported with ReportFaults, the fault manager's strategy history, and the alarms (the
-active ones, and the bounded history with its sequence counter). Writes are small: one row
+faults reported with ReportFaults, the fault manager's strategy history, the alarms (the
+active ones, and the bounded history with its sequence counter), and the desired instance count
+of each role (SetDesiredInstances). Writes are small: one row
 per registration, assembly or status transition, never one per heartbeat; one transaction per
 alarm report. Every write is a coroutine that runs on the writer thread (store/db.py) and is on disk
 when it returns; callers change memory only after it did, so a failed write (StateWriteError)
@@ -20,11 +21,11 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
-from motor_mesh.common.enums import DELETED, InstanceStatus
+from motor_mesh.common.enums import DELETED, InstanceStatus, Role
 from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store.db import Writer, move_aside, open_checked
-from motor_mesh.controller.store.interface import KEEP_DELETED, NodeFaults
+from motor_mesh.controller.store.interface import KEEP_DELETED, DesiredCounts, NodeFaults
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
 _SCHEMA = """
@@ -46,6 +47,9 @@ CREATE TABLE IF NOT EXISTS fault_history (
 CREATE TABLE IF NOT EXISTS alarm_history (seq INTEGER PRIMARY KEY, alarm BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS alarm_active (
     key TEXT PRIMARY KEY, seq INTEGER NOT NULL, alarm BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS desired_instances (
+    role INTEGER PRIMARY KEY, replicas INTEGER NOT NULL, update_time_ns INTEGER NOT NULL
 );
 """
 
@@ -137,6 +141,15 @@ class Store:
 
         return self._load(load)
 
+    def load_desired(self) -> DesiredCounts:
+        def load() -> DesiredCounts:
+            rows = self._db.execute(
+                "SELECT role, replicas, update_time_ns FROM desired_instances ORDER BY role"
+            )
+            return {Role(int(role)): (int(replicas), int(at)) for role, replicas, at in rows}
+
+        return self._load(load)
+
     # ---- writes ----------------------------------------------------------------------------
 
     async def next_instance_id(self) -> int:
@@ -190,6 +203,10 @@ class Store:
         rows by dedupe key (None: the key is no longer active), the sequence counter, and the
         history trimmed to the newest ``keep`` sequences (the sequences are contiguous)."""
         await self._writer.run("alarms", _save_alarms, list(history), dict(active), last_sequence, keep)
+
+    async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
+        """The desired instance count of ``role``, replacing the one recorded before."""
+        await self._writer.run("desired instances", _save_desired, (role, replicas, update_time_ns))
 
 
 # ---- statements, run on the writer thread inside one transaction each ------------------------
@@ -282,3 +299,11 @@ def _save_alarms(
         (last_sequence,),
     )
     db.execute("DELETE FROM alarm_history WHERE seq <= ?", (last_sequence - keep,))
+
+
+def _save_desired(db: sqlite3.Connection, row: tuple[int, int, int]) -> None:
+    db.execute(
+        "INSERT INTO desired_instances(role, replicas, update_time_ns) VALUES(?,?,?) "
+        "ON CONFLICT(role) DO UPDATE SET replicas=excluded.replicas, update_time_ns=excluded.update_time_ns",
+        row,
+    )
