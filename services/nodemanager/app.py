@@ -11,6 +11,7 @@ refused registration (rc 1); every path stops the engines first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
@@ -34,8 +35,30 @@ from motor_mesh.nodemanager.supervisor import EngineSupervisor
 SHUTDOWN_ENGINE_GRACE_S = 5.0
 
 
+def by_pod_index(c: NodeManagerConfig) -> NodeManagerConfig:
+    """``c`` with the job name and node rank this node takes from ``pod_index`` (Kubernetes: the
+    pod's StatefulSet ordinal, so one StatefulSet holds whole instances): pods are grouped by
+    ordinal, ``parallel.nnodes`` per instance, so ordinal ``i`` is rank ``i % nnodes`` of the job
+    ``<job_name>-<i // nnodes>``. ``c`` itself when pod_index is -1 (not used). An empty job_name
+    stays empty (registration off); the rank still follows the ordinal."""
+    if c.pod_index < 0:
+        return c
+    nnodes = c.parallel.nnodes
+    job = f"{c.job_name}-{c.pod_index // nnodes}" if c.job_name else ""
+    return dataclasses.replace(c, job_name=job, node_rank=c.pod_index % nnodes)
+
+
 async def serve(cfg: Config, stop: asyncio.Event) -> int:
-    c = cfg.nodemanager
+    # Resolved once: the link, the supervisor and every check below see the effective values.
+    c = by_pod_index(cfg.nodemanager)
+    if c.pod_index >= 0:
+        log.event(
+            "pod_index",
+            pod_index=c.pod_index,
+            nnodes=c.parallel.nnodes,
+            job_name=c.job_name,
+            node_rank=c.node_rank,
+        )
     reaper = procgroup.Reaper()
     state = StateFile(c.state_dir)
     stale = await kill_recorded_engines(state, reaper)

@@ -83,12 +83,39 @@ def test_dashboard_shows_what_operators_look_for(dash: dict[str, Any]) -> None:
         "motor_controller_workqueue_reconcile_errors_total",
         "motor_controller_workqueue_reconcile_duration_seconds_bucket",
         "motor_controller_workqueue_longest_running_reconcile_seconds",
+        # Engine pools: the engines' own series, aggregated per role by the Coordinators.
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:kv_cache_usage_perc_max",
+        "motor:prompt_tokens_per_second",
+        "motor:generation_tokens_per_second",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "motor:prefix_cache_hit_rate",
+        "motor:active_prefill_workers",
+        "motor:active_decode_workers",
+        "motor_desired_instances",
     ]:
         assert metric in names, metric
     exprs = [q for _, q in dashboard_queries(dash)]
     ttft = [q for q in exprs if "time_to_first_byte_seconds_bucket" in q]
     assert {q.split(",")[0] for q in ttft} >= {f"histogram_quantile({p}" for p in ("0.5", "0.9", "0.99")}
     assert any("by (le, phase)" in q for q in exprs if "phase_duration_seconds_bucket" in q)
+    for histogram in ("vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket"):
+        merged = [q for q in exprs if histogram in q]
+        assert {q.split(",")[0] for q in merged} == {f"histogram_quantile({p}" for p in ("0.5", "0.99")}
+        assert all("sum by (le, role)" in q for q in merged), merged
+
+
+def test_engine_pool_gauges_count_each_coordinator_once(dash: dict[str, Any]) -> None:
+    # Every Coordinator serves the same aggregate of the same engines: a sum or average over
+    # the engines' gauges first keeps one copy per series (the histograms' quantiles are left
+    # as they are by the copies, the _max and max() ones too).
+    for where, q in dashboard_queries(dash):
+        engine = {n for n in metric_names(q) if n.startswith(("vllm:", "motor:", "sglang:"))}
+        if engine and not q.startswith(("histogram_quantile(", "max by (role) (")):
+            assert "max without (pod, instance)" in q, f"{where}: {q}"
 
 
 async def test_every_controller_metric_the_dashboard_names_is_exported(
@@ -102,7 +129,14 @@ async def test_every_controller_metric_the_dashboard_names_is_exported(
     missing = {
         where: names
         for where, q in dashboard_queries(dash)
-        if (names := {n for n in metric_names(q) if n.startswith("motor_controller_")} - exported)
+        if (
+            names := {
+                n
+                for n in metric_names(q)
+                if n.startswith("motor_controller_") or n == "motor_desired_instances"
+            }
+            - exported
+        )
     }
     assert missing == {}
 

@@ -33,7 +33,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor_mesh.common import metrics_http
 from motor_mesh.common import server as grpc_server
-from motor_mesh.common.config import DEFAULTS, ConfigError, load_config, read_key_file
+from motor_mesh.common.config import (
+    DEFAULTS,
+    ConfigError,
+    NodeManagerConfig,
+    load,
+    load_config,
+    read_key_file,
+)
 from motor_mesh.coordinator import inference
 from motor_mesh.coordinator.workers import pool
 from motor_mesh.gen.motor.v1 import controller_pb2, coordinator_pb2, nodemanager_pb2
@@ -215,26 +222,44 @@ def test_each_service_binds_where_it_is_reached(pods: list[Pod]) -> None:
             assert host in ("0.0.0.0", POD_IP), f"{pod.name}: {host} is not reachable from other pods"
 
 
-def test_each_nodemanager_statefulset_is_one_instance(pods: list[Pod]) -> None:
+def effective(pod: Pod) -> NodeManagerConfig:
+    """The NodeManager configuration the pod runs with, its job and node_rank taken from its
+    ordinal (nodemanager.pod_index), as the NodeManager resolves them at start."""
+    return nodemanager_main.by_pod_index(load(str(pod.config_file()), env=pod.env(POD_IP)).nodemanager)
+
+
+def test_each_nodemanager_statefulset_holds_whole_instances(
+    docs: list[dict[str, Any]], pods: list[Pod], tmp_path: Path
+) -> None:
     jobs = {}
     for component in ("prefill", "decode"):
         ranks = [p for p in pods if p.component == component]
-        assert ranks[0].workload["kind"] == "StatefulSet"
+        sts = ranks[0].workload
+        assert sts["kind"] == "StatefulSet"
         configs = [section(p) for p in ranks]
         nnodes, dp = configs[0]["parallel"]["nnodes"], configs[0]["parallel"]["dp"]
-        assert len(ranks) == nnodes, f"{component}: replicas must equal parallel.nnodes"
-        assert [c["node_rank"] for c in configs] == list(range(nnodes))
+        assert len(ranks) % nnodes == 0, f"{component}: replicas must be a multiple of parallel.nnodes"
         assert {c["job_name"] for c in configs} == {configs[0]["job_name"]} and configs[0]["job_name"]
         assert {json.dumps(c["parallel"], sort_keys=True) for c in configs} == {
             json.dumps(configs[0]["parallel"], sort_keys=True)
         }
         assert {c["role"] for c in configs} == {component}
+        assert [c["pod_index"] for c in configs] == [p.ordinal for p in ranks], "pod_index is the ordinal"
         for p, c in zip(ranks, configs, strict=True):
             assert len(c["ports"]) == dp, f"{p.name}: one engine port per DP rank"
             assert set(c["ports"]) <= set(p.container_ports().values()), (
                 f"{p.name} does not declare its engine ports"
             )
-        jobs[component] = configs[0]["job_name"]
+        # What `kubectl scale --replicas` makes of it: the pods of three instances group into
+        # three whole instances, ranks 0 .. nnodes-1 each, under three job names.
+        scaled = [Pod(docs, sts, i, tmp_path) for i in range(3 * nnodes)]
+        instances: dict[str, list[int]] = {}
+        for p in scaled:
+            c = effective(p)
+            instances.setdefault(c.job_name, []).append(c.node_rank)
+        base = configs[0]["job_name"]
+        assert instances == {f"{base}-{k}": list(range(nnodes)) for k in range(3)}, instances
+        jobs[component] = base
     assert len(set(jobs.values())) == len(jobs), "two StatefulSets would join one instance"
 
 

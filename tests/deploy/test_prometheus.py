@@ -1,9 +1,12 @@
 """deploy/prometheus checked by the real tools: promtool accepts the rules and both scrape
 configs and passes the rules' unit tests; a Prometheus started from motor-up.yml scrapes every
-component of a running ``motor up``, counts the completions sent through it, evaluates every rule
-without error and fires none on a healthy cluster; kubernetes.yml's relabelling turns annotated
-pods into the targets it should; every metric the Grafana dashboard and the rules name is
-exported by the running cluster.
+component of a running ``motor up`` (the engines' aggregate on the Coordinator's
+/metrics/engines too), counts the completions sent through it, evaluates every rule without
+error and fires none on a healthy cluster; kubernetes.yml's relabelling turns annotated pods into
+the targets it should; every metric the Grafana dashboard, the rules and prometheus-adapter's
+rules (deploy/k8s/autoscaling) name is exported by the running cluster, and the adapter's
+queries answer one value per HPA metric through kubernetes.yml's motor-engines job, however many
+Coordinators serve the aggregate.
 
 Prometheus and promtool come from Debian's ``prometheus`` package (``make system-deps`` installs
 it as root); without them the module skips, with one line saying so."""
@@ -19,17 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 import yaml
 
+from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from tests.deploy.promql import (
     PROMETHEUS_DIR,
     RULE_TESTS,
     RULES,
+    adapter_queries,
+    adapter_rules,
     dashboard,
     dashboard_queries,
     exported_names,
+    hpa_metrics,
     missing_metrics,
     rule_queries,
     rules,
@@ -196,11 +204,13 @@ def pod(
 
 def pods(off: int) -> list[dict[str, Any]]:
     """Motor's pods as if Kubernetes ran them, at the running cluster's addresses, and pods
-    the scrape config must leave alone (pending, not annotated, not Motor's)."""
+    the scrape config must leave alone (pending, not annotated, not Motor's). Two Coordinator
+    pods (both the one running here): the aggregate of the same engines twice."""
     ctl, nm0, nm1 = CONTROLLER_METRICS + off, NM_METRICS + off, NM_METRICS + 1 + off
     return [
         *pod("motor-controller-0", "controller", ctl, [CONTROLLER + off, ctl]),
         *pod("motor-coordinator-7f9c-x2", "coordinator", HTTP + off, [HTTP + off, COORDINATOR + off]),
+        *pod("motor-coordinator-7f9c-y3", "coordinator", HTTP + off, [HTTP + off, COORDINATOR + off]),
         *pod("motor-prefill-0", "prefill", nm0, [NM + off]),
         *pod("motor-decode-0", "decode", nm1, [NM + 1 + off]),
         *pod("motor-decode-1", "decode", nm1, [NM + 1 + off], ip="::1"),
@@ -216,9 +226,10 @@ def kubernetes_config(offset: int, pods_file: Path) -> dict[str, Any]:
     in for the Kubernetes API, holding the labels its pod discovery gives."""
     pods_file.write_text(json.dumps(pods(offset)))
     config = fast(yaml.safe_load((PROMETHEUS_DIR / "kubernetes.yml").read_text()))
-    (job,) = config["scrape_configs"]
-    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
-    job["file_sd_configs"] = [{"files": [str(pods_file)]}]
+    assert [job["job_name"] for job in config["scrape_configs"]] == ["motor", "motor-engines"]
+    for job in config["scrape_configs"]:
+        assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+        job["file_sd_configs"] = [{"files": [str(pods_file)]}]
     return config
 
 
@@ -290,6 +301,7 @@ def test_prometheus_scrapes_every_component_of_motor_up(cluster: Cluster, promet
         [
             ("controller", cluster.metrics_url(CONTROLLER_METRICS)),
             ("coordinator", f"{cluster.base_url}/metrics"),
+            ("coordinator", f"{cluster.base_url}/metrics/engines?type=role"),
             *((role, cluster.metrics_url(NM_METRICS + i)) for role, i in NODES.items()),
         ]
     )
@@ -298,9 +310,9 @@ def test_prometheus_scrapes_every_component_of_motor_up(cluster: Cluster, promet
         # The targets page turns "up" when a scrape ends; its sample can reach queries a moment
         # later, so a series may be missing yet (seen under load): not yet, not a failure.
         found = prometheus.query('up{job=~"motor(-.+)?"}')
-        return found if len(found) == 4 else None
+        return found if len(found) == 5 else None
 
-    up = wait_until(up_series, timeout=30, what="an up series for each of the 4 targets")
+    up = wait_until(up_series, timeout=30, what="an up series for each of the 5 targets")
     assert set(up.values()) == {1.0}, up
 
 
@@ -341,6 +353,7 @@ def test_every_metric_the_dashboard_and_rules_name_is_exported(
     exported = set().union(*(exported_names(scrape(t["scrapeUrl"])) for t in targets))
     assert missing_metrics(dashboard_queries(dashboard()), exported) == {}
     assert missing_metrics(rule_queries(), exported) == {}
+    assert missing_metrics(adapter_queries(), exported) == {}
 
 
 def test_kubernetes_relabelling_turns_annotated_pods_into_targets(
@@ -351,8 +364,8 @@ def test_kubernetes_relabelling_turns_annotated_pods_into_targets(
     assert done.returncode == 0, done.stdout + done.stderr
 
     def scraped() -> dict[str, dict[str, Any]]:
-        targets = {t["labels"]["pod"]: t for t in prom.targets()}
-        assert len(targets) == 5, targets
+        targets = {t["labels"]["pod"]: t for t in prom.targets() if t["labels"]["job"] == "motor"}
+        assert len(targets) == 6, targets
         assert all(t["health"] == "up" for p, t in targets.items() if p != "motor-decode-1"), targets
         return targets
 
@@ -361,6 +374,7 @@ def test_kubernetes_relabelling_turns_annotated_pods_into_targets(
     want = {
         "motor-controller-0": ("controller", f"127.0.0.1:{CONTROLLER_METRICS + off}"),
         "motor-coordinator-7f9c-x2": ("coordinator", f"127.0.0.1:{HTTP + off}"),
+        "motor-coordinator-7f9c-y3": ("coordinator", f"127.0.0.1:{HTTP + off}"),
         "motor-prefill-0": ("prefill", f"127.0.0.1:{nm0}"),
         "motor-decode-0": ("decode", f"127.0.0.1:{nm1}"),
         "motor-decode-1": ("decode", f"[::1]:{nm1}"),
@@ -375,8 +389,64 @@ def test_kubernetes_relabelling_turns_annotated_pods_into_targets(
             "instance": address,
         }
         assert t["scrapeUrl"] == f"http://{address}/metrics"
-    dropped = {t["discoveredLabels"]["__meta_kubernetes_pod_name"] for t in prom.targets("dropped")}
+    dropped = {
+        t["discoveredLabels"]["__meta_kubernetes_pod_name"]
+        for t in prom.targets("dropped")
+        if t["discoveredLabels"]["job"] == "motor"
+    }
     assert dropped == {"motor-decode-2", "motor-prefill-1", "cert-manager-0", "postgres-0"}
     # The NodeManagers' series carry their pod's role, as the rules and the dashboard expect.
     restarts = prom.query("motor_nodemanager_engine_restarts_total")
     assert {dict(k)["component"] for k in restarts} == {"prefill", "decode"}
+    # motor-engines: the Coordinator pods alone, each at its annotated port, on /metrics/engines.
+    engines = [t for t in prom.targets() if t["labels"]["job"] == "motor-engines"]
+    assert sorted((t["labels"]["pod"], t["scrapeUrl"]) for t in engines) == [
+        (name, f"http://127.0.0.1:{HTTP + off}/metrics/engines?type=role")
+        for name in ("motor-coordinator-7f9c-x2", "motor-coordinator-7f9c-y3")
+    ]
+    assert all(
+        t["labels"]["component"] == "coordinator" and t["labels"]["namespace"] == "motor" for t in engines
+    )
+
+
+def test_the_adapter_queries_answer_per_role_once_whatever_the_coordinators(
+    cluster: Cluster, prometheuses: Prometheuses, completions: int
+) -> None:
+    """prometheus-adapter's rules (deploy/k8s/autoscaling) as the adapter sends them for the
+    HPAs (namespace and metric selector in <<.LabelMatchers>>), against the Prometheus of
+    kubernetes.yml: one value each, through the motor-engines job, and the same whether one or
+    two Coordinator pods serve the aggregate."""
+    prom = prometheuses.kubernetes
+    # Counts equal to what runs (one prefill, one decode instance): motor up leaves them be.
+    with grpc.insecure_channel(cluster.grpc(CONTROLLER)) as ch:
+        stub = controller_pb2_grpc.ControllerStub(ch)
+        for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE):
+            stub.SetDesiredInstances(
+                controller_pb2.SetDesiredInstancesRequest(role=role, replicas=1), timeout=10
+            )
+    wanted = []
+    for m in hpa_metrics():
+        (rule,) = [r for r in adapter_rules() if m.name in r.names()]
+        (series,) = rule.series()
+        matchers = ",".join(f'{k}="{v}"' for k, v in {"namespace": "motor", **m.selector}.items())
+        wanted.append((m.name, m.selector, rule.query(series, matchers), series))
+
+    def answered() -> dict[str, float]:
+        values = {}
+        for name, selector, query, series in wanted:
+            got = prom.query(query)
+            assert len(got) == 1, f"{name} {selector}: {query} answered {got}"
+            values[f"{name}{selector}"] = next(iter(got.values()))
+            # The series came through the engines' job, labelled with the role it is for.
+            if not series.startswith("motor_desired"):
+                jobs = {dict(k)["job"] for k in prom.query(series)}
+                assert jobs == {"motor-engines"}, (series, jobs)
+        return values
+
+    values = wait_until(answered, timeout=30, what="every HPA metric answered", retry=(AssertionError,))
+    assert values["motor_desired_instances{'role': 'prefill'}"] == 1.0, values
+    assert values["motor_desired_instances{'role': 'decode'}"] == 1.0, values
+    # Both Coordinator pods serve the aggregate: counted once after max without (pod, instance).
+    workers = 'motor:active_prefill_workers{namespace="motor",role="prefill"}'
+    assert prom.query(f"sum({workers})") == {(): 2.0}
+    assert prom.query(f"sum(max without (pod, instance) ({workers}))") == {(): 1.0}
