@@ -8,6 +8,8 @@ the instances added later with it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -144,6 +146,21 @@ def test_motor_scale_starts_decode_instances_that_serve_and_drains_them_away_und
         wait_until(
             lambda: not probe.table().get("paused"), 30, "decode-0 routable again", retry=(CallFailed,)
         )
+
+        # The desired count is the Controller's stored state: a Controller killed and restarted
+        # by motor up still holds it, and motor up, reading it again, removes nothing.
+        killed = c.component_pid("controller")
+        assert killed
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: c.component_pid("controller") not in (0, killed), 30, "the Controller restarted")
+        wait_until(
+            lambda: desired(c) == {"prefill": 1, "decode": 3, "union": 0},
+            30,
+            "the desired counts read from the restarted Controller",
+            retry=(CallFailed,),
+        )
+        wait_active(c, "decode", jobs)
+        assert routable(probe, "decode") == jobs
 
         # -- down to one while clients stream and send requests back to back ------------------
         want = reference(client, [prompt_of(i) for i in range(PROMPTS)], TOKENS)
