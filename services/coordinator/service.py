@@ -194,9 +194,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         view = _VIEWS.get(request.view, "full")
         role = ROLE_NAMES.get(request.role, "")
-        snap = await source.snapshot()
-        families = await asyncio.to_thread(source.families, snap, view, role)
-        resp = pb.GetEngineMetricsResponse(families=exposition.protos(families))
+        snap, families = await source.protos(view, role)
+        resp = pb.GetEngineMetricsResponse(families=families)
         now = time.time()
         for e in sorted(source.endpoints(snap), key=lambda e: (e.instance_id, e.dp_rank, e.host, e.port)):
             if role and e.role != role:

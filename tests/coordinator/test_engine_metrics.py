@@ -183,7 +183,7 @@ def test_the_prometheus_text_parses_back_to_the_same_values(pool: list[Engine]) 
     text = exposition.prometheus(fams).decode()
     parsed = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
-    expected = {(s, k): v for f in fams for s, k, v in f.samples}
+    expected = {(s, tuple(sorted(k))): v for f in fams for s, k, v in f.samples}
     assert parsed == expected
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
     assert "# TYPE vllm:prompt_tokens_total counter" in text
@@ -223,3 +223,20 @@ def test_a_snapshot_survives_its_file_form(pool: list[Engine]) -> None:
     assert math.isnan(one(aggregate([back.engines[3]], "full"), "vllm:kv_cache_usage_perc"))
     with pytest.raises((ValueError, KeyError, TypeError)):
         decode(b'{"seq": 1}')
+
+
+def test_the_text_writer_escapes_what_the_format_needs() -> None:
+    text = (
+        "# HELP vllm:odd A help\\nover two lines with a \\\\ in it.\n"
+        "# TYPE vllm:odd gauge\n"
+        'vllm:odd{model_name="a \\"quoted\\" \\\\ name\\nwith a newline"} 1.5\n'
+        "# HELP vllm:inf Infinite.\n"
+        "# TYPE vllm:inf gauge\n"
+        "vllm:inf +Inf\n"
+    )
+    fams = aggregate([engine(1, "decode", text)], "full")
+    out = exposition.prometheus(fams).decode()
+    back = {f.name: f for f in text_string_to_metric_families(out)}
+    assert back["vllm:odd"].documentation == "A help\nover two lines with a \\ in it."
+    assert back["vllm:odd"].samples[0].labels["model_name"] == 'a "quoted" \\ name\nwith a newline'
+    assert back["vllm:inf"].samples[0].value == math.inf

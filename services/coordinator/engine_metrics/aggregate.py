@@ -2,8 +2,10 @@
 
 A view is a set of labels added to every series: ``full`` none, ``instance`` (instance_id,
 role), ``role`` (role), ``dp`` (instance_id, role, dp_rank, host), ``node`` (host). The
-engines' own labels stay, but ``engine`` (vLLM's engine index, which differs per process and
-would keep the series apart). The derived ``motor:*`` gauges come last.
+engines' own labels stay (but ``engine``, dropped when parsed). Label sets are tuples: the
+engine's, sorted, then the view's in a fixed order, so equal sets are equal keys without a sort
+per sample (the output's label order carries no meaning). The derived ``motor:*`` gauges are
+computed from each engine's rates (parse.rates).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "dp": ("instance_id", "role", "dp_rank", "host"),
     "node": ("host",),
 }
-DROPPED_LABELS = frozenset({"engine"})
 LabelKey = tuple[tuple[str, str], ...]
 HELP = {
     "prompt": "Prompt tokens processed per second, over the last scrape interval.",
@@ -41,15 +42,9 @@ class OutFamily:
     samples: tuple[tuple[str, LabelKey, float], ...]
 
 
-def _view_labels(e: Engine, view: tuple[str, ...]) -> dict[str, str]:
+def _view_labels(e: Engine, view: tuple[str, ...]) -> LabelKey:
     values = {"instance_id": str(e.instance_id), "role": e.role, "dp_rank": str(e.dp_rank), "host": e.host}
-    return {k: values[k] for k in view}
-
-
-def _key(labels: dict[str, str], extra: dict[str, str], skip: str = "") -> LabelKey:
-    merged = {k: v for k, v in labels.items() if k not in DROPPED_LABELS and k != skip}
-    merged.update(extra)
-    return tuple(sorted(merged.items()))
+    return tuple((k, values[k]) for k in view)
 
 
 def _le(s: str) -> float:
@@ -57,10 +52,7 @@ def _le(s: str) -> float:
 
 
 def _le_text(b: float) -> str:
-    if math.isinf(b):
-        return "+Inf"
-    r = repr(float(b))
-    return r
+    return "+Inf" if math.isinf(b) else repr(float(b))
 
 
 class _Histogram:
@@ -71,28 +63,30 @@ class _Histogram:
         self.buckets: dict[tuple[str, LabelKey], dict[int, dict[float, float]]] = {}
 
     def add(self, base: str, key: LabelKey, engine: int, bound: float, count: float) -> None:
-        self.buckets.setdefault((base, key), {}).setdefault(engine, {})[bound] = count
+        counts = self.buckets.setdefault((base, key), {}).setdefault(engine, {})
+        counts[bound] = counts.get(bound, 0.0) + count  # one endpoint may serve several engines
 
     def merged(self) -> Iterable[tuple[str, LabelKey, float]]:
         for (base, key), per_engine in self.buckets.items():
             bounds = sorted({b for counts in per_engine.values() for b in counts})
             total = dict.fromkeys(bounds, 0.0)
             for counts in per_engine.values():
-                own = sorted(counts)
-                if len(own) == len(bounds):  # the usual case: every engine has the same bounds
-                    for b in own:
-                        total[b] += counts[b]
+                if len(counts) == len(bounds):  # the usual case: every engine has the same bounds
+                    for b, n in counts.items():
+                        total[b] += n
                     continue
                 # An engine without a bound counts what it has at its nearest bound below: its
                 # cumulative count there is a lower bound of the true one.
+                own = sorted(counts)
                 i, last = 0, 0.0
                 for b in bounds:
                     while i < len(own) and own[i] <= b:
                         last = counts[own[i]]
                         i += 1
                     total[b] += last
+            name = base + "_bucket"
             for b in bounds:
-                yield base + "_bucket", tuple(sorted((*key, ("le", _le_text(b))))), total[b]
+                yield name, (*key, ("le", _le_text(b))), total[b]
 
 
 def aggregate(engines: list[Engine], view: str) -> list[OutFamily]:
@@ -105,28 +99,29 @@ def aggregate(engines: list[Engine], view: str) -> list[OutFamily]:
     for idx, e in enumerate(engines):
         extra = _view_labels(e, labels_of)
         for fam in e.families:
-            kind = meta[fam.name][2] if fam.name in meta else kind_of(fam.name, fam.type)
-            if fam.name not in meta:
-                meta[fam.name] = (fam.type, fam.help, kind)
+            known = meta.get(fam.name)
+            if known is None:
+                known = meta[fam.name] = (fam.type, fam.help, kind_of(fam.name, fam.type))
+            kind = known[2]
             if kind is Kind.HISTOGRAM:
                 h = hists.setdefault(fam.name, _Histogram())
+                acc = sums.setdefault(fam.name, {})
                 for sname, labels, value in fam.samples:
-                    if sname.endswith("_bucket") and "le" in labels:
-                        h.add(fam.name, _key(labels, extra, "le"), idx, _le(labels["le"]), value)
+                    if labels and labels[-1][0] == "le":  # parse.py puts a bucket's le last
+                        h.add(fam.name, labels[:-1] + extra, idx, _le(labels[-1][1]), value)
                     elif sname.endswith(("_count", "_sum")):
-                        acc = sums.setdefault(fam.name, {})
-                        k = (sname, _key(labels, extra))
+                        k = (sname, labels + extra)
                         acc[k] = acc.get(k, 0.0) + value
             elif kind is Kind.MEAN:
                 acc_m = means.setdefault(fam.name, {})
                 for _, labels, value in fam.samples:
-                    acc_m.setdefault(_key(labels, extra), []).append(value)
+                    acc_m.setdefault(labels + extra, []).append(value)
             else:
                 acc = sums.setdefault(fam.name, {})
                 for sname, labels, value in fam.samples:
-                    if kind is Kind.SUMMARY and "quantile" in labels:
+                    k = (sname, labels + extra)
+                    if kind is Kind.SUMMARY and any(n == "quantile" for n, _ in labels):
                         continue  # quantiles of different engines cannot be combined
-                    k = (sname, _key(labels, extra))
                     if kind is Kind.MAX:
                         acc[k] = max(acc.get(k, -math.inf), value)
                     else:
@@ -167,8 +162,8 @@ def _derived(engines: list[Engine], labels_of: tuple[str, ...]) -> list[OutFamil
     hits: dict[LabelKey, list[float]] = {}  # [delta hits, delta queries, hits, queries]
     sglang_rates: dict[LabelKey, list[float]] = {}
     for e in engines:
-        rk = tuple(sorted(_view_labels(e, by_role).items()))
-        gk = tuple(sorted(_view_labels(e, labels_of).items()))
+        rk = _view_labels(e, by_role)
+        gk = _view_labels(e, labels_of)
         r = e.rates
         prompt[rk] = prompt.get(rk, 0.0) + r.prompt_tps
         generation[rk] = generation.get(rk, 0.0) + r.generation_tps

@@ -1,16 +1,14 @@
-"""Aggregated families in the three forms they are served in: Prometheus text (written by
-``prometheus_client`` itself, so escaping and counter suffixes are its own), OTLP JSON (the
-protobuf JSON mapping of ``ExportMetricsServiceRequest``), and ``motor.v1.MetricFamily``."""
+"""Aggregated families in the three forms they are served in: Prometheus text (prometheus_client's
+own layout, escaping and float spelling), OTLP JSON (the protobuf JSON mapping of
+``ExportMetricsServiceRequest``), and ``motor.v1.MetricFamily``."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import orjson
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from motor_mesh.coordinator.engine_metrics.aggregate import OutFamily
 from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
@@ -19,22 +17,37 @@ PROMETHEUS_CT = b"text/plain; version=0.0.4; charset=utf-8"
 OTLP_CT = b"application/json"
 
 
-class _Families(Collector):
-    def __init__(self, families: Sequence[OutFamily]) -> None:
-        self._families = families
+_TEXT_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary"}
 
-    def collect(self) -> Iterator[Metric]:
-        for f in self._families:
-            m = Metric(f.name, f.help, f.type)
-            for name, labels, value in f.samples:
-                m.add_sample(name, dict(labels), value)
-            yield m
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_value(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def prometheus(families: Sequence[OutFamily]) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families))
-    return generate_latest(registry)
+    """The text exposition (format 0.0.4), as prometheus_client writes it: a counter's HELP and
+    TYPE name its ``_total`` samples. Written here rather than through prometheus_client's
+    generate_latest, which costs several times more per sample (an instance view of 64 vLLM
+    engines holds some 26,000)."""
+    lines: list[str] = []
+    add = lines.append
+    label_text: dict[tuple[tuple[str, str], ...], str] = {}
+    for f in families:
+        name = f.name + "_total" if f.type == "counter" else f.name
+        add(f"# HELP {name} {_escape_help(f.help)}")
+        add(f"# TYPE {name} {_TEXT_TYPES.get(f.type, 'untyped')}")
+        for sample, labels, value in f.samples:
+            text = label_text.get(labels)
+            if text is None:
+                inner = ",".join(f'{k}="{_escape_value(v)}"' for k, v in labels)
+                text = label_text[labels] = "{" + inner + "}" if inner else ""
+            add(f"{sample}{text} {floatToGoString(value)}")
+    add("")
+    return "\n".join(lines).encode()
 
 
 def _attrs(labels: tuple[tuple[str, str], ...]) -> list[dict[str, object]]:

@@ -8,13 +8,32 @@ samples (a counter's or histogram's start time) are dropped: they do not add up.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor_mesh.coordinator.engine_metrics import rules
 from motor_mesh.coordinator.engine_metrics.rules import PREFIXES
 from motor_mesh.coordinator.engine_metrics.snapshot import Family, Rates, Sample
 
+DROPPED = frozenset({"engine"})  # vLLM's per-process engine index: it would keep engines apart
 _KEEP_COMMENTS = tuple(f"# {word} {p}" for word in ("HELP", "TYPE") for p in PREFIXES)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def init_process(parent: int) -> None:
+    """The parse process's start: it ends with the Coordinator however that ends (the kernel
+    kills it when its parent goes, SIGKILL included), and leaves Ctrl-C to the Coordinator."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent was gone before that was armed
+        os._exit(1)
 
 
 def _engine_lines(text: str) -> str:
@@ -26,15 +45,23 @@ def _engine_lines(text: str) -> str:
 
 
 def parse(text: str) -> tuple[Family, ...]:
-    """Raises ValueError (the parser's error) for text that is not an exposition."""
+    """Raises ValueError (the parser's error) for text that is not an exposition. Runs in the
+    collector's parse process (see collector.py): what it returns is pickled back."""
     out = []
     for fam in text_string_to_metric_families(_engine_lines(text)):
-        # The text format gives a counter's _created its own family (a gauge): both go.
-        samples: tuple[Sample, ...] = tuple(
-            (s.name, dict(s.labels), float(s.value)) for s in fam.samples if not s.name.endswith("_created")
-        )
+        samples: list[Sample] = []
+        for s in fam.samples:
+            # The text format gives a counter's _created its own family (a gauge): both go.
+            if s.name.endswith("_created"):
+                continue
+            labels = s.labels
+            le = labels.get("le") if s.name.endswith("_bucket") else None
+            pairs = tuple(sorted((k, v) for k, v in labels.items() if k not in DROPPED and k != "le"))
+            if le is not None:
+                pairs += (("le", le),)
+            samples.append((s.name, pairs, float(s.value)))
         if samples:
-            out.append(Family(fam.name, fam.type, fam.documentation, samples))
+            out.append(Family(fam.name, fam.type, fam.documentation, tuple(samples)))
     return tuple(out)
 
 

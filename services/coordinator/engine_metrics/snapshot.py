@@ -6,13 +6,15 @@ written whole and renamed into place, so a reader sees one round or the next, ne
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
-import orjson
+import msgspec
 
-Labels = dict[str, str]
+# An engine's labels as (name, value) pairs sorted by name, without ``engine`` (vLLM's engine
+# index, which differs per process); a histogram bucket's ``le`` comes last, out of order, so the
+# aggregation finds it without a search. Tuples: they are dictionary keys as they are.
+Labels = tuple[tuple[str, str], ...]
 Sample = tuple[str, Labels, float]  # (sample name, labels, value), as exposed
 
 
@@ -68,66 +70,22 @@ class Snapshot:
         return [e for e in self.engines if e.fresh(now, self.stale_s)]
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Snapshot)
+
+
 def encode(snap: Snapshot) -> bytes:
-    return orjson.dumps(
-        {
-            "seq": snap.seq,
-            "at": snap.at,
-            "stale_s": snap.stale_s,
-            "engines": [
-                {
-                    "instance_id": e.instance_id,
-                    "role": e.role,
-                    "host": e.host,
-                    "port": e.port,
-                    "dp_rank": e.dp_rank,
-                    "ok_at": e.ok_at,
-                    "error": e.error,
-                    "families": [[f.name, f.type, f.help, f.samples] for f in e.families],
-                    "rates": [
-                        e.rates.prompt_tps,
-                        e.rates.generation_tps,
-                        e.rates.hits_delta,
-                        e.rates.queries_delta,
-                        e.rates.hits_total,
-                        e.rates.queries_total,
-                        e.rates.sglang_hit_rate,
-                    ],
-                }
-                for e in snap.engines
-            ],
-        }
-    )
-
-
-def _number(v: float | None) -> float:
-    return math.nan if v is None else float(v)  # orjson writes NaN and the infinities as null
+    """msgpack, typed: decoded straight into these dataclasses and tuples, several times faster
+    than JSON plus the conversions (a round of 64 vLLM engines is some 2.5 MB)."""
+    return _ENCODER.encode(snap)
 
 
 def decode(raw: bytes) -> Snapshot:
-    """Raises ValueError (orjson.JSONDecodeError is one), KeyError or TypeError for a file this
-    module did not write."""
-    d = orjson.loads(raw)
-    engines = []
-    for e in d["engines"]:
-        fams = tuple(
-            Family(name, typ, help_, tuple((s[0], s[1], _number(s[2])) for s in samples))
-            for name, typ, help_, samples in e["families"]
-        )
-        engines.append(
-            Engine(
-                int(e["instance_id"]),
-                str(e["role"]),
-                str(e["host"]),
-                int(e["port"]),
-                int(e["dp_rank"]),
-                float(e["ok_at"]),
-                str(e["error"]),
-                fams,
-                Rates(*e["rates"]),
-            )
-        )
-    return Snapshot(int(d["seq"]), float(d["at"]), float(d["stale_s"]), tuple(engines))
+    """Raises ValueError for bytes this module did not write."""
+    try:
+        return _DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not an engine-metrics snapshot: {exc}") from None
 
 
 class SnapshotFile:

@@ -17,6 +17,7 @@ from motor_mesh.coordinator.engine_metrics.aggregate import VIEWS, OutFamily, ag
 from motor_mesh.coordinator.engine_metrics.collector import endpoints
 from motor_mesh.coordinator.engine_metrics.snapshot import Engine, Snapshot
 from motor_mesh.coordinator.table import TableState
+from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
 
 FORMATS = ("prometheus", "opentelemetry")
 ROLES = ("prefill", "decode", "union")
@@ -29,7 +30,10 @@ class EngineMetrics:
         self._read = read  # the newest snapshot; blocking_read: it reads a file
         self._blocking = blocking_read
         self._table = table
-        self._cache: dict[tuple[str, str, str], bytes] = {}
+        # Per (round, table revision): the aggregates asked for, and their renderings.
+        self._families: dict[tuple[str, str], list[OutFamily]] = {}
+        self._bodies: dict[tuple[str, str, str], bytes] = {}
+        self._protos: dict[tuple[str, str], list[pb.MetricFamily]] = {}
         self._cache_of: tuple[int, int] = (-1, -1)
         self._lock = asyncio.Lock()
 
@@ -61,23 +65,52 @@ class EngineMetrics:
         ]
         return aggregate(chosen, view if view in VIEWS else "full")
 
-    async def body(self, view: str, role: str, fmt: str) -> tuple[bytes, bytes]:
-        """(content type, body). ``view`` unknown = full; ``fmt`` and ``role`` must be known."""
+    async def aggregated(self, view: str, role: str) -> tuple[Snapshot, list[OutFamily]]:
+        """The newest snapshot and its aggregate for ``view`` (unknown = full) and ``role`` ("" =
+        every role), computed once per round and table revision."""
         view = view if view in VIEWS else "full"
         snap = await self.snapshot()
         at = (snap.seq, self._table().revision)
-        key = (view, role, fmt)
         async with self._lock:  # one computation per key and round, however many ask at once
-            if at != self._cache_of:
-                self._cache, self._cache_of = {}, at
-            body = self._cache.get(key)
+            self._expire(at)
+            families = self._families.get((view, role))
+            if families is None:
+                families = await asyncio.to_thread(self.families, snap, view, role)
+                self._families[(view, role)] = families
+        return snap, families
+
+    async def body(self, view: str, role: str, fmt: str) -> tuple[bytes, bytes]:
+        """(content type, body). ``view`` unknown = full; ``fmt`` and ``role`` must be known."""
+        view = view if view in VIEWS else "full"
+        snap, families = await self.aggregated(view, role)
+        at = (snap.seq, self._table().revision)
+        async with self._lock:
+            self._expire(at)
+            body = self._bodies.get((view, role, fmt))
             if body is None:
-                body = await asyncio.to_thread(self._render, snap, view, role, fmt)
-                self._cache[key] = body
+                body = await asyncio.to_thread(self._render, families, snap.at, fmt)
+                self._bodies[(view, role, fmt)] = body
         return (exposition.OTLP_CT if fmt == "opentelemetry" else exposition.PROMETHEUS_CT), body
 
-    def _render(self, snap: Snapshot, view: str, role: str, fmt: str) -> bytes:
-        families = self.families(snap, view, role)
+    async def protos(self, view: str, role: str) -> tuple[Snapshot, list[pb.MetricFamily]]:
+        """The aggregate as GetEngineMetrics answers it, converted once per round."""
+        view = view if view in VIEWS else "full"
+        snap, families = await self.aggregated(view, role)
+        at = (snap.seq, self._table().revision)
+        async with self._lock:
+            self._expire(at)
+            messages = self._protos.get((view, role))
+            if messages is None:
+                messages = await asyncio.to_thread(exposition.protos, families)
+                self._protos[(view, role)] = messages
+        return snap, messages
+
+    def _expire(self, at: tuple[int, int]) -> None:
+        if at != self._cache_of:
+            self._families, self._bodies, self._protos, self._cache_of = {}, {}, {}, at
+
+    @staticmethod
+    def _render(families: list[OutFamily], at: float, fmt: str) -> bytes:
         if fmt == "opentelemetry":
-            return exposition.otlp_json(families, snap.at or time.time())
+            return exposition.otlp_json(families, at or time.time())
         return exposition.prometheus(families)
