@@ -8,6 +8,8 @@ import math
 
 import pytest
 from google.protobuf import json_format
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -240,3 +242,78 @@ def test_the_text_writer_escapes_what_the_format_needs() -> None:
     assert back["vllm:odd"].documentation == "A help\nover two lines with a \\ in it."
     assert back["vllm:odd"].samples[0].labels["model_name"] == 'a "quoted" \\ name\nwith a newline'
     assert back["vllm:inf"].samples[0].value == math.inf
+
+
+ODD = """# HELP vllm:a_total A counter\\nwith two lines and a \\\\.
+# TYPE vllm:a_total counter
+vllm:a_total{engine="0",model_name="m"} 3
+vllm:a_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:b counter
+vllm:b{model_name="m"} 2
+# HELP vllm:s A summary.
+# TYPE vllm:s summary
+vllm:s{quantile="0.5"} 1
+vllm:s_count 4
+vllm:s_sum 8.5
+vllm:stray{x="y z"} 7
+vllm:s_count 5
+# TYPE vllm:h histogram
+vllm:h_bucket{le="0.5",model_name="m"} 1
+vllm:h_bucket{le="+Inf",model_name="m"} 2
+vllm:h_count{model_name="m"} 2
+vllm:h_sum{model_name="m"} 1.25
+vllm:h_created{model_name="m"} 1.7e9
+# HELP vllm:u An untyped one.
+vllm:u{model_name="a } brace"} NaN
+vllm:v -Inf
+sglang:w{a="1"} 1.5 1700000000000
+"""
+
+
+def test_the_series_cache_parses_as_prometheus_client_does() -> None:
+    parser = parse.Parser()
+    for text in (ODD, vllm_text(2, 5, 0.2, 1000, 10, [1, 2, 0]), ODD):  # ODD twice: warm cache
+        assert repr(parser.parse(text)) == repr(parse.whole(text))
+    # A sample line it does not handle (a quoted name) goes to prometheus_client whole.
+    quoted = '# TYPE vllm:q gauge\nvllm:q{"odd name"="1"} 2\n'
+    assert parser.parse(quoted) == parse.whole(quoted)
+    with pytest.raises(ValueError):
+        parser.parse("# TYPE vllm:x\n")
+    with pytest.raises(ValueError):
+        parser.parse("vllm:x{a=1} 2\n")
+
+
+label_value = st.text(st.characters(codec="utf-8", exclude_characters='"\\\n\r'), max_size=8)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["vllm:g", "vllm:c_total", "vllm:h_bucket", "vllm:h_count", "sglang:x"]),
+            st.dictionaries(st.sampled_from(["engine", "model_name", "le", "k"]), label_value, max_size=3),
+            st.floats(allow_nan=False, width=32),
+        ),
+        max_size=12,
+    ),
+    st.lists(
+        st.sampled_from(["# TYPE vllm:h histogram", "# TYPE vllm:c_total counter", "# HELP vllm:g G."]),
+        max_size=3,
+    ),
+)
+def test_any_exposition_parses_as_prometheus_client_does(
+    samples: list[tuple[str, dict[str, str], float]], comments: list[str]
+) -> None:
+    lines = list(comments)
+    for name, labels, value in samples:
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        lines.append(f"{name}{{{inner}}} {value!r}" if labels else f"{name} {value!r}")
+    text = "\n".join(lines) + "\n"
+    try:
+        expected = parse.whole(text)
+    except ValueError:
+        with pytest.raises(ValueError):
+            parse.Parser().parse(text)
+        return
+    parser = parse.Parser()
+    assert repr(parser.parse(text)) == repr(expected)
+    assert repr(parser.parse(text)) == repr(expected)  # from the cache

@@ -5,12 +5,10 @@ leaves it at once, and inference workers answer the same as the management proce
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import grpc
@@ -19,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motor_mesh.gen.motor.v1 import common_pb2 as c
 from motor_mesh.gen.motor.v1 import coordinator_pb2 as pb
-from motor_mesh.gen.motor.v1 import coordinator_pb2_grpc
 from tests.coordinator.conftest import (
     ENGINE_ARGS,
     Engine,
@@ -30,7 +27,6 @@ from tests.coordinator.conftest import (
     set_table,
 )
 from tests.poll import until
-from tests.procs import Proc, child_pids, exited, motor_argv
 
 FAST = {"engine_metrics_interval_s": 0.2, "engine_metrics_stale_s": 1.5}
 
@@ -229,35 +225,3 @@ async def test_polling_it_does_not_fill_the_access_log(
         ("ListInstances", "OK"): logging.INFO,
         ("GetEngineMetrics", "INVALID_ARGUMENT"): logging.WARNING,
     }
-
-
-async def test_the_parse_process_ends_with_a_killed_coordinator(
-    tmp_path: Path, pd: dict[str, Engine]
-) -> None:
-    """The parsing runs in a process of its own: SIGKILL to the Coordinator takes it along."""
-    cfg = tmp_path / "coordinator.json"
-    cfg.write_text(json.dumps({"port": 0, "http_port": 0, "workers": 1, **FAST}))
-    coordinator = Proc(motor_argv("coordinator", "--config", str(cfg)))
-    try:
-        address, http_addr = await coordinator.await_listening(30)
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            table = pb.SetInstancesRequest(instances=[instance(1, c.ROLE_DECODE, pd["d"].port)])
-            await stub.SetInstances(table, timeout=5)
-        pid = coordinator.popen.pid
-        parsers = await until(lambda: child_pids(pid, "--multiprocessing-fork"), 30, "the parse process")
-        async with aiohttp.ClientSession() as http:
-            text = await until(
-                lambda: _scraped(http, f"http://{http_addr}/metrics/engines"), 30, "a parsed exposition"
-            )
-        assert "vllm:num_requests_running" in text
-        coordinator.signal(signal.SIGKILL)
-        await until(lambda: all(exited(p) for p in parsers), 30, "the parse process gone")
-    finally:
-        coordinator.kill()
-
-
-async def _scraped(http: aiohttp.ClientSession, url: str) -> str | None:
-    async with http.get(url) as r:
-        text = await r.text()
-    return text if r.status == 200 and "vllm:" in text else None

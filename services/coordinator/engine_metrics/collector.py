@@ -1,12 +1,13 @@
 """Scrapes every engine endpoint of the routing table, every ``engine_metrics_interval_s``.
 
 Off the request path: one supervised task in the management process; the scrapes run
-concurrently (at most :data:`CONCURRENCY` at once), each with a deadline. The parsing (pure
-Python, about 9 ms of CPU for a vLLM engine's 60 KB) runs in a process of its own: in a thread it
-would hold the interpreter lock against the event loop serving requests
-(bench/results/engine_metrics.md measured p99 latency 13x with it in threads). An exposition
-byte-for-byte the same as the engine's last one (an idle engine) is not parsed again. An engine
-whose scrape fails keeps its last values until they are
+concurrently (at most :data:`CONCURRENCY` at once), each with a deadline, and the parsing runs
+in a thread, about 1 ms of CPU for a vLLM engine's 60 KB exposition (parse.Parser reads each
+series once; prometheus_client's parser over the whole text took 11 ms, and in threads held the
+interpreter lock against the loop serving requests long enough to put p99 latency at 13x:
+bench/results/engine_metrics.md). An exposition byte-for-byte the same as the engine's last one
+(an idle engine) is not parsed again. An engine whose scrape fails keeps its last values until
+they are
 ``engine_metrics_stale_s`` old; one that leaves the table is forgotten in the same round (and
 left out of every answer at once, see :mod:`.source`). Headless endpoints serve no HTTP and
 are not scraped.
@@ -15,19 +16,15 @@ are not scraped.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import aiohttp
 
 from motor_mesh.common import log, tasks
 from motor_mesh.common.enums import ROLE_NAMES
 from motor_mesh.coordinator.engine_metrics import parse
-from motor_mesh.coordinator.engine_metrics.snapshot import Engine, Family, Snapshot, SnapshotFile
+from motor_mesh.coordinator.engine_metrics.snapshot import Engine, Snapshot, SnapshotFile
 from motor_mesh.coordinator.table import TableState
 
 CONCURRENCY = 32
@@ -67,8 +64,6 @@ class Collector:
         self._engines: dict[Key, Engine] = {}
         self._prev_at: dict[Key, float] = {}  # monotonic time of each engine's last good scrape
         self._bodies: dict[Key, bytes] = {}  # each engine's last exposition, parsed into .families
-        # Spawned, not forked: this process runs gRPC's threads, which a fork would not carry.
-        self._parser: ProcessPoolExecutor | None = None
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -88,28 +83,6 @@ class Collector:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
-        if self._parser is not None:
-            self._parser.shutdown(wait=False, cancel_futures=True)
-
-    def _parse_process(self) -> ProcessPoolExecutor:
-        if self._parser is None:
-            self._parser = ProcessPoolExecutor(
-                1,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=parse.init_process,
-                initargs=(os.getpid(),),
-            )
-        return self._parser
-
-    async def _parse(self, text: str) -> tuple[Family, ...]:
-        """Raises ValueError for text that is not an exposition."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._parse_process(), parse.parse, text)
-        except BrokenProcessPool:
-            # The parse process died (killed, out of memory): the next parse starts another.
-            log.warn("engine_metrics_parser_lost")
-            self._parser = None
-            raise
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -160,10 +133,8 @@ class Collector:
             if body == self._bodies.get(e.key):
                 families = e.families  # nothing changed since the last scrape
             else:
-                families = await self._parse(body.decode("utf-8", "replace"))
+                families = await asyncio.to_thread(parse.parse, body.decode("utf-8", "replace"))
                 self._bodies[e.key] = body
-        except BrokenProcessPool:
-            return _failed(e, "the parse process died")
         except TimeoutError:
             return _failed(e, f"no answer within {timeout:g} s")
         except aiohttp.ClientError as exc:
