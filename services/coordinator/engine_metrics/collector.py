@@ -1,16 +1,15 @@
 """Scrapes every engine endpoint of the routing table, every ``engine_metrics_interval_s``.
 
 Off the request path: one supervised task in the management process; the scrapes run
-concurrently (at most :data:`CONCURRENCY` at once), each with a deadline, and the parsing runs
-in a thread, about 1 ms of CPU for a vLLM engine's 60 KB exposition (parse.Parser reads each
-series once; prometheus_client's parser over the whole text took 11 ms, and in threads held the
-interpreter lock against the loop serving requests long enough to put p99 latency at 13x:
-bench/results/engine_metrics.md). An exposition byte-for-byte the same as the engine's last one
-(an idle engine) is not parsed again. An engine whose scrape fails keeps its last values until
-they are
-``engine_metrics_stale_s`` old; one that leaves the table is forgotten in the same round (and
-left out of every answer at once, see :mod:`.source`). Headless endpoints serve no HTTP and
-are not scraped.
+concurrently (at most :data:`CONCURRENCY` at once), each with a deadline, their starts spread
+over up to a second, and the parsing runs in one thread: about 1 ms of CPU for a vLLM engine's
+60 KB exposition (parse.Parser reads each series once; prometheus_client's parser over the whole
+text takes 11 ms, holding the interpreter lock against the loop serving requests; the costs are
+in bench/results/engine_metrics.md). An exposition byte-for-byte
+the same as the engine's last one (an idle engine) is not parsed again. An engine whose scrape
+fails keeps its last values until they are ``engine_metrics_stale_s`` old; one that leaves the
+table is forgotten in the same round (and left out of every answer at once, see :mod:`.source`).
+Headless endpoints serve no HTTP and are not scraped.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
@@ -30,6 +30,7 @@ from motor_mesh.coordinator.table import TableState
 CONCURRENCY = 32
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a vLLM exposition with many LoRAs and models stays far below
 TIMEOUT_CAP_S = 5.0
+SPREAD_S = 1.0  # a round's scrapes start spread over this much (at most half the interval)
 
 Key = tuple[int, str, int]
 
@@ -64,6 +65,8 @@ class Collector:
         self._engines: dict[Key, Engine] = {}
         self._prev_at: dict[Key, float] = {}  # monotonic time of each engine's last good scrape
         self._bodies: dict[Key, bytes] = {}  # each engine's last exposition, parsed into .families
+        # One parse at a time: never more than one thread taking the interpreter from the loop.
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="engine-metrics-parse")
         self._limit = asyncio.Semaphore(CONCURRENCY)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -83,6 +86,7 @@ class Collector:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -104,7 +108,14 @@ class Collector:
             if e is None or e.role != role or e.dp_rank != rank:
                 self._engines[key] = Engine(key[0], role, key[1], key[2], rank)
         keys = list(self._engines)
-        results = await asyncio.gather(*(self._scrape(self._engines[k]) for k in keys))
+        # Spread over the round, not all at once: a burst of 64 answers (4 MB) and their parses
+        # at one instant stalls the loop serving requests for as long as they take, which showed
+        # up as p99 latency (bench/results/engine_metrics.md); one at a time it never waits long.
+        spread = min(self.interval_s / 2, SPREAD_S)
+        step = spread / len(keys) if keys else 0.0
+        results = await asyncio.gather(
+            *(self._scrape(self._engines[k], i * step) for i, k in enumerate(keys))
+        )
         failed = 0
         for key, engine in zip(keys, results, strict=True):
             if key in self._engines:  # not forgotten meanwhile
@@ -118,8 +129,10 @@ class Collector:
             self._on_round(snap, failed)
         return snap
 
-    async def _scrape(self, e: Engine) -> Engine:
+    async def _scrape(self, e: Engine, after_s: float = 0.0) -> Engine:
         assert self._session is not None
+        if after_s > 0:
+            await asyncio.sleep(after_s)
         timeout = min(self.interval_s, TIMEOUT_CAP_S) or TIMEOUT_CAP_S
         url = f"http://{_host(e.host)}:{e.port}/metrics"
         try:
@@ -133,7 +146,8 @@ class Collector:
             if body == self._bodies.get(e.key):
                 families = e.families  # nothing changed since the last scrape
             else:
-                families = await asyncio.to_thread(parse.parse, body.decode("utf-8", "replace"))
+                text = body.decode("utf-8", "replace")
+                families = await asyncio.get_running_loop().run_in_executor(self._parser, parse.parse, text)
                 self._bodies[e.key] = body
         except TimeoutError:
             return _failed(e, f"no answer within {timeout:g} s")
