@@ -5,6 +5,7 @@ leaves it at once, and inference workers answer the same as the management proce
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor_mesh.gen.motor.v1 import common_pb2 as c
@@ -225,3 +227,40 @@ async def test_polling_it_does_not_fill_the_access_log(
         ("ListInstances", "OK"): logging.INFO,
         ("GetEngineMetrics", "INVALID_ARGUMENT"): logging.WARNING,
     }
+
+
+async def test_an_answer_that_arrives_in_pieces_is_read_whole(
+    start_coordinator: StartCoordinator, http: aiohttp.ClientSession
+) -> None:
+    """A large exposition comes in several reads: the collector waits for all of it."""
+    lines = ["# TYPE vllm:num_requests_running gauge"]
+    lines += [f'vllm:num_requests_running{{model_name="m",k="{i}"}} {i}' for i in range(2000)]
+    body = ("\n".join(lines) + "\n").encode()
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        for i in range(0, len(body), 7000):  # cut mid-line, with pauses between the pieces
+            await resp.write(body[i : i + 7000])
+            await asyncio.sleep(0.02)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        coord = await start_coordinator(engine_metrics_interval_s=3600)
+        await set_table(coord, instance(1, c.ROLE_DECODE, port))
+        assert coord.co.collector is not None
+        snap = await coord.co.collector.collect()
+        assert [e.error for e in snap.engines] == [""]
+        text = await engines_text(http, coord)
+        total = sum(values(text, "vllm:num_requests_running").values())
+        assert total == sum(range(2000))
+    finally:
+        await runner.cleanup()

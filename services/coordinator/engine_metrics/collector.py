@@ -140,8 +140,8 @@ class Collector:
                 async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     if r.status != 200:
                         return _failed(e, f"HTTP {r.status}")
-                    body = await r.content.read(MAX_BODY_BYTES + 1)
-            if len(body) > MAX_BODY_BYTES:
+                    body = await _whole_body(r)
+            if body is None:
                 return _failed(e, f"answer larger than {MAX_BODY_BYTES} bytes")
             if body == self._bodies.get(e.key):
                 families = e.families  # nothing changed since the last scrape
@@ -163,6 +163,18 @@ class Collector:
         if e.error or e.ok_at == 0:
             log.event("engine_metrics_scraped", instance_id=e.instance_id, endpoint=f"{e.host}:{e.port}")
         return Engine(e.instance_id, e.role, e.host, e.port, e.dp_rank, time.time(), "", families, rates)
+
+
+async def _whole_body(r: aiohttp.ClientResponse) -> bytes | None:
+    """The whole answer; None past MAX_BODY_BYTES. (``content.read(n)`` would return what has
+    arrived so far, a part of the answer.)"""
+    chunks, size = [], 0
+    async for chunk in r.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _failed(e: Engine, why: str) -> Engine:
