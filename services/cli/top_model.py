@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC
 from typing import Any
 
 from google.protobuf import timestamp_pb2
 
+from motor_mesh.cli.status import alarm_entry, iso
 from motor_mesh.common import enums
 from motor_mesh.gen.motor.v1 import alarm_pb2, coordinator_pb2
 
@@ -291,23 +291,8 @@ class ControllerView:
     error: dict[str, str] | None = None
 
 
-def iso(ts: timestamp_pb2.Timestamp) -> str:
-    return ts.ToDatetime(tzinfo=UTC).isoformat(timespec="seconds")
-
-
 def seconds_of(ts: timestamp_pb2.Timestamp) -> float:
     return ts.ToNanoseconds() / 1e9
-
-
-def alarm_entry(a: alarm_pb2.Alarm) -> dict[str, Any]:
-    return {
-        "sequence": a.sequence,
-        "alarm_id": a.alarm_id,
-        "severity": enums.enum_name(alarm_pb2.Severity, a.severity, "SEVERITY_"),
-        "instance_id": a.instance_id,
-        "reason": a.reason,
-        "time": iso(a.occur_time) if a.HasField("occur_time") else None,
-    }
 
 
 def migrations(families: Sequence[coordinator_pb2.MetricFamily]) -> dict[str, Any] | None:

@@ -66,7 +66,7 @@ from motor_mesh.cli.up_args import parse
 from motor_mesh.cli.up_output import error_line, pump
 from motor_mesh.cli.up_plan import NO_ETCD, Child, etcd_binary, plan
 from motor_mesh.cli.up_procs import die_with_parent, kill_descendants, remove_state_dir
-from motor_mesh.cli.up_scale import Scaler, first_of
+from motor_mesh.cli.up_scale import Scaler
 from motor_mesh.common import enums, log, tasks
 from motor_mesh.common.channel import open_channel
 from motor_mesh.common.config import Config, ConfigError, ServerConfig, load, read_key_file
@@ -178,7 +178,7 @@ class Cluster:
             delay = child.backoff.next()
             log.warn("restart", component=child.name, rc=rc, in_s=round(delay, 2))
             while True:
-                await first_of(self.stopping, child.retiring, within=delay)
+                await tasks.first_of(self.stopping, child.retiring, within=delay)
                 if self.stopping.is_set() or child.retiring.is_set():
                     return
                 try:

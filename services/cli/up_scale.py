@@ -102,12 +102,12 @@ class Scaler:
         try:
             if not await self.record():
                 return
-            await first_of(self.stopping, ready)
+            await tasks.first_of(self.stopping, ready)
             while not self.stopping.is_set():
                 desired = await self.read()
                 if desired is not None:
                     await self.step(desired)
-                await first_of(self.stopping, within=POLL_S)
+                await tasks.first_of(self.stopping, within=POLL_S)
         finally:
             await self._target.close()
 
@@ -137,7 +137,7 @@ class Scaler:
                         f"({failure.code.name}: {failure.message})"
                     )
                     return False
-                await first_of(self.stopping, within=backoff.next(failure.retry_after))
+                await tasks.first_of(self.stopping, within=backoff.next(failure.retry_after))
                 continue
             pending.pop(0)
             backoff.reset()
@@ -269,7 +269,7 @@ class Scaler:
                     )
                     return Terminated.NOT_DONE
                 wait = min(backoff.next(failure.retry_after), max(deadline - loop.time(), 0.0))
-                await first_of(self.stopping, within=wait)
+                await tasks.first_of(self.stopping, within=wait)
         return Terminated.NOT_DONE
 
     async def _exited(self, child: Child, within: float, sig: signal.Signals | None = None) -> bool:
@@ -313,13 +313,3 @@ def _key(path: str) -> str | None:
         return read_key_file(path)
     except (ConfigError, OSError):
         return None
-
-
-async def first_of(*events: asyncio.Event, within: float | None = None) -> None:
-    """Until one of ``events`` is set, or ``within`` seconds pass."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()

@@ -106,3 +106,13 @@ async def cancel_quietly(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+async def first_of(*events: asyncio.Event, within: float | None = None) -> None:
+    """Until one of ``events`` is set, or ``within`` seconds pass."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -148,7 +148,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     )
     running.append(tasks.spawn("suicide-arbiter", arbiter.run))
 
-    await first_of(stop, done, signals.planned)
+    await tasks.first_of(stop, done, signals.planned)
     rc = exit_rc[0] if exit_rc else 0
     if signals.planned.is_set() and not exit_rc:
         await drain_first(link, sup, stop, done, stop_received, c.drain_wait_s)
@@ -167,16 +167,6 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     return rc
 
 
-async def first_of(*events: asyncio.Event, within: float | None = None) -> None:
-    """Until one of ``events`` is set (or ``within`` seconds pass)."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-
-
 async def drain_first(
     link: ControllerLink | None,
     sup: EngineSupervisor,
@@ -191,7 +181,7 @@ async def drain_first(
     there is nothing to drain or the Controller does not take the request; ``stop`` (stdin
     closed) cuts the wait short."""
     if stop_received.is_set():  # the Controller's Stop is being carried out already
-        await first_of(done, stop)
+        await tasks.first_of(done, stop)
         return
     if link is None or not link.registered.is_set() or not sup.instance_id or not sup.engines or not wait_s:
         why = (
@@ -220,12 +210,12 @@ async def drain_first(
     deadline = started + wait_s
     while not (done.is_set() or stop.is_set()):
         if stop_received.is_set():
-            await first_of(done, stop)  # the Stop stops the engines, then asks for the exit
+            await tasks.first_of(done, stop)  # the Stop stops the engines, then asks for the exit
             continue
         left = deadline - loop.time()
         if left <= 0:
             break
-        await first_of(done, stop, stop_received, within=left)
+        await tasks.first_of(done, stop, stop_received, within=left)
     outcome = (
         "stopped_by_controller" if stop_received.is_set() else "stdin_closed" if stop.is_set() else "timeout"
     )
