@@ -43,6 +43,7 @@ import os
 import pickle
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -245,9 +246,9 @@ def gil_summary(out: Path, seconds: float) -> GilProfile | None:
     return GilProfile(seconds, samples)
 
 
-def code_version() -> str:
-    """The Coordinator code measured: the commit, and whether services/coordinator differs from it
-    ("" outside a git checkout)."""
+def code_version() -> tuple[str, str]:
+    """The Coordinator code measured: (the commit, and whether services/coordinator differs from
+    it; a digest of its sources), ("", "") outside a git checkout."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -259,9 +260,10 @@ def code_version() -> str:
         dirty = git("status", "--porcelain", "--", "services/coordinator")
         digest = git("hash-object", *sorted(str(p) for p in (REPO / "services/coordinator").rglob("*.py")))
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return "", ""
     note = ", with uncommitted changes in services/coordinator" if dirty else ""
-    return f"commit {head}{note} (sources {hashlib.sha1(digest.encode()).hexdigest()[:8]})"
+    sources = hashlib.sha1(digest.encode()).hexdigest()[:8]
+    return f"commit {head}{note} (sources {sources})", sources
 
 
 def session_cpu_ns(leader: int) -> int:
@@ -1062,15 +1064,19 @@ def render(
 
 
 async def amain(args: argparse.Namespace) -> int:
-    code = code_version()
+    # SIGTERM (`timeout`, a killed job) unwinds like Ctrl-C: every process started is stopped.
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    code, sources = code_version()
     cost = collector_cost()
     print(f"  exposition {cost.size} bytes, parse {cost.parse_ms:.1f} ms", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-engine-metrics-") as d:
         tmp = Path(d)
         runs, gil = await part1(args, tmp)
         steps = await part2(args, tmp)
-    after = code_version()
-    if after != code:
+    after, sources_after = code_version()
+    if sources_after != sources:  # another commit alone (docs, tests) changes nothing measured
         code = f"{code}, then {after}: **the code changed during the run**"
     return publish(RESULTS, render(runs, cost, gil, steps, args, code))
 

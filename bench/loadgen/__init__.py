@@ -10,4 +10,6 @@
 - ``scale_report``: results/scale.md from scale.json, one row per Controller run (SQLite or etcd).
 - ``failover_load``: bench_failover's client load (failed requests) and process age (restart backoff).
 - ``controller_failover``: bench_failover's Controller part: SIGKILL the ``motor up --ha`` leader.
+- ``metrics_farm``: bench_engine_metrics' stand-in engines: one process answering ``/metrics`` with
+  a vLLM V1 exposition on many ports (``python -m bench.loadgen.metrics_farm --count N``).
 """
