@@ -354,6 +354,7 @@ async def test_live_in_a_terminal_redraws_in_place_and_ctrl_c_exits_0(coordinato
     )
     os.close(slave)
     screen_bytes = bytearray()
+    closed = asyncio.Event()  # the child closed the terminal: every byte it wrote was read
     loop = asyncio.get_running_loop()
 
     def readable() -> None:
@@ -365,6 +366,7 @@ async def test_live_in_a_terminal_redraws_in_place_and_ctrl_c_exits_0(coordinato
             screen_bytes.extend(chunk)
         else:
             loop.remove_reader(master)
+            closed.set()
 
     loop.add_reader(master, readable)
     try:
@@ -373,7 +375,7 @@ async def test_live_in_a_terminal_redraws_in_place_and_ctrl_c_exits_0(coordinato
         await until(lambda: len(coordinator.fake.requests) >= asked + 4, 20, "two more refreshes")
         proc.send_signal(signal.SIGINT)
         rc = await asyncio.wait_for(proc.wait(), 20)
-        await asyncio.sleep(0.1)  # the last bytes
+        await asyncio.wait_for(closed.wait(), 10)
     finally:
         loop.remove_reader(master)
         os.close(master)

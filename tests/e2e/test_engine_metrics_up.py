@@ -147,7 +147,17 @@ async def test_the_role_view_under_load_equals_the_engines_own_sums(
 
         # At rest, the sums are the engines' own, exactly.
         load.set()
-        await asyncio.sleep(0.5)
+
+        async def idle() -> bool:
+            # No client sends another request once the event is set; wait out the ones in flight.
+            for inst in await asyncio.to_thread(cluster.controller_instances):
+                for ep in inst["endpoints"]:
+                    _, text = await get(http, f"http://{ep['host']}:{ep['port']}/metrics")
+                    if sum(parse(text).get("vllm:num_requests_running", {}).values()):
+                        return False
+            return True
+
+        await until(idle, 30, "every engine idle")
         still = await direct(http, cluster)
         await rounds_after(cluster, 2)
         agg = await engines(http, cluster, "?type=role")
