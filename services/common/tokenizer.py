@@ -10,12 +10,14 @@ holds a request's prefix by the request's own ids. Two tokenizers:
   chat, the model's Jinja chat template from ``tokenizer_config.json``, rendered as vLLM renders
   it (``add_generation_prompt``, then encoded without special tokens).
 
-How chat messages become text differs: the simulated engine joins ``"<role>: <text>"`` lines
-(:func:`sim_chat_text`), a real engine renders the model's template.
+A chat becomes text by the model's template when its tokenizer has one, in the engines and the
+Coordinator alike; the simulated engine without a template joins ``"<role>: <text>"`` lines
+(:func:`sim_chat_text`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zlib
@@ -62,14 +64,44 @@ class HfTokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=special).ids
         return ids
 
+    def encode_all(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        """:meth:`encode` of each text, without holding the GIL while encoding (the library's
+        batch call releases it, its single one does not): call it in a thread for long texts."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=special)]
+
+    @functools.cached_property
+    def splitters(self) -> dict[str, int]:
+        """The added tokens (text → id) the tokenizer splits a text at before anything else
+        (no stripping of neighbouring spaces, whole-text match): the text on either side of one
+        encodes on its own, so a text cut right after one encodes as its two parts do."""
+        out = {}
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            if not (added.lstrip or added.rstrip or added.single_word or added.normalized):
+                out[added.content] = i
+        return out
+
     @property
     def has_chat_template(self) -> bool:
         return isinstance(self._config.get("chat_template"), str)
 
-    def chat_text(self, messages: Sequence[dict[str, Any]], tools: Any = None) -> str | None:
+    def chat_text(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Any = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str | None:
         """The chat template rendered as vLLM renders it, or None without a template. A
         message's list of text parts is one string, the parts joined by newlines (vLLM's "string"
-        content format, what most templates expect)."""
+        content format, what most templates expect).
+
+        ``continue_final_message``: the final message left open, as transformers leaves it for
+        vLLM: its content is rendered with a marker after it (the generation prompt is not
+        asked for, whatever ``add_generation_prompt`` says: vLLM refuses the pair before it
+        renders), and the text is cut where the marker begins, trailing whitespace dropped when
+        the template trimmed the content. ValueError when the final message has no text to
+        continue or its text does not appear in the rendered chat (transformers' refusals)."""
         if not self.has_chat_template:
             return None
         if self._template is None:
@@ -83,20 +115,68 @@ class HfTokenizer:
             env.filters["tojson"] = _tojson
             env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self._config["chat_template"])
-        return str(
+        flat = [_flat(m) for m in messages]
+        final = None
+        if continue_final_message:
+            add_generation_prompt = False
+            final = _continued(flat, self._config["chat_template"])
+        text = str(
             self._template.render(
-                messages=[_flat(m) for m in messages],
+                messages=flat,
                 tools=tools,  # None is passed too, as transformers does for a request without tools
                 documents=None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=_token_text(self._config.get("bos_token")),
                 eos_token=_token_text(self._config.get("eos_token")),
             )
         )
+        return text if final is None else _cut_at_tag(text, final)
+
+
+# transformers' marker (chat_template_utils.render_jinja_template): appended to the final
+# message's content, the rendered text is cut where it begins.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _continued(flat: list[Any], template: str) -> str:
+    """transformers' preparation of ``continue_final_message``: the final message's text, and
+    that message (a copy, in ``flat``) with the marker after its content."""
+    last = flat[-1] if flat and isinstance(flat[-1], dict) else {}
+    final = last.get("content")
+    if final is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+    if "content" not in template:
+        raise ValueError(
+            'continue_final_message is set to "content" but this is not an accepted field in the '
+            "chat_template"
+        )
+    if not isinstance(final, str):
+        raise ValueError(
+            "continue_final_message is set but we could not find any text to continue in the final message!"
+        )
+    flat[-1] = {**last, "content": final + _CONTINUE_TAG}
+    return final
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the chat after "
+            "applying the chat template"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]  # the template keeps the content as it is
+    return rendered[:at].rstrip()  # it trimmed the content: its trailing spaces went with it
 
 
 def _flat(message: Any) -> Any:
-    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if content is None and "content" in message:
+        return {**message, "content": ""}  # vLLM renders a null content (a tool call's) as ""
     if not isinstance(content, list):
         return message
     parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]

@@ -27,7 +27,10 @@ LRU, up to `--num-gpu-blocks-override` blocks (default 65536); a cached prefix i
 again (`--prefill-ms-per-token` counts only the uncached tokens). On by default as in vLLM V1;
 `--no-enable-prefix-caching` turns it off. Prompts are tokenized by `--tokenizer` (a
 tokenizer.json or a directory with one; default the model's directory), else one token per
-whitespace-separated word; metrics vllm:prefix_cache_queries/hits (tokens).
+whitespace-separated word; metrics vllm:prefix_cache_queries/hits (tokens). A chat is the
+model's chat template (its tokenizer_config.json beside the tokenizer.json) rendered as vLLM
+renders it and encoded without special tokens, so its ids and KV blocks are a real vLLM's;
+without a template, one `<role>: <text>` line per message (tokens.py, openai_api.py).
 KV events (kv_events.py): `--kv-events-config` (vLLM's JSON) publishes every cache change on
 vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank),
 sent after the answer that caused them, as vLLM's publisher thread does; the bound addresses

@@ -384,7 +384,7 @@ class Completions:
 
     def _plan(self, body: bytes, chat: bool, fault: str | None) -> Plan:
         try:
-            req = parse_request(json.loads(body), chat)
+            req = parse_request(json.loads(body), chat, self.engine.tokenizer)
         except RequestError as exc:
             raise invalid_request(str(exc), "invalid_request", exc.param) from None
         except ValueError as exc:

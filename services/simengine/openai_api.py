@@ -4,6 +4,11 @@ The fields beyond OpenAI's are vLLM 0.32's, named and placed as it places them: 
 (the prompt's ids and each choice's, or each delta's, output ids), a chat's
 `kv_transfer_params.prompt_token_ids` (the prompt as ids, messages not rendered),
 `continue_final_message` / `add_generation_prompt` and `echo`.
+
+A chat's messages become one text (tokens.py encodes it without special tokens): with a Hugging
+Face tokenizer whose `tokenizer_config.json` has a chat template, that template rendered as vLLM
+renders it (`add_generation_prompt`, `continue_final_message`, `tools`; HfTokenizer.chat_text);
+else the sim's own `<role>: <text>` lines (sim_chat_text).
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from motor_mesh.common.tokenizer import is_token_ids, message_text, sim_chat_text, token_prompt_text
+from motor_mesh.common.tokenizer import (
+    HfTokenizer,
+    Tokenizer,
+    is_token_ids,
+    message_text,
+    sim_chat_text,
+    token_prompt_text,
+)
 from motor_mesh.simengine.generation import (
     Generated,
     chat_logprob_entries,
@@ -53,7 +65,9 @@ class Bootstrap:
 class ParsedRequest:
     chat: bool
     model: str | None
-    prompts: list[str]  # each prompt as text (a chat's messages rendered, even when ids are given)
+    # Each prompt as text: a chat's messages rendered (the model's chat template, or the sim's
+    # lines), even when ids are given.
+    prompts: list[str]
     prompt_tokens: list[int]
     question: str | None  # what a known answer answers (chat); None: nothing to answer afresh
     max_tokens: int
@@ -195,10 +209,33 @@ def _echo_text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _template_text(
+    tok: HfTokenizer, body: dict[str, Any], messages: list[Any], add_gen: bool | None, cont: bool | None
+) -> str:
+    """The model's chat template rendered as vLLM renders it (its refusals are 400s, as vLLM's
+    renderer answers a template error)."""
+    try:
+        text = tok.chat_text(
+            messages,
+            body.get("tools"),
+            add_generation_prompt=add_gen is not False,
+            continue_final_message=bool(cont),
+        )
+    except Exception as exc:  # jinja2's TemplateError, transformers' ValueErrors, a template's TypeError
+        raise RequestError(str(exc) or type(exc).__name__) from None
+    assert text is not None  # has_chat_template was checked
+    return text
+
+
 def _chat_prompt(
-    body: dict[str, Any], messages: list[Any], pairs: list[tuple[str, str]], kv: Any
+    body: dict[str, Any],
+    messages: list[Any],
+    pairs: list[tuple[str, str]],
+    kv: Any,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[str, str | None, list[int] | None, str, str | None]:
-    """(prompt text, question, prompt ids if given, the answer's role, echo text) of a chat."""
+    """(prompt text, question, prompt ids if given, the answer's role, echo text) of a chat.
+    ``tokenizer``: the engine's; an HfTokenizer with a chat template renders the messages."""
     add_gen = _bool_field(body, "add_generation_prompt")
     cont = _bool_field(body, "continue_final_message")
     echo = _bool_field(body, "echo")
@@ -219,14 +256,23 @@ def _chat_prompt(
                 "assistant message instead."
             )
         _check_final(messages[-1])
-    if cont and pairs[-1][0] == "assistant":
+    if cont and pairs[-1][0] == "assistant" and pairs[-1][1].strip():
+        question = None  # the answer already begun: no fresh answer, the context goes on
+    if isinstance(tokenizer, HfTokenizer) and tokenizer.has_chat_template:
+        try:
+            text = _template_text(tokenizer, body, messages, add_gen, cont)
+        except RequestError:
+            if reused is None:
+                raise
+            # Given ids are not rendered (vLLM renders nothing): a text that is not their
+            # prompt, only read for a known answer, which it then does not match.
+            text = sim_chat_text(pairs)
+    elif cont and pairs[-1][0] == "assistant":
         # Open-ended: the sim's template has an empty generation prompt (an answer begins right
         # after the last message's line), so the answer being continued is its bare text, where
         # it began; the tokens after it are then exactly the ones the uninterrupted answer had.
         final = pairs[-1][1]
         text = sim_chat_text(pairs[:-1]) + "\n" + final if len(pairs) > 1 else final
-        if final.strip():
-            question = None  # the answer already begun: no fresh answer, the context goes on
     else:
         text = sim_chat_text(pairs)
     role = pairs[-1][0] if add_gen is False else "assistant"  # vLLM's get_chat_request_role
@@ -257,7 +303,10 @@ def _bootstrap(body: dict[str, Any]) -> list[Bootstrap]:
     return out
 
 
-def parse_request(body: Any, chat: bool) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, tokenizer: Tokenizer | None = None) -> ParsedRequest:
+    """A request body, validated as vLLM validates it. ``tokenizer``: the engine's, which a
+    chat's messages are rendered for (an HfTokenizer with a chat template: the template; else,
+    and without one, the sim's ``<role>: <text>`` lines)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
@@ -274,7 +323,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages is required and must be a non-empty list", "messages")
         pairs = [_message_text(m, i) for i, m in enumerate(messages)]
-        text, question, reused, role, echo = _chat_prompt(body, messages, pairs, kv)
+        text, question, reused, role, echo = _chat_prompt(body, messages, pairs, kv, tokenizer)
         prompts = [text]
         if reused is not None:
             token_prompts, ids_param = [reused], IDS_PARAM

@@ -2,10 +2,12 @@
 
 A router that places requests by the blocks an engine reports must turn a prompt into the same
 ids the engine cached it under, so both use motor_mesh.common.tokenizer the same way: a completion
-prompt's text is encoded with the model's special tokens, a chat's text (:func:`sim_chat_text`)
-without them, as vLLM encodes a rendered chat template. A prompt given as token ids (a completion
-prompt of ids, a chat's `kv_transfer_params.prompt_token_ids`) is those ids as they are, as in
-vLLM.
+prompt's text is encoded with the model's special tokens, a chat's text without them, as vLLM
+encodes a rendered chat template. That text (openai_api.py) is the model's chat template rendered
+as vLLM renders it when the tokenizer is a Hugging Face one with a template in its
+`tokenizer_config.json` (Llama 3's puts `<|begin_of_text|>` itself), else the sim's
+`<role>: <text>` lines (:func:`sim_chat_text`). A prompt given as token ids (a completion prompt
+of ids, a chat's `kv_transfer_params.prompt_token_ids`) is those ids as they are, as in vLLM.
 
 The tokenizer also spells what the engine generates (:func:`output_vocab`, :func:`answer_tokens`):
 an answer's ids are what its text encodes to.
