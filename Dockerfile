@@ -14,11 +14,6 @@ FROM ${PYTHON_IMAGE} AS builder
 ARG ENGINE_PACKAGES=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler for kv_aware's extension (services/coordinator/kv/_speedups.c): the wheel carries
-# it built, and the runtime image needs no compiler.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/motor
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

@@ -42,7 +42,8 @@ CONTRACT_KEYS = {
     "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
         max_json_depth prefill_policy decode_policy kv_prefix_weight kv_load_weight
-        kv_index_max_blocks tokenizers api_keys_file controller
+        kv_index_max_blocks kv_load_gate kv_affinity_load_gate_topn kv_events_stale_s
+        pd_min_prompt_tokens tokenizers api_keys_file controller
         controller_key_file precision_check_enabled precision_interval_s precision_logprobs
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s migration_limit migration_delay_s

@@ -123,8 +123,15 @@ class Coordinator:
         else:
             if kv_routing.wanted(self.cfg):
                 writer = SharedWriter(self.pool.dir, self.cfg.kv_index_max_blocks)
+                # The workers' legs in flight say which engines served while their events were
+                # silent (kv_events_stale_s).
                 self._kv_feed = KvFeed(
-                    self.cfg, lambda: self.view, self.metrics.kv, kv_routing.roles(self.cfg), writer
+                    self.cfg,
+                    lambda: self.view,
+                    self.metrics.kv,
+                    kv_routing.roles(self.cfg),
+                    writer,
+                    legs=lambda: self._legs(0)[0],
                 )
                 await self._kv_feed.start()
                 self.metrics.start_flushing()  # the feed's counters reach the workers' scrapes

@@ -95,14 +95,15 @@ def make_router(
     def policy(name: str) -> Policy:
         if name != kv_routing.POLICY:
             return make_policy(name)
-        return kv.policy.decide if kv is not None else least_load
+        return kv.policy if kv is not None else least_load
 
     migration = Migration(
         cfg.migration_limit if view is not None else 0,  # pinned requests never continue
         cfg.migration_delay_s,
         StateBudget.share(cfg.max_migration_state_bytes, cfg.max_migration_state_total_bytes, workers),
     )
-    return Router(engines, policy(cfg.prefill_policy), policy(cfg.decode_policy), kv, migration)
+    prefill, decode = policy(cfg.prefill_policy), policy(cfg.decode_policy)
+    return Router(engines, prefill, decode, kv, migration, cfg.pd_min_prompt_tokens)
 
 
 class InferenceServer:

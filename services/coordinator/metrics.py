@@ -139,7 +139,9 @@ class Metrics:
             registry=r,
         )
         self._legs = Counter(
-            "motor_coordinator_routed", "Requests routed, by mode (vllm_pd, sglang_pd, union, prefill_only).",
+            "motor_coordinator_routed",
+            "Requests routed, by mode (vllm_pd, decode_only: a short prompt without a prefill leg, "
+            "sglang_pd, union, prefill_only).",
             ["mode"], registry=r,
         )  # fmt: skip
         self._migrations = Counter(

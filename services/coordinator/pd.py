@@ -151,13 +151,19 @@ class Router:
         decode_policy: Policy,
         kv: KvRouting | None = None,
         migration: Migration | None = None,
+        min_prompt_tokens: int = 0,
     ) -> None:
         self.engines = engines
+        # Shorter prompts skip the prefill leg of a vLLM-protocol pair (pd_min_prompt_tokens).
+        self.min_prompt_tokens = min_prompt_tokens
         self.migration = migration or Migration(0, 0.0, StateBudget(0, 0))
         self.metrics = engines.metrics
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.kv = kv
+        # The KV feed of this process (one inference process), told which engines serve: one
+        # whose events go silent while it serves is stale (kv_events_stale_s).
+        self._feed = kv.feed if kv is not None else None
         self.completed: CompletedSink | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -168,7 +174,7 @@ class Router:
         ``routes_of`` gives then (the table may have changed meanwhile)."""
         if self.kv is not None:
             some = routes.pd[0].prefill[0] if routes.pd else (routes.union or routes.prefill_only)[0]
-            call.prompt = self.kv.prompt(call.req, call.path == CHAT_PATH, some)
+            call.prompt = await self.kv.prompt(call.req, call.path == CHAT_PATH, some)
         if call.carry is None and self.migration.limit:
             call.carry = self._carry(call, routes)
         carry = call.carry
@@ -289,6 +295,11 @@ class Router:
                 if group.protocol == PD_SGLANG:
                     metrics.routed("sglang_pd")
                     return await self._sglang(call, group)
+                if self._short(call):
+                    # Conditional disaggregation: a decode engine computes a short prompt's
+                    # prefill itself sooner than a hand-off can bring it (bench/results/kv_routing.md).
+                    metrics.routed("decode_only")
+                    return await self._whole(call, group.decode, self.decode_policy, "decode", call.raw)
                 metrics.routed("vllm_pd")
                 return await self._vllm(call, group)
             if routes.union:
@@ -300,6 +311,15 @@ class Router:
             if call.span is not None:
                 call.span.end()
                 call.span = None
+
+    def _short(self, call: Call) -> bool:
+        """Whether the prompt is under ``min_prompt_tokens``: counted exactly when kv_aware
+        tokenized it, else the body's estimate (about four characters a token)."""
+        limit = self.min_prompt_tokens
+        if not limit:
+            return False
+        prompt = call.prompt
+        return (prompt.n if prompt is not None else call.prompt_tokens) < limit
 
     # -- vLLM: prefill first, then decode with the prefill's kv_transfer_params ----------------
 
@@ -320,6 +340,8 @@ class Router:
             p.load += work
             p.legs += 1
             pep = _endpoint(p, call.prompt)
+            if self._feed is not None:
+                self._feed.prefill_sent(pep.base)
             leg = None if call.trace is None else call.trace.leg("prefill", pep)
             t = loop.time()
             try:
@@ -373,6 +395,8 @@ class Router:
         loop = asyncio.get_running_loop()
         started = loop.time()
         ep = _endpoint(t, call.prompt)
+        if self._feed is not None:
+            self._feed.prefill_sent(ep.base)  # a decode leg's engine serves too
         leg = None if call.trace is None else call.trace.leg(role, ep)
         # A whole request's prefill is cheaper by its cached prefix; a decode leg's is not.
         if role == "decode":
@@ -449,6 +473,8 @@ class Router:
             if p is None:
                 raise NoUpstream("prefill", call.model, last)
             pep = _endpoint(p, call.prompt)
+            if self._feed is not None:
+                self._feed.prefill_sent(pep.base)
             work = _prefill_work(call)
             d = _pick(self.decode_policy, group.decode, tried_d, call.prompt)
             if d is None:

@@ -74,6 +74,12 @@ class TcpProxy:
         if self._server is not None:
             self._server.close()
         await self._cut()
+        # Connections still piping (waiting out a stall, say) are cancelled and awaited: none
+        # is left pending when the loop stops.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     async def _cut(self) -> int:
         writers = list(self._open)

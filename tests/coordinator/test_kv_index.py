@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections import Counter, OrderedDict
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from motor_mesh.coordinator.kv.blocks import held, held_run, hold, release
 from motor_mesh.coordinator.kv.hashing import chain
 from motor_mesh.coordinator.kv.index import KvIndex
 from motor_mesh.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
-from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 BS = 4
 PROMPT = list(range(100, 124))  # six blocks
 OURS = chain(PROMPT, BS)
-
-
-@pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
-def impl(request: pytest.FixtureRequest) -> Any:
-    """Every test twice: the per-block work in C, and in the Python it mirrors."""
-    with implementation(request.param):
-        yield request.param
 
 
 def stored(hashes: list[BlockHash], parent: BlockHash | None, tokens: list[int], size: int = BS) -> Stored:
@@ -217,3 +212,84 @@ def test_the_index_follows_an_engine(operations: list[tuple[str, Any, int]]) -> 
         while expected < len(hashes) and hashes[expected] in engine.ours():
             expected += 1
         assert index.match(hashes).get("e", 0) == expected
+
+
+# ---- the per-block work (services/coordinator/kv/blocks.py) -------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.sets(st.integers(0, 80), max_size=20))
+def test_held_finds_a_leading_run_by_bisection(length: int, run: int, others: set[int]) -> None:
+    hashes = list(range(length))
+    run = min(run, length)
+    # A leading run, then blocks held past a gap (a hole no engine makes).
+    holding = set(range(run)) | {h for h in others if h > run}
+    n = held(holding.__contains__, hashes)
+    if run == 0:
+        assert n == 0
+        return
+    assert n == held_run(holding.__contains__, hashes)
+    # The end of one of the held runs: held up to it, not held right after.
+    assert 1 <= n <= length and hashes[n - 1] in holding
+    assert n == length or hashes[n] not in holding
+    if not others:
+        assert n == run
+    assert held(holding.__contains__, []) == 0
+
+
+engine_hash = st.integers(0, 12) | st.binary(min_size=1, max_size=2)
+chains = st.lists(st.tuples(engine_hash, st.integers(0, 6)), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), chains), max_size=12), st.integers(1, 6))
+def test_holding_and_releasing_blocks_keeps_the_books(steps: list[Any], bound: int) -> None:
+    """Stores (engine hashes standing for ours, re-stored, re-pointed, past the bound) and
+    removals leave what a plain model of them leaves, and say what changed."""
+    ours: OrderedDict[Any, int] = OrderedDict()
+    refs: dict[int, int] = {}
+    model: OrderedDict[Any, int] = OrderedDict()  # engine hash -> ours, oldest stored first
+    for store, pairs in steps:
+        before = set(refs)
+        changes: dict[int, bool] = {}
+        engine = [e for e, _ in pairs]
+        if store:
+            size, evicted = hold(ours, refs, changes, engine, array("q", [h for _, h in pairs]), bound)
+            expected_evicted = 0
+            for e, h in pairs:
+                if e in model:
+                    model.move_to_end(e)
+                model[e] = h
+                if len(model) > bound:
+                    model.popitem(last=False)
+                    expected_evicted += 1
+            assert evicted == expected_evicted
+        else:
+            size = release(ours, refs, changes, engine)
+            for e in engine:
+                model.pop(e, None)
+        assert list(ours.items()) == list(model.items())
+        assert refs == Counter(model.values())
+        assert len(ours) <= bound and sum(refs.values()) == len(ours)
+        after = set(refs)
+        assert size == len(after) - len(before)
+        # Every hash held or let go is said, and what is said is how it ends.
+        assert before ^ after <= set(changes)
+        assert all(changes[h] == (h in after) for h in changes)
+
+
+def test_a_block_re_pointed_by_its_engine_hash_moves_its_reference() -> None:
+    ours: OrderedDict[Any, int] = OrderedDict()
+    refs: dict[int, int] = {}
+    changes: dict[int, bool] = {}
+    assert hold(ours, refs, changes, [1, 2], array("q", [10, 10]), 8) == (1, 0)
+    assert (refs, changes) == ({10: 2}, {10: True})
+    changes = {}
+    assert hold(ours, refs, changes, [1], array("q", [11]), 8) == (1, 0)  # 1 now stands for 11
+    assert (refs, changes) == ({10: 1, 11: 1}, {11: True})
+    changes = {}
+    assert hold(ours, refs, changes, [3], array("q", [12]), 2) == (0, 1)  # past the bound: 2 goes
+    assert list(ours) == [1, 3] and refs == {11: 1, 12: 1} and changes == {10: False, 12: True}
+    changes = {}
+    assert release(ours, refs, changes, [3, 3, 99]) == -1  # unknown ones are skipped
+    assert (list(ours), refs, changes) == ([1], {11: 1}, {12: False})

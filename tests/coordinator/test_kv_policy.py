@@ -4,7 +4,6 @@ Instance messages, as the Coordinator builds them."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +25,6 @@ from motor_mesh.coordinator.routes import DownCount, Target
 from motor_mesh.gen.motor.v1 import common_pb2 as c
 from tests.coordinator.conftest import MODEL
 from tests.coordinator.test_kv_shared import follow
-from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 BS = 4
 PROMPT = list(range(500, 524))  # six blocks
@@ -99,8 +97,8 @@ class Shared:
         self.writer.close()
 
 
-# Every test runs against the index in process, and as a worker reads it in C and in Python.
-KINDS = ["in process", *(f"shared, {impl}" for impl in IMPLEMENTATIONS)]
+# Every test runs against the index in process, and as a worker reads it.
+KINDS = ["in process", "shared"]
 _made: list[tuple[str, Path, list[Shared]]] = []
 
 
@@ -109,8 +107,7 @@ def index_kind(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]
     kind: str = request.param
     shared: list[Shared] = []
     _made.append((kind, tmp_path, shared))
-    with implementation(kind.removeprefix("shared, ")) if kind != "in process" else contextlib.nullcontext():
-        yield
+    yield
     for s in shared:
         s.close()
     _made.pop()

@@ -1,7 +1,8 @@
 """A request's prompt tokens as kv_aware computes them, against what the engine itself caches.
 
 The simulated engine's own code (its request parser and ``prompt_ids``, with the tokenizer it
-loads from its argv) is the reference for ``sim=True``; for a real engine (``sim=False``) the
+loads from its argv) is the reference for ``sim=True``: the model's chat template when its
+tokenizer has one, else the sim's ``<role>: <text>`` lines. For a real engine (``sim=False``) the
 reference is the model's chat template rendered as transformers renders it for vLLM, then encoded
 without special tokens.
 """
@@ -22,13 +23,11 @@ from tokenizers import Tokenizer as HfTok
 from tokenizers import models, pre_tokenizers, processors
 
 from motor_mesh.common.tokenizer import Builtin, HfTokenizer, Tokenizer, load
-from motor_mesh.coordinator.kv import prompt as prompt_mod
 from motor_mesh.coordinator.kv.hashing import chain
 from motor_mesh.coordinator.kv.prompt import Prompt, Tokens
 from motor_mesh.simengine.cli import parse
 from motor_mesh.simengine.openai_api import RequestError, parse_request
 from motor_mesh.simengine.tokens import load_tokenizer, prompt_ids
-from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 WORDS = ["hello", "world", "the", "cache", "prefix", "système", "東京", "a", "b", "c", "42", "7"]
 SPECIAL = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -61,8 +60,8 @@ year {{ strftime_now('%Y') if strftime_now is defined else '2024' }}
 
 
 def sim_ids(tok: Tokenizer, body: Any, chat: bool) -> list[int]:
-    """The token ids the simulated engine caches for the body's first prompt."""
-    return prompt_ids(tok, parse_request(body, chat))[0]
+    """The token ids the simulated engine loading ``tok`` caches for the body's first prompt."""
+    return prompt_ids(tok, parse_request(body, chat, tok))[0]
 
 
 def _hf_tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
@@ -149,11 +148,8 @@ def completion_bodies(text: st.SearchStrategy[str]) -> st.SearchStrategy[dict[st
 # -- the simulated engine with its built-in tokenizer ----------------------------------------
 
 SIM_BUILTIN = load_tokenizer(parse([])[0])  # what `motor engine-sim` loads without --tokenizer
-# One for the module: its chat-line cache carries over from example to example, as in a
-# Coordinator that serves one request after another.
+# One for the module, as in a Coordinator that serves one request after another.
 TOKENS = Tokens(Builtin(), sim=True)
-with implementation("python"):
-    TOKENS_PY = Tokens(Builtin(), sim=True)  # the Python reference, where C reads chats
 
 
 def test_the_sim_loads_the_builtin_tokenizer_by_default() -> None:
@@ -189,33 +185,19 @@ EXAMPLES: list[tuple[dict[str, Any], bool]] = [
 def test_builtin_examples_match_the_sim(body: dict[str, Any], chat: bool) -> None:
     ids = TOKENS.of(body, chat)
     assert ids == sim_ids(SIM_BUILTIN, body, chat)
-    assert Tokens(Builtin(), sim=True).of(body, chat) == ids  # a cold line cache agrees too
-    assert TOKENS_PY.of(body, chat) == ids
+    assert Tokens(Builtin(), sim=True).of(body, chat) == ids
 
 
 @settings(max_examples=400, deadline=None)
 @given(chat_bodies(any_text | vocab_text))
 def test_builtin_chat_matches_the_sim(body: dict[str, Any]) -> None:
-    expected = sim_ids(SIM_BUILTIN, body, True)
-    assert TOKENS.of(body, True) == expected
-    assert TOKENS_PY.of(body, True) == expected
+    assert TOKENS.of(body, True) == sim_ids(SIM_BUILTIN, body, True)
 
 
 @settings(max_examples=300, deadline=None)
 @given(completion_bodies(any_text | vocab_text))
 def test_builtin_completion_matches_the_sim(body: dict[str, Any]) -> None:
     assert TOKENS.of(body, False) == sim_ids(SIM_BUILTIN, body, False)
-
-
-def test_line_cache_stays_bounded_and_right(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prompt_mod, "LINE_CACHE_MAX", 4)
-    with implementation("python"):
-        tokens = Tokens(Builtin(), sim=True)
-    system = {"role": "system", "content": "you are a long shared system prompt"}
-    for i in range(20):
-        body = {"messages": [system, {"role": "user", "content": f"question {i}"}]}
-        assert tokens.of(body, True) == sim_ids(SIM_BUILTIN, body, True)
-    assert len(tokens._lines) <= 4
 
 
 # -- a Hugging Face tokenizer ----------------------------------------------------------------
@@ -264,12 +246,33 @@ def test_hf_tokenizer_matches_template_and_sim(model_dir: Path, data: st.DataObj
     )
     expected = tok.encode(hf_render(TEMPLATE, messages), special=False)
     assert Tokens(tok, sim=False).of({"messages": messages}, True) == expected
-    # The simulated engine with --tokenizer: its own chat lines, this tokenizer's ids.
+    # The simulated engine with --tokenizer renders the same template, as vLLM does.
     sim = Tokens(tok, sim=True)
+    assert sim.of({"messages": messages}, True) == expected
+    assert sim_ids(sim_tok, {"messages": messages}, True) == expected
     chat = data.draw(chat_bodies(text))
     assert sim.of(chat, True) == sim_ids(sim_tok, chat, True)
     completion = data.draw(completion_bodies(text))
     assert sim.of(completion, False) == sim_ids(sim_tok, completion, False)
+
+
+def test_the_sim_with_a_template_caches_the_rendered_template(model_dir: Path) -> None:
+    tok = load(str(model_dir))
+    sim_tok = load_tokenizer(parse(["--tokenizer", str(model_dir)])[0])
+    messages = [
+        {"role": "system", "content": "the cache"},
+        {"role": "user", "content": "hello world"},
+    ]
+    text = hf_render(TEMPLATE, messages)
+    expected = tok.encode(text, special=False)
+    body = {"messages": messages}
+    assert sim_ids(sim_tok, body, True) == expected  # not its own `<role>: <text>` lines
+    assert sim_ids(sim_tok, body, True) != tok.encode("system: the cache\nuser: hello world", special=False)
+    for sim in (True, False):
+        assert Tokens(tok, sim=sim).of(body, True) == expected
+    # Without the generation prompt (add_generation_prompt false), as the sim renders it too.
+    bare = {**body, "add_generation_prompt": False}
+    assert Tokens(tok, sim=True).of(bare, True) == sim_ids(sim_tok, bare, True) != expected
 
 
 def test_real_engine_completion_ids(model_dir: Path) -> None:
@@ -361,7 +364,8 @@ def test_unreadable_bodies_give_none(model_dir: Path, sim: bool) -> None:
             assert tokens.of(body, True) is None, body
         for body in BAD_MESSAGES:
             ids = tokens.of(body, True)
-            assert ids is None if sim else ids is None or isinstance(ids, list), body
+            # The sim's own lines need valid messages; a template is rendered over what was sent.
+            assert ids is None if sim and not tokens.templated else ids is None or isinstance(ids, list), body
         for body in NO_PROMPT:
             assert tokens.of(body, False) is None, body
         not_dicts: list[Any] = [[], "prompt", None, 3]
@@ -385,10 +389,10 @@ def test_unreadable_bodies_give_none(model_dir: Path, sim: bool) -> None:
 def test_prompt_hashes_are_the_chain_and_memoized(tokens: list[int], block_size: int) -> None:
     p = Prompt(tokens)
     first = p.hashes(block_size)
-    assert list(first) == chain(tokens, block_size)
+    assert list(first) == list(chain(tokens, block_size))
     assert len(first) == len(tokens) // block_size
     assert p.hashes(block_size) is first  # computed once per block size
-    assert list(p.hashes(block_size + 1)) == chain(tokens, block_size + 1)
+    assert list(p.hashes(block_size + 1)) == list(chain(tokens, block_size + 1))
     assert p.hashes(block_size) is first
     assert (p.cached, p.endpoint) == (0, None)
 
@@ -415,38 +419,44 @@ def test_real_engine_text_parts_and_tools_render_as_vllm_does(model_dir: Path, t
     assert Tokens(featured, sim=False).of(body, True) == featured.encode(with_tools, special=False)
 
 
-SHARED = Tokens(Builtin(), sim=True)  # one cache across examples, as a Coordinator keeps it
+SHARED = Tokens(Builtin(), sim=True)  # one across examples, as a Coordinator keeps it
+_SHARED_HF: dict[Path, Tokens] = {}
+
+
+def shared_hf(model_dir: Path) -> Tokens:
+    """One Tokens of the templated model across examples: its memo of rendered chats carries over."""
+    if model_dir not in _SHARED_HF:
+        _SHARED_HF[model_dir] = Tokens(load(str(model_dir)), sim=True)
+    return _SHARED_HF[model_dir]
 
 
 @settings(max_examples=300, deadline=None)
 @given(chat_bodies(vocab_text), st.sampled_from([1, 2, 3, 16]))
-def test_a_remembered_chat_hashes_as_the_whole_prompt_would(body: dict[str, Any], bs: int) -> None:
-    for _ in range(2):  # the second time its messages and their hashes are remembered
-        prompt = SHARED.prompt(body, True)
-        assert prompt is not None
-        assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
-        assert prompt.tokens == sim_ids(Builtin(), body, True)
-        assert prompt.n == len(prompt.tokens)
+def test_a_read_chat_hashes_as_its_whole_prompt_would(model_dir: Path, body: dict[str, Any], bs: int) -> None:
+    hf = shared_hf(model_dir)
+    for tokens, sim_tok in ((SHARED, SIM_BUILTIN), (hf, hf.tokenizer)):
+        for _ in range(2):  # the second time a templated chat's text is remembered
+            prompt = tokens.read(body, True)
+            assert prompt is not None
+            assert prompt.tokens == sim_ids(sim_tok, body, True)
+            assert list(prompt.hashes(bs)) == list(chain(prompt.tokens, bs))
+            assert prompt.n == len(prompt.tokens)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_a_conversation_reads_right_turn_after_turn_within_its_bounds(
-    monkeypatch: pytest.MonkeyPatch, impl: str
-) -> None:
-    monkeypatch.setattr(prompt_mod, "LINE_CACHE_MAX", 6)
-    monkeypatch.setattr(prompt_mod, "TURN_CACHE_MAX", 6)
-    with implementation(impl):
-        tokens = Tokens(Builtin(), sim=True)
-    messages = [{"role": "system", "content": " ".join(f"rule{i}" for i in range(37))}]
+@pytest.mark.parametrize("templated", [False, True])
+async def test_a_conversation_reads_right_turn_after_turn(model_dir: Path, templated: bool) -> None:
+    """What the request path reads (``prompt``, async), each turn resending the ones before."""
+    tok = load(str(model_dir)) if templated else Builtin()
+    sim_tok = tok if templated else SIM_BUILTIN
+    tokens = Tokens(tok, sim=True)
+    words = [w for w in WORDS if w.isascii()]
+    messages = [{"role": "system", "content": " ".join(words[i % len(words)] for i in range(37))}]
     for turn in range(30):
-        messages.append(
-            {"role": "user" if turn % 2 else "assistant", "content": f"turn {turn} " * (turn % 5)}
-        )
+        content = " ".join(words[(turn + i) % len(words)] for i in range(turn % 5))
+        messages.append({"role": "user" if turn % 2 else "assistant", "content": content})
         body = {"messages": list(messages)}
-        with implementation(impl):
-            prompt = tokens.prompt(body, True)
-            assert prompt is not None and prompt.tokens == sim_ids(SIM_BUILTIN, body, True)
-            for bs in (3, 16):
-                assert list(prompt.hashes(bs)) == chain(prompt.tokens, bs)
-        remembered = tokens.chats.count if tokens.chats is not None else len(tokens._lines or ())
-        assert 0 < remembered <= 6
+        prompt = await tokens.prompt(body, True)
+        assert prompt is not None and prompt.tokens == sim_ids(sim_tok, body, True)
+        assert prompt.tokens == tokens.of(body, True)
+        for bs in (3, 16):
+            assert list(prompt.hashes(bs)) == list(chain(prompt.tokens, bs))

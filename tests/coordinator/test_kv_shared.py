@@ -4,6 +4,7 @@ from the mapped files is what the writer's index holds."""
 from __future__ import annotations
 
 import os
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from motor_mesh.common.tokenizer import Builtin, sim_chat_text
 from motor_mesh.coordinator.kv.hashing import chain
 from motor_mesh.coordinator.kv.index import KvIndex
+from motor_mesh.coordinator.kv.prompt import Prompt, Tokens
 from motor_mesh.coordinator.kv.shared import (
     MIN_CAPACITY,
     SharedReader,
@@ -23,7 +26,6 @@ from motor_mesh.coordinator.kv.shared import (
 )
 from motor_mesh.coordinator.kv.wire import Cleared
 from tests.coordinator.test_kv_index import BS, Engine, ops, run
-from tests.coordinator.test_kv_speedups import IMPLEMENTATIONS, implementation
 
 
 def follow(reader: SharedReader) -> bool:
@@ -82,6 +84,32 @@ def test_a_table_is_the_set_its_adds_and_removes_make(tmp_path_factory: Any, ste
         table.close()
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), keys), max_size=120))
+def test_an_events_changes_in_one_update_are_its_changes_one_by_one(
+    tmp_path_factory: Any, steps: list[Any]
+) -> None:
+    """A batch of changes (a churning engine's event changes a hundred blocks) leaves the table
+    as the same changes made one at a time do, slot for slot."""
+    where = tmp_path_factory.mktemp("t")
+    one, each = (Table.create(str(where / name), MIN_CAPACITY) for name in ("one", "each"))
+    try:
+        for add, key in steps[:60]:  # some already held before the batch
+            one.update({key: add})
+            each.update({key: add})
+        batch: dict[int, bool] = {}
+        for add, key in steps[60:]:
+            batch[key] = add
+        one.update(batch)
+        for key, add in batch.items():
+            each.update({key: add})
+        assert bytes(one.slots) == bytes(each.slots) and one.blocks == each.blocks
+        assert {k for _, k in steps if one.has(k)} == {k for _, k in steps if each.has(k)}
+    finally:
+        one.close()
+        each.close()
+
+
 def test_zero_is_a_key_like_any_other(tmp_path: Path) -> None:
     table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
     try:
@@ -128,21 +156,19 @@ def test_the_files_go_at_close(tmp_path: Path) -> None:
     assert not os.path.exists(writer.dir)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_a_table_is_never_full(tmp_path: Path, impl: str) -> None:
-    with implementation(impl):
-        table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
-        try:
-            table.update(dict.fromkeys(range(1, MIN_CAPACITY + 1), True))
-            assert table.blocks == room(MIN_CAPACITY) < MIN_CAPACITY
-            assert not table.has(-5)  # a probe still meets an empty slot
-            held = [k for k in range(1, MIN_CAPACITY + 1) if table.has(k)]
-            assert len(held) == table.blocks
-            table.update({held[0]: False})
-            table.update({MIN_CAPACITY + 7: True})  # room again
-            assert table.has(MIN_CAPACITY + 7) and table.blocks == room(MIN_CAPACITY)
-        finally:
-            table.close()
+def test_a_table_is_never_full(tmp_path: Path) -> None:
+    table = Table.create(str(tmp_path / "t"), MIN_CAPACITY)
+    try:
+        table.update(dict.fromkeys(range(1, MIN_CAPACITY + 1), True))
+        assert table.blocks == room(MIN_CAPACITY) < MIN_CAPACITY
+        assert not table.has(-5)  # a probe still meets an empty slot
+        held = [k for k in range(1, MIN_CAPACITY + 1) if table.has(k)]
+        assert len(held) == table.blocks
+        table.update({held[0]: False})
+        table.update({MIN_CAPACITY + 7: True})  # room again
+        assert table.has(MIN_CAPACITY + 7) and table.blocks == room(MIN_CAPACITY)
+    finally:
+        table.close()
 
 
 def test_capacity_keeps_a_table_at_most_half_full() -> None:
@@ -277,3 +303,64 @@ def test_before_the_management_process_shares_anything_a_worker_sees_no_index(tm
         assert reader.match(chain(list(range(8)), BS)) == {} and reader.block_size("a") is None
     finally:
         reader.close()
+
+
+# -- a request's lookup ------------------------------------------------------------------------
+
+
+class Endpoint:
+    """What the index reads of an Upstream."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.down = False
+
+
+def sim_ids(messages: list[dict[str, Any]]) -> list[int]:
+    """The simulated engine's ids of a chat, with its built-in tokenizer."""
+    return Builtin().encode(sim_chat_text([(m["role"], m["content"]) for m in messages]), special=False)
+
+
+FORTY_WORDS = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]  # 41 tokens
+
+
+def test_a_worker_finds_the_holder_of_a_chats_prefix(shared: Any) -> None:
+    writer, reader = shared
+    ids = sim_ids(FORTY_WORDS)
+    assert len(ids) == 41
+    for name, blocks, size in (("a", 7, 4), ("b", 9, 4), ("c", 20, 2), ("off", 10, 4)):
+        writer.install(name, table := writer.create(name))
+        table.set_block_size(size)
+        for h in chain(ids, size)[:blocks]:
+            table.update({h: True})
+    assert follow(reader)
+    a, b, c, off, gone = (Endpoint(n) for n in ("a", "b", "c", "off", "gone"))
+    off.down = True
+    read = Tokens(Builtin(), sim=True).read({"messages": FORTY_WORDS}, True)
+    for prompt in (read, Prompt(ids)):
+        assert prompt is not None and prompt.tokens == ids
+        assert reader.holder(prompt, [a, b, off, gone]) == (36, b)
+        assert reader.holder(prompt, [a, c]) == (40, c)  # at c's own block size
+        assert reader.holder(prompt, [off, gone]) == (0, None)
+        assert reader.holder(prompt, []) == (0, None)
+    assert reader.holder(Prompt(ids[:30]), [b]) == (28, b)  # its 7 full blocks
+    assert reader.holder(Prompt(ids[:3]), [a, b, c]) == (2, c)  # no block of 4: c's block of 2
+
+
+def test_placing_a_prompt_writes_the_holders_answer_into_it_and_counts_it(shared: Any) -> None:
+    writer, reader = shared
+    ids = sim_ids(FORTY_WORDS)
+    writer.install("a", table := writer.create("a"))
+    table.set_block_size(4)
+    table.update(dict.fromkeys(chain(ids, 4)[:6], True))
+    assert follow(reader)
+    a, b = Endpoint("a"), Endpoint("b")
+    tally = array("q", [5, 7])
+    chat = Tokens(Builtin(), sim=True).read({"messages": FORTY_WORDS}, True)
+    for prompt in (chat, Prompt(ids)):
+        assert prompt is not None
+        reader.place(prompt, [b, a], tally)
+        assert (prompt.cached, prompt.endpoint) == (24, a) == reader.holder(prompt, [b, a])
+        reader.place(prompt, [b], tally)
+        assert (prompt.cached, prompt.endpoint) == (0, None)
+    assert list(tally) == [5 + 4 * 41, 7 + 2 * 24]

@@ -195,7 +195,7 @@ def test_chain_tells_blocks_and_prefixes_apart() -> None:
     other = hashing.chain([1, 2, 3, 4, 5, 6, 7, 9], 4)
     assert other[0] == one[0] and other[1] != one[1]
     assert hashing.chain([0, 2, 3, 4, 5, 6, 7, 8], 4)[1] != one[1]  # same block, other prefix
-    assert hashing.chain([1, 2, 3], 4) == []
+    assert list(hashing.chain([1, 2, 3], 4)) == []
     assert len(set(hashing.chain(list(range(64)), 8))) == 8
     with pytest.raises(ValueError):
         hashing.chain([1], 0)

@@ -63,6 +63,13 @@ def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
     assert top_level.decode().split() == ["motor_mesh"]
 
 
+def test_the_wheel_is_pure_python(wheel: Path) -> None:
+    """Nothing to compile: it installs on any platform, a machine without a C compiler too."""
+    assert wheel.name.endswith("-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert not [n for n in zf.namelist() if n.endswith((".so", ".pyd", ".c"))]
+
+
 def test_motor_mesh_motor_and_etcd_import_side_by_side(venv: Path) -> None:
     probe = (
         "import json, etcd, motor, motor.motor_asyncio, motor_mesh, motor_mesh.cli.main;"

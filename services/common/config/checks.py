@@ -236,6 +236,14 @@ WEIGHT = Check(
     ),
 )
 
+LOAD_GATE = Check(
+    "number, 0 (off) or >= 1 and <= 1000",
+    lambda v: (
+        (v, [])
+        if not isinstance(v, bool) and isinstance(v, (int, float)) and (v == 0 or 1 <= v <= 1000)
+        else (v, [("", f"expected 0 (off) or a number from 1 to 1000, got {short(v)}")])
+    ),
+)
 PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "nnodes")
 COUNT = integer(1, 1_000_000)
 

@@ -247,6 +247,22 @@ class CoordinatorConfig(ServerConfig):
     workers it also bounds the table each endpoint gets in the memory they share, which grows
     with the blocks the endpoint holds: 16 to 32 bytes per block held, 4 MiB at most at the
     default."""
+    kv_load_gate: float = setting(1.5, c.LOAD_GATE)
+    """`kv_aware`: a candidate with more than one request in flight, and more than this many
+    times the candidates' mean, is weighed by load alone, as if it cached nothing: a prefix
+    every request shares cannot pile them all on the engine that cached it first. Counted per
+    inference worker. 0 turns the gate off."""
+    kv_affinity_load_gate_topn: int = setting(0, c.integer(0, 1_000_000))
+    """`kv_aware`: only this many of the candidates with the fewest requests in flight are
+    weighed for their cache; the others by load alone. 0: every candidate under
+    `kv_load_gate`."""
+    kv_events_stale_s: float = setting(10, c.seconds(0, 86400))
+    """`kv_aware`: an engine that served prefills but published no KV event batch (and whose
+    replay socket did not answer) for this long has its cached blocks treated as unknown (routed
+    by load alone) until its batches flow again. 0 turns the check off."""
+    pd_min_prompt_tokens: int = setting(0, c.integer(0, 1 << 30))
+    """Prompts shorter than this many tokens skip the prefill leg: a decode instance computes
+    their prefill itself (conditional disaggregation). 0 sends every prompt through prefill."""
     tokenizers: Mapping[str, str] = setting({}, c.PATHS_BY_NAME)
     """`kv_aware`: served model name → local tokenizer (a directory with `tokenizer.json` and
     `tokenizer_config.json`, or the file), so prompts are tokenized as the engine does. Without

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from motor_mesh.coordinator.kv.hashing import ROOT
+from motor_mesh.coordinator.kv.blocks import held_run, hold, release
+from motor_mesh.coordinator.kv.hashing import ROOT, chain
 from motor_mesh.coordinator.kv.prompt import PromptView, place
-from motor_mesh.coordinator.kv.speedups import chain, held_run, hold, release
 from motor_mesh.coordinator.kv.wire import BlockHash, Cleared, Event, Removed, Stored
 from motor_mesh.coordinator.routes import Upstream
-
-if TYPE_CHECKING:
-    from motor_mesh.coordinator.policies import Policy
 
 DEFAULT_MAX_BLOCKS = 262144
 
@@ -133,7 +130,11 @@ class KvIndex:
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
             self.mismatched += 1
             return
-        hashes = chain(event.token_ids, event.block_size, parent)
+        try:
+            hashes = chain(event.token_ids, event.block_size, parent)
+        except OverflowError:  # an id no tokenizer gives (outside 32 bits): no key for it
+            self.mismatched += 1
+            return
         size, evicted = hold(
             held.ours, held.refs, self._changes, event.block_hashes, hashes, self.max_blocks_per_endpoint
         )
@@ -186,17 +187,6 @@ class KvIndex:
         """:meth:`holder`, its answer written into ``prompt`` (``cached``, ``endpoint``) and
         added to ``tally`` (prompt tokens, cached tokens)."""
         place(self.holder, prompt, endpoints, tally)
-
-    def chooser(
-        self,
-        tallies: dict[int, MutableSequence[int]],
-        general: Policy,
-        prefix_weight: float,
-        load_weight: float,
-    ) -> Policy | None:
-        """None: the C chooser reads a worker's shared tables (the events are followed here, in
-        Python, on the same loop)."""
-        return None
 
     def endpoints(self) -> list[Hashable]:
         return list(self._held)

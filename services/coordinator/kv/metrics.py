@@ -18,7 +18,7 @@ from motor_mesh.coordinator.tally import Tallies
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROLES = ("prefill", "decode", "union")
 REPLAY_OUTCOMES = ("ok", "truncated", "timeout", "none")
-RESET_REASONS = ("left", "restart", "gap")
+RESET_REASONS = ("left", "restart", "gap", "stale")
 
 
 class PromptTally:
@@ -76,6 +76,14 @@ class KvMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.stale_endpoints = Gauge(
+            "motor_coordinator_kv_events_stale_endpoints",
+            "Engine endpoints whose KV events went silent (no batch, no answer from the replay "
+            "socket) for coordinator.kv_events_stale_s while they served: their cached blocks "
+            "count as unknown, routed by load alone, until their events flow again.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self._lag = Histogram(
             "motor_coordinator_kv_event_lag_seconds",
             "From an event batch's engine timestamp to the index applying it.",
@@ -95,7 +103,8 @@ class KvMetrics:
         self._resets = Counter(
             "motor_coordinator_kv_index_resets",
             "An endpoint's blocks dropped from the index, by reason: left (the table no longer "
-            "routes to it), restart (another engine process behind it) or gap (events lost for good).",
+            "routes to it), restart (another engine process behind it), gap (events lost for good) "
+            "or stale (its events went silent while it served).",
             ["reason"],
             registry=r,
         )
@@ -109,7 +118,7 @@ class KvMetrics:
     def tallies(self, role: int) -> array[int]:
         """What a request routed to an instance of ``role`` adds its prompt tokens, and the
         tokens of them the chosen engine held, to: [prompt tokens, cached tokens] (kv_aware
-        keeps them per role: its request path adds to them directly, in C where it was built)."""
+        keeps them per role: its request path adds to them directly)."""
         return self._by_role[ROLE_NAMES.get(role, "union")].sums  # type: ignore[call-overload]
 
     # -- Stats of the subscriptions -------------------------------------------------------

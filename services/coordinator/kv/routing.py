@@ -16,10 +16,9 @@ from motor_mesh.common import enums, log, tasks
 from motor_mesh.common.config import CoordinatorConfig
 from motor_mesh.common.tokenizer import Builtin, Tokenizer, load
 from motor_mesh.common.tokenizer import tokenizer_file as find_tokenizer
-from motor_mesh.coordinator.kv import speedups
 from motor_mesh.coordinator.kv.feed import RECONCILE_S, KvFeed
 from motor_mesh.coordinator.kv.policy import IndexView, KvAware
-from motor_mesh.coordinator.kv.prompt import PromptView, Tokens
+from motor_mesh.coordinator.kv.prompt import Prompt, PromptView, Tokens
 from motor_mesh.coordinator.kv.shared import SharedReader
 from motor_mesh.coordinator.metrics import Metrics
 from motor_mesh.coordinator.routes import RoutingView, Target
@@ -62,18 +61,15 @@ class KvRouting:
         else:
             index = self.shared = SharedReader(shared_dir)
         self._index = index
-        self.policy = KvAware(index, self.metrics, cfg.kv_prefix_weight, cfg.kv_load_weight)
-        if speedups.native is None:
-            log.warn(
-                "kv_speedups_missing",
-                hint="reinstall with a C compiler present: kv_aware runs its Python request path",
-            )
+        self.policy = KvAware(
+            index,
+            self.metrics,
+            cfg.kv_prefix_weight,
+            cfg.kv_load_weight,
+            load_gate=cfg.kv_load_gate,
+            gate_topn=cfg.kv_affinity_load_gate_topn,
+        )
         self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
-        # Their C chat readers, where they have one. ``prompt(req, chat, target)`` is the request
-        # path's: a chat that one of them reads is read there in one call (a Python frame costs
-        # about 4 µs on a request path whose caches other processes have evicted), the rest here.
-        self._chats: dict[tuple[str, int], Any] = {}
-        self.prompt = prompt_reader(self._chats, self._read)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -90,15 +86,24 @@ class KvRouting:
 
     # -- the request path ------------------------------------------------------------------
 
-    def _read(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
-        """:attr:`prompt` in Python: the request's prompt tokenized for ``target``'s model and
-        engine; None while its tokenizer is not loaded, or when the body has no prompt it can
-        read. With the C speedups, what their chat reader leaves (see :attr:`prompt`)."""
+    async def prompt(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
+        """The request's prompt tokenized for ``target``'s model and engine; None while its
+        tokenizer is not loaded, or when the body has no prompt it can read."""
         tokens = self._tokens.get((target.model, target.engine_type))
         if tokens is None:
             return None
-        prompt = tokens.read(req, chat)
+        prompt = await tokens.prompt(req, chat, self._held)
         return prompt if prompt is not None and prompt.n else None
+
+    def _held(self, prompt: Prompt) -> bool:
+        """Whether some engine holds every full block of ``prompt`` (the leading chunks of a
+        long one: see prompt.Tokens.prompt), at the block size the engines report."""
+        index = self._index
+        size = next((s for ep in index.endpoints() if (s := index.block_size(ep))), None)
+        if size is None:
+            return False  # no engine has said what it holds
+        hashes = prompt.hashes(size)
+        return bool(hashes) and any(run == len(hashes) for run in index.match(hashes).values())
 
     # -- keeping up with the table and the shared index -----------------------------------
 
@@ -113,20 +118,7 @@ class KvRouting:
                 last = view
             if self.shared is not None:
                 await self._follow_shared(self.shared)
-            self._follow_block_sizes(view)
             await asyncio.sleep(RECONCILE_S)
-
-    def _follow_block_sizes(self, view: RoutingView) -> None:
-        # A chat is hashed, as it is read, at the block size its engines report: off the
-        # request path, here.
-        for t in view.targets:
-            tokens = self._tokens.get((t.model, t.engine_type))
-            if tokens is not None and t.role in self._roles:
-                for ep in t.endpoints:
-                    size = self._index.block_size(ep.base)
-                    if size:
-                        tokens.block_size = size
-                        break
 
     @staticmethod
     async def _follow_shared(shared: SharedReader) -> None:
@@ -157,21 +149,11 @@ class KvRouting:
             # A real engine's ids cannot be guessed: its requests go by load alone.
             log.warn("kv_no_tokenizer", model=model, hint="set coordinator.tokenizers")
             return
-        tokens = self._tokens[(model, engine_type)] = Tokens(tokenizer, sim)
-        if tokens.chats is not None:
-            self._chats[(model, engine_type)] = tokens.chats
-        log.event("kv_tokenizer", model=model, tokenizer=tokenizer.name, sim=sim)
-
-
-ReadPrompt = Callable[[dict[str, Any], bool, Target], PromptView | None]
-
-
-def prompt_reader(chats: dict[tuple[str, int], Any], rest: ReadPrompt) -> ReadPrompt:
-    """A request's prompt for a target, ``(req, chat, target)``: a chat read by the C chat
-    reader ``chats`` maps the target's (model, engine type) to, when the speedups were built;
-    the rest, and everything without them, is ``rest``'s."""
-    native = speedups.native
-    return rest if native is None else native.Prompts(chats, rest)
+        # Loading checks how the tokenizer encodes sample chats (prompt.segments_agree): off the loop.
+        tokens = await asyncio.to_thread(Tokens, tokenizer, sim)
+        self._tokens[(model, engine_type)] = tokens
+        incremental = tokens.memo is not None
+        log.event("kv_tokenizer", model=model, tokenizer=tokenizer.name, sim=sim, incremental=incremental)
 
 
 def _tokenizer_for(path: str, sim: bool) -> Tokenizer | None:

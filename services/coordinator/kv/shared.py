@@ -43,15 +43,11 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Collection, Hashable, Iterable, MutableSequence, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Hashable, Iterable, Sequence
 
-from motor_mesh.coordinator.kv import speedups
-from motor_mesh.coordinator.kv.prompt import Holder, Placer, PromptView, place
+from motor_mesh.coordinator.kv.blocks import held
+from motor_mesh.coordinator.kv.prompt import Placer, PromptView, place
 from motor_mesh.coordinator.routes import Upstream
-
-if TYPE_CHECKING:
-    from motor_mesh.coordinator.policies import Policy
 
 DIRECTORY = "endpoints"
 DIRECTORY_BYTES = 1 << 20
@@ -171,11 +167,7 @@ class Table:
         return i
 
     def update(self, changes: dict[int, bool]) -> None:
-        """Hold each hash ``changes`` maps to True and none it maps to False (in C where it
-        was built: a churning engine's batch changes a hundred blocks)."""
-        if speedups.native is not None:
-            speedups.native.table_update(self.file, HEADER, changes)
-            return
+        """Hold each hash ``changes`` maps to True and none it maps to False."""
         for h, hold in changes.items():
             if hold:
                 self._add(h)
@@ -353,17 +345,7 @@ class SharedReader:
         self._dir: mmap.mmap | None = None
         self._gen = 0
         self._tables: dict[Hashable, Table] = {}
-        # Each table's whole file, for the C path: changed in place, since the C lookups have it.
-        self._files: dict[Hashable, memoryview] = {}
-        # The request path's lookups (see KvIndex.holder and KvIndex.place): in C, where it was
-        # built, called directly, without a Python frame around them: timed in process with the
-        # caches evicted, as a request finds them, each frame on the way costs microseconds.
-        native = self._native = speedups.native
-        self.holder: Holder = self._holder
-        self.place: Placer = functools.partial(place, self._holder)
-        if native is not None:
-            self.holder = functools.partial(native.holder, self._files, HEADER)
-            self.place = functools.partial(native.place, self._files, HEADER)
+        self.place: Placer = functools.partial(place, self.holder)
 
     # -- following the directory ----------------------------------------------------------------
 
@@ -425,12 +407,9 @@ class SharedReader:
             if tables.get(ep) is not table:
                 table.close()
         self._tables = tables
-        self._files.clear()
-        self._files.update((ep, table.file) for ep, table in tables.items())
         self._gen = gen
 
     def close(self) -> None:
-        self._files.clear()
         for table in self._tables.values():
             table.close()
         self._tables = {}
@@ -452,39 +431,26 @@ class SharedReader:
         for ep in tables if eps is None else eps:
             table = tables.get(ep)
             if table is not None:
-                run = speedups.held(table.slots, table.has, hashes)
+                run = held(table.has, hashes)
                 if run:
                     found[ep] = run
         return found
 
-    def _holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
-        """:attr:`holder` without the C speedups: as :meth:`KvIndex.holder`."""
+    def holder(self, prompt: PromptView, endpoints: Sequence[Upstream]) -> tuple[int, Upstream | None]:
+        """As :meth:`KvIndex.holder`."""
         cached, where = 0, None
         for ep in endpoints:
             table = self._tables.get(ep.base)
             size = table.block_size if table is not None else 0
             if table is None or not size or ep.down:
                 continue
-            tokens = speedups.held(table.slots, table.has, prompt.hashes(size)) * size
+            tokens = held(table.has, prompt.hashes(size)) * size
             if tokens > cached:
                 cached, where = tokens, ep
         return min(cached, prompt.n), where
 
     def endpoints(self) -> list[Hashable]:
         return list(self._tables)
-
-    def chooser(
-        self,
-        tallies: dict[int, MutableSequence[int]],
-        general: Policy,
-        prefix_weight: float,
-        load_weight: float,
-    ) -> Policy | None:
-        """``general`` (KvAware.choose) with its usual case in C: see ``_speedups.Chooser``."""
-        native = self._native
-        if native is None:
-            return None
-        return native.Chooser(self._files, HEADER, tallies, general, prefix_weight, load_weight)
 
     def endpoint_blocks(self, ep: Hashable) -> int:
         table = self._tables.get(ep)

@@ -20,6 +20,11 @@ A :class:`Subscription` hands every batch to ``apply`` exactly once and in order
   (blocks cached before the gap are unknown until cached again), never more.
 
 ``reset`` is called only once something was applied: nothing has to be forgotten before that.
+
+Whoever runs the subscription can also ask whether the engine still answers (:meth:`probe`,
+the feed's staleness check): a replay from ``last + 1`` on, which an idle engine answers at once
+with nothing, a missed stretch with the batches (applied), and a wedged or unreachable one not
+at all. ``heard_at`` says when the engine last sent anything, published or replayed.
 """
 
 from __future__ import annotations
@@ -108,7 +113,8 @@ class Subscription(Generic[K]):
         self._reset = reset
         self._stats = stats
         self._replay_timeout_s = replay_timeout_s
-        # The last batch applied, or lost to a reset; -1: none since the start or a restart.
+        # The last batch applied, or lost to a reset; -1: none since the start, a restart or
+        # forget().
         self.last_seq = -1
         self.gaps = 0  # batches found missing
         self.replays = 0  # replay requests sent
@@ -117,6 +123,13 @@ class Subscription(Generic[K]):
         self._sub_seq: int | None = None  # the previous SUB message's number
         self._dealer: zmq.asyncio.Socket | None = None
         self._handled = 0
+        # Monotonic time of the engine's last message, published or replayed (at first: when
+        # this subscription was made): how long it has been silent.
+        self.heard_at = time.monotonic()
+        self.probes = 0  # probes sent
+        self.unanswered = 0  # of them, not answered in time
+        # One replay at a time on the DEALER: the stream's catch-ups and the probes.
+        self._replaying = asyncio.Lock()
 
     async def run(self) -> None:
         """Follow the engine until cancelled. Safe to call again after it failed: it carries on
@@ -149,6 +162,7 @@ class Subscription(Generic[K]):
     # ---- the stream ----------------------------------------------------------------------------
 
     async def _on_published(self, frames: list[bytes]) -> None:
+        self.heard_at = time.monotonic()
         seq = _seq(frames[1]) if len(frames) == 3 else None
         if seq is None:
             # Its number is unknown, so is what it held: the next message shows any gap.
@@ -213,25 +227,55 @@ class Subscription(Generic[K]):
             outcome = "none"
         else:
             self.replays += 1
-            try:
-                outcome = await self._fetch(replay_address, start, need)
-            except TimeoutError:
-                # The answer may still come: on a new socket it cannot pass for the next one's.
-                self._close_dealer()
-                outcome = "timeout"
+            async with self._replaying:
+                try:
+                    outcome = await self._fetch(replay_address, start, need, self._replay_timeout_s)
+                except TimeoutError:
+                    # The answer may still come: on a new socket it cannot pass for the next one's.
+                    self._close_dealer()
+                    outcome = "timeout"
         self._stats.replay(outcome)
         return outcome
 
-    async def _fetch(self, replay_address: str, start: int, need: int | None) -> str:
+    async def probe(self, timeout_s: float) -> bool | None:
+        """Ask the engine for the batches after the last one applied (from the start of its
+        buffer after :meth:`forget`), each applied as a replay's: True when it answered (even
+        with nothing), False when it did not within ``timeout_s`` or has no replay port, None
+        when a replay is already under way (ask again later). Not counted as a replay in the
+        stats: nothing was found missing."""
+        replay_address = self._replay_address
+        if replay_address is None:
+            return False
+        if self._replaying.locked():
+            return None
+        async with self._replaying:
+            self.probes += 1
+            try:
+                await self._fetch(replay_address, self.last_seq + 1, None, timeout_s)
+            except TimeoutError:
+                self._close_dealer()  # as after a replay's timeout
+                self.unanswered += 1
+                return False
+            except asyncio.CancelledError:
+                self._close_dealer()  # the rest of the answer must not pass for the next one's
+                raise
+        return True
+
+    def forget(self) -> None:
+        """What was applied has been dropped by the caller: the next catch-up (after a gap, or
+        a probe) asks for the engine's whole buffer, as a new subscription's does."""
+        self.last_seq = -1
+
+    async def _fetch(self, replay_address: str, start: int, need: int | None, wait_s: float) -> str:
         dealer = self._dealer
         if dealer is None:
             dealer = self._dealer = self._socket(zmq.DEALER)
             dealer.connect(replay_address)
-        timeout = self._replay_timeout_s
-        await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), timeout)
+        await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), wait_s)
         truncated = False
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)
+            frames = await asyncio.wait_for(dealer.recv_multipart(), wait_s)
+            self.heard_at = time.monotonic()
             parts = _replayed(frames)
             seq = _seq(parts[0]) if parts is not None else None
             if parts is None or seq is None:

@@ -24,8 +24,6 @@ from typing import Any
 
 import msgspec
 
-from motor_mesh.coordinator.kv import speedups
-
 BlockHash = int | bytes  # vLLM hashes blocks to 64-bit ints (older) or SHA-256 digests (newer)
 
 # The replay socket's end-of-replay marker, where a sequence number would be.
@@ -149,8 +147,6 @@ def _decode_typed(payload: bytes) -> Batch | None:
 def _ids_of(packed: msgspec.Raw) -> Sequence[int] | None:
     """A typed batch's token ids, if they are an array of 64-bit ints."""
     try:
-        if speedups.native is not None:
-            return speedups.native.unpack_ids(packed)
         return array("q", msgspec.msgpack.decode(packed, type=_TOKENS))
     except (msgspec.MsgspecError, ValueError, OverflowError):
         return None
