@@ -229,9 +229,9 @@ def test_the_memo_keeps_its_bounds(llama3: HfTokenizer) -> None:
             assert len(tokens.memo) <= 5 and tokens.memo.tokens <= 3000
 
 
-def test_ids_outside_32_bits_have_no_keys(llama3: HfTokenizer) -> None:
+def test_ids_outside_64_bits_have_no_keys(llama3: HfTokenizer) -> None:
     tokens = Tokens(llama3, sim=False)
-    prompt = tokens.read({"prompt": [1, 2, 2**40] * 20}, False)
+    prompt = tokens.read({"prompt": [1, 2, 2**64] * 20}, False)
     assert prompt is not None and prompt.n == 60 and list(prompt.hashes(16)) == []
 
 

@@ -100,13 +100,11 @@ def test_the_blocks_kv_aware_expects_cached_are_the_engines_hits(cluster: Cluste
         resp = client.chat.completions.create(model=model, messages=messages, max_tokens=8)  # type: ignore[arg-type]
         answer = resp.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": answer})
-        assert resp.usage is not None
-        n = resp.usage.prompt_tokens
-        # The inference workers add their counts to /metrics every so often: until this request's.
+        # The inference workers add their counts to /metrics every so often: until this request's
+        # (its prompt tokens: a long prompt no engine holds is only partly encoded, its length
+        # estimated, so the count need not be the engine's).
         wait_until(
-            lambda r=routed + n: (
-                value(cluster, "motor_coordinator_kv_prompt_tokens_total", role="prefill") == r
-            ),
+            lambda r=routed: value(cluster, "motor_coordinator_kv_prompt_tokens_total", role="prefill") > r,
             timeout=20,
         )
         d_predicted = (

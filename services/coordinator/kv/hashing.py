@@ -9,8 +9,9 @@ the first i + 1 blocks of tokens are the same.
 The contract (docs/kv-routing.md, "Block keys"), the same in every process, Python version and
 machine:
 
-- a block is ``block_size`` token ids, each written as a 32-bit unsigned little-endian integer
-  (ids outside 0 .. 2**32 - 1 have no key: such a prompt is routed by load alone);
+- a block is ``block_size`` token ids, each written as a 64-bit signed little-endian integer
+  (the width the engines' events carry them in, so an event's ids are hashed where they lie;
+  ids outside that range have no key: such a prompt is routed by load alone);
 - its key is XXH3-64 of those bytes, seeded with its parent's key (unsigned), the first block's
   parent being :data:`ROOT`;
 - the index stores a key as the signed 64-bit integer with the same bits.
@@ -38,15 +39,15 @@ _BIG_ENDIAN = sys.byteorder == "big"
 def chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> array[int]:
     """The keys of ``tokens``' full blocks of ``block_size`` (a trailing partial block has
     none), the first one chained to ``parent`` (a key, signed or not). Raises OverflowError for
-    an id outside 0 .. 2**32 - 1."""
+    an id outside the signed 64-bit range."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, not {block_size}")
-    ids = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
+    ids = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
     if _BIG_ENDIAN:
-        ids = array("I", ids)
+        ids = array("q", ids)
         ids.byteswap()
     raw = memoryview(ids).cast("B")
-    step = block_size * 4
+    step = block_size * 8
     out = array("Q")
     add = out.append
     h = parent % _WRAP

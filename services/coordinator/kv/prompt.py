@@ -28,7 +28,8 @@ across it, which :func:`chunks_agree` checks of the tokenizer when it is loaded)
 chunk the index is asked whether some engine holds every block so far. Where none does, the
 rest cannot change the choice (routing reads how far an engine holds the prompt's leading
 blocks), so it is not encoded, and the prompt's length is estimated from the characters left.
-A new 8k-token document then costs its first chunk, not its whole encoding.
+A new 8k-token document then costs its first chunk (about 128 tokens), not its whole encoding;
+one some engine holds is encoded whole, chunk after chunk.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ from motor_mesh.common.tokenizer import (
 from motor_mesh.coordinator.kv.hashing import chain
 from motor_mesh.coordinator.routes import Upstream
 
-# Characters of text encoded inline at most: about 1 ms of encoding at worst (short random words
-# are about 2 characters a token, English prose 4; the tokenizer takes about 1 µs a token).
-LONG_TEXT = 2048
-CHUNK = 4096  # characters of a long prompt's first chunk (each next one twice the last)
+# Characters of text encoded inline at most: about half a millisecond of encoding at worst (short
+# random words are about 2 characters a token, English prose 4; the tokenizer takes 1 to 2 µs a
+# token on a busy machine), leaving room under the 1 ms the loop may be held for the rest.
+LONG_TEXT = 1024
+# Characters of a long prompt's first chunk (each next one twice the last): about 128 tokens,
+# encoded inline in about 0.1 ms, are enough to see that no engine holds a new document.
+CHUNK = 512
 CUT_WITHIN = 512  # characters past a chunk's end searched for a place to cut it
 MEMO_CHATS = 4096  # rendered chat prefixes remembered, at most
-MEMO_TOKENS = 8 << 20  # and their token ids (4 bytes each): 32 MiB
+MEMO_TOKENS = 4 << 20  # and their token ids (8 bytes each): 32 MiB
 
 
 class PromptView(Protocol):
@@ -140,7 +144,7 @@ class Prompt:
                 done = len(known) * block_size
                 return known + chain(self.ids[done:], block_size, known[-1])
             return chain(self.ids, block_size)
-        except OverflowError:  # an id outside 32 bits (given by the client): no keys
+        except OverflowError:  # an id outside 64 bits (given by the client): no keys
             return array("q")
 
 
@@ -220,7 +224,7 @@ class _Job:
     def finish(self, encoded: Sequence[Sequence[int]], memo: ChatMemo | None) -> Prompt:
         if not self.cuts and self.base is None:
             return Prompt(encoded[0])
-        ids = array("I", self.base.ids) if self.base is not None else array("I")
+        ids = array("q", self.base.ids) if self.base is not None else array("q")
         keep: list[Said] = []
         for segment, (cut, key) in zip(encoded, self.cuts, strict=False):
             ids.extend(segment)
@@ -296,7 +300,7 @@ class Tokens:
         """``job`` encoded a chunk at a time, as long as ``held`` says some engine holds every
         block so far (see the module's doc); the chat prefixes it passes are remembered."""
         text, base = job.text, job.base
-        ids = array("I", base.ids) if base is not None else array("I")
+        ids = array("q", base.ids) if base is not None else array("q")
         keys = dict(job.cuts)
         bounds = sorted({*keys, len(text)})
         keep: list[Said] = []
