@@ -6,11 +6,11 @@ workers read (services/coordinator/kv/shared.py). This measures what decides bet
 the alternatives (an index per worker, each fed by its own subscriptions; one index asked over
 ZeroMQ on every request):
 
-- the request path: read a chat request (the conversation so far remembered, its question
-  new), hash its blocks, find the endpoint holding the longest prefix, against an index in the
-  process and against the shared one; in a tight loop and with the CPU caches evicted before
-  each request, as they are on a busy machine between two requests; without the C speedups;
-  and among several instances, each prompt weighed against each one's load;
+- the request path: read a chat request (its question new each time), hash its blocks, find
+  the endpoint holding the longest prefix, against an index in the process and against the
+  shared one; in a tight loop and with the CPU caches evicted before each request, as they are
+  on a busy machine between two requests; and among several instances, each prompt weighed
+  against each one's load;
 - the same lookup as a round trip to another process holding the index (a DEALER -> ROUTER
   over ipc, the hashes as msgpack, the answer back);
 - what following the events costs: decoding and applying one batch (a request's
@@ -40,16 +40,16 @@ from prometheus_client import CollectorRegistry
 
 from bench.loadgen.harness import percentile
 from motor_mesh.common.enums import ENGINE_SIM, PREFILL
-from motor_mesh.common.tokenizer import Builtin
+from motor_mesh.common.tokenizer import Builtin, HfTokenizer
 from motor_mesh.coordinator.bodies import loads
-from motor_mesh.coordinator.kv import speedups, wire
+from motor_mesh.coordinator.kv import wire
 from motor_mesh.coordinator.kv.index import DEFAULT_MAX_BLOCKS, KvIndex
 from motor_mesh.coordinator.kv.metrics import KvMetrics
 from motor_mesh.coordinator.kv.policy import IndexView, KvAware
 from motor_mesh.coordinator.kv.prompt import Tokens
-from motor_mesh.coordinator.kv.routing import prompt_reader
 from motor_mesh.coordinator.kv.shared import MIN_CAPACITY, SharedReader, SharedWriter, capacity_for
 from motor_mesh.coordinator.tally import Tallies
+from tests.tokenizers import llama3_path
 
 BLOCK = 16
 ENDPOINTS = 4
@@ -64,15 +64,14 @@ class Costs:
     in_process_us: list[float]  # tokenize + hash + match against a KvIndex, per request
     shared_us: list[float]  # the same against the shared index
     shared_cold_us: list[float]  # the same, CPU caches evicted before each request
-    shared_python_us: list[float]  # the same in Python, without the C speedups
     several_us: list[float]  # against the shared index, the endpoints as as many instances
-    several_python_us: list[float]  # the same in Python
     round_trip_us: list[float]  # the match asked of another process
     ingest_us: float  # decode + apply one batch to an index
     ingest_mirrored_us: float  # the same, mirrored for the workers
     bytes_per_block: float  # the index's own memory
     shared_bytes_per_block: float  # the mapped tables', at their fullest
     prompt_tokens: int
+    tokenizer: str
 
 
 def _request(system_words: int, question: int) -> dict[str, object]:
@@ -125,6 +124,7 @@ class _Target:
         self.model, self.engine_type, self.role = MODEL, ENGINE_SIM, PREFILL
         self.endpoints = [_Endpoint(ep) for ep in eps]
         self.load = 0
+        self.legs = 0  # requests in flight (kv_aware's load gate)
         self.downs = _Downs()
 
 
@@ -133,15 +133,13 @@ Decide = Callable[..., Any]  # the policy, (targets, exclude, prompt) -> target
 
 
 def _worker_path(tokens: Tokens, index: IndexView) -> tuple[Read, Decide]:
-    """A request's two steps as an inference process takes them: its prompt read
-    (KvRouting.prompt) and the policy's choice among the candidates (KvAware.decide)."""
-    read = prompt_reader(
-        {(MODEL, ENGINE_SIM): tokens.chats} if tokens.chats is not None else {}, _rest(tokens)
-    )
-    return read, KvAware(index, KvMetrics(CollectorRegistry(), Tallies()), 1.0, 1.0).decide
+    """A request's two steps as an inference process takes them: its prompt read (what
+    KvRouting.prompt awaits: a text this short is encoded inline) and the policy's choice among
+    the candidates (a KvAware instance is the policy)."""
+    return _read(tokens), KvAware(index, KvMetrics(CollectorRegistry(), Tallies()), 1.0, 1.0)
 
 
-def _rest(tokens: Tokens) -> Read:
+def _read(tokens: Tokens) -> Read:
     return lambda req, chat, target: tokens.read(req, chat)
 
 
@@ -170,21 +168,6 @@ def _path(
         out.append((time.perf_counter() - t) * 1e6)
         assert prompt is not None and prompt.cached > 0
     return out
-
-
-def _python_path(directory: str, eps: list[str], questions: range, several: bool = False) -> list[float]:
-    """:func:`_path` against the shared index, with the Python the C speedups mirror (a reader
-    and a tokenizer take their implementation as they are made)."""
-    native, speedups.native = speedups.native, None  # type: ignore[assignment]
-    try:
-        reader = _reader(directory)
-        try:
-            worker = _worker_path(Tokens(Builtin(), sim=True), reader)
-            return _path(*worker, eps, questions, None, several)
-        finally:
-            reader.close()
-    finally:
-        speedups.native = native
 
 
 def _reader(directory: str) -> SharedReader:
@@ -260,9 +243,20 @@ def _bytes_per_block(tokens: list[int]) -> float:
     return used / index.size
 
 
+def tokens() -> Tokens:
+    """Llama 3's tokenizer and chat template, as a real engine's model has them (``make
+    tokenizers``); the simulated engine's built-in tokenizer without them."""
+    path = llama3_path()
+    if path is None:
+        return Tokens(Builtin(), sim=True)
+    return Tokens(HfTokenizer(os.path.join(path, "tokenizer.json")), sim=False)
+
+
 def measure(blocks_per_endpoint: int = 100_000) -> Costs:
-    tok = Tokens(Builtin(), sim=True)
-    first = tok.prompt(_request(1000, 0), True)
+    tok = tokens()
+    # The system prompt's ids remembered, as after any earlier conversation under it: each
+    # request then encodes its own question (and the template's headers).
+    first = tok.read(_request(1000, 0), True)
     assert first is not None
     ids = first.tokens
     with tempfile.TemporaryDirectory() as d:
@@ -281,9 +275,7 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         cold = _path(
             *worker, eps, range(2 * SAMPLES + 1, 2 * SAMPLES + 1 + COLD_SAMPLES), bytearray(EVICT_BYTES)
         )
-        python = _python_path(d, eps, range(3 * SAMPLES, 4 * SAMPLES))
-        several = _path(*worker, eps, range(4 * SAMPLES, 5 * SAMPLES), None, several=True)
-        several_python = _python_path(d, eps, range(5 * SAMPLES, 6 * SAMPLES), several=True)
+        several = _path(*worker, eps, range(3 * SAMPLES, 4 * SAMPLES), None, several=True)
         reader.close()
         writer.close()
 
@@ -312,15 +304,14 @@ def measure(blocks_per_endpoint: int = 100_000) -> Costs:
         in_process,
         shared,
         cold,
-        python,
         several,
-        several_python,
         trips,
         ingest,
         ingest_mirrored,
         _bytes_per_block(ids),
         shared_bytes,
         len(ids),
+        tok.tokenizer.name if tok.memo is None else "Llama 3 (a conversation's system prompt remembered)",
     )
 
 
@@ -335,14 +326,13 @@ def summary(c: Costs) -> list[str]:
         "| what | p50 | p99 | max |",
         "|---|---|---|---|",
         _row(
-            f"in process: read + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints)",
+            f"in process: read + hash + match ({c.prompt_tokens}-token chat, {ENDPOINTS} endpoints; "
+            f"tokenizer: {c.tokenizer})",
             c.in_process_us,
         ),
         _row("the same against the shared index (what a worker does)", c.shared_us),
         _row("the same, CPU caches evicted before each request (then its body parsed)", c.shared_cold_us),
-        _row("the same in Python (no C speedups), caches warm", c.shared_python_us),
         _row(f"against the shared index, {ENDPOINTS} instances of one endpoint each", c.several_us),
-        _row("the same in Python (no C speedups)", c.several_python_us),
         _row("round trip to an index in another process (ipc, msgpack)", c.round_trip_us),
         "",
         f"- Following the events, per batch (a {blocks}-block `BlockStored` and a {blocks}-block "

@@ -7,6 +7,11 @@ order, so an engine's cache sees the mix a chat service sees.
 
 The client streams every request (``stream: true``) and times the first content chunk: the time
 to first token a user waits.
+
+Two kinds of text: :func:`build`'s made-up words (``policy0clause17``: one token each for the
+simulated engine's built-in tokenizer, several for a real one), and :func:`prose`, English-like
+sentences from a fixed word list, sized in a real tokenizer's tokens (:func:`build_prose`,
+:func:`singles`), for the benches that tokenize as a Llama 3 engine does.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+
+MODEL = "motor-sim"
 
 
 @dataclass
@@ -61,10 +69,10 @@ def build(shape: Shape) -> tuple[list[Conversation], list[int]]:
 
 
 async def ask(
-    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], model: str = MODEL
 ) -> tuple[float, float, str]:
     """One streamed chat completion: (time to first token, total time, the answer's text)."""
-    body = {"model": "motor-sim", "messages": messages, "max_tokens": 16, "stream": True}
+    body = {"model": model, "messages": messages, "max_tokens": 16, "stream": True}
     started = time.perf_counter()
     first = 0.0
     text: list[str] = []
@@ -90,6 +98,7 @@ async def run(
     order: list[int],
     clients: int = 1,
     session: aiohttp.ClientSession | None = None,
+    model: str = MODEL,
 ) -> list[tuple[float, float]]:
     """Every turn of ``order``; with ``clients`` > 1 they share the order, each conversation
     still one turn at a time. Returns (ttft, total) per request. Over ``session`` if given (its
@@ -111,7 +120,7 @@ async def run(
             c = queue.pop(pick)
             busy.add(c)
             conv = convs[c]
-            ttft, total, answer = await ask(session, url, conv.messages(turns[c]))
+            ttft, total, answer = await ask(session, url, conv.messages(turns[c]), model)
             conv.answers.append(answer)
             turns[c] += 1
             busy.discard(c)
@@ -123,3 +132,108 @@ async def run(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as own:
         await asyncio.gather(*(worker(own) for _ in range(clients)))
     return results
+
+
+# -- English-like text, sized in a real tokenizer's tokens ---------------------------------------
+
+# Common English words (one or two Llama 3 tokens each): text a real tokenizer splits as it
+# splits prose, where made-up words would each cost it several tokens.
+WORDS = tuple(
+    """the of and to in is was for on that with as it by at from this be are or an have not but
+    which one all were their they has more been there when will would who can said its about
+    into than other some time only new may these two first any after also could over such most
+    where years should between each made through people system many because both under before
+    those while during state world water city work house school number part place case point
+    government company group problem fact hand week night way day life year report policy order
+    question answer service customer account payment request record data model engine network
+    server cache memory token block prefix queue route load limit error value result process
+    simple clear small large long short early late high low open close full empty public private
+    local global common special general final recent strong quick slow safe ready able likely
+    make take give find keep hold send read write check start stop change follow move serve
+    build learn show tell ask need help call use try run turn bring carry leave meet pay""".split()
+)
+TokenCount = Callable[[str], int]  # a text's tokens as the engine counts them
+
+
+def prose(rng: random.Random, words: int) -> str:
+    """About ``words`` words of sentences (6 to 18 words, a comma now and then), paragraphs of
+    about five sentences."""
+    sentences: list[str] = []
+    left = words
+    while left > 0:
+        n = min(left, rng.randint(6, 18))
+        ws = [rng.choice(WORDS) for _ in range(n)]
+        if n > 8 and rng.random() < 0.4:
+            ws[rng.randrange(3, n - 2)] += ","
+        sentences.append(" ".join(ws).capitalize() + ".")
+        left -= n
+    paragraphs = [" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5)]
+    return "\n\n".join(paragraphs)
+
+
+def sized(rng: random.Random, tokens: int, count: TokenCount) -> str:
+    """:func:`prose` of about ``tokens`` tokens by ``count``: a guess at the words, then
+    paragraphs added or the last words dropped until it is within 1% (or 4 tokens) of it."""
+    text = prose(rng, max(1, int(tokens / 1.1)))
+    while count(text) < tokens:
+        text += "\n\n" + prose(rng, max(1, int((tokens - count(text)) / 1.1) + 1))
+    words = text.split(" ")
+    while count(" ".join(words)) > tokens + max(4, tokens // 100) and len(words) > 1:
+        over = count(" ".join(words)) - tokens
+        words = words[: -max(1, int(over / 1.5))]
+    return " ".join(words)
+
+
+@dataclass(frozen=True)
+class ProseShape:
+    """Conversations under shared system prompts, sized in tokens (of :data:`TokenCount`)."""
+
+    systems: int = 4
+    system_tokens: int = 4000
+    conversations: int = 8
+    turns: int = 10
+    question_tokens: int = 40
+    seed: int = 16
+
+
+def build_prose(shape: ProseShape, count: TokenCount) -> tuple[list[Conversation], list[int]]:
+    """:func:`build`'s conversations in English-like text: conversation c under system prompt
+    c mod ``systems``; turns interleaved at random, each conversation's in order."""
+    rng = random.Random(shape.seed)
+    systems = [sized(rng, shape.system_tokens, count) for _ in range(shape.systems)]
+    convs = [
+        Conversation(
+            systems[c % shape.systems],
+            [sized(rng, shape.question_tokens, count) + "?" for _ in range(shape.turns)],
+        )
+        for c in range(shape.conversations)
+    ]
+    order = [c for c in range(shape.conversations) for _ in range(shape.turns)]
+    rng.shuffle(order)
+    return convs, order
+
+
+def spaced(conversations: int, turns: int, gap: int, seed: int) -> list[int]:
+    """An order of every turn of every conversation (conversation index per request) with at
+    least ``gap`` other requests between two turns of one conversation where it can be: each
+    next one drawn at random among the conversations with turns left that none of the last
+    ``gap`` requests belongs to, weighed by the turns they have left (so none is left alone with
+    its last turns at the end); any with turns left when there is none such."""
+    rng = random.Random(seed)
+    left = dict.fromkeys(range(conversations), turns)
+    out: list[int] = []
+    while left:
+        recent = set(out[-gap:]) if gap else set()
+        ready = [c for c in left if c not in recent] or list(left)
+        c = rng.choices(ready, weights=[left[c] for c in ready])[0]
+        out.append(c)
+        left[c] -= 1
+        if not left[c]:
+            del left[c]
+    return out
+
+
+def singles(n: int, tokens: int, count: TokenCount, seed: int = 17) -> list[list[dict[str, str]]]:
+    """``n`` chats of one user message of about ``tokens`` tokens, each a text of its own."""
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": sized(rng, tokens, count)}] for _ in range(n)]
