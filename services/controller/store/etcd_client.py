@@ -31,6 +31,9 @@ from motor_mesh.gen.etcd.mvccpb import kv_pb2
 T = TypeVar("T")
 # Status codes that say "this endpoint did not answer": the next one is tried.
 _UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Before a call's last try on the endpoint it tried first: time for a channel whose connection
+# was just reset to see it (seen here: two calls in a row failing on a socket already cut).
+RETRY_AFTER_S = 0.1
 _OPTIONS: list[tuple[str, Any]] = [
     # An idle watch must notice a dead connection. etcd accepts pings every 5 s or slower while a
     # stream is open (its --grpc-keepalive-min-time) and none without one, so none are sent then.
@@ -241,10 +244,13 @@ class EtcdClient:
     async def _call(self, what: str, attempt: Callable[[_Endpoint], Awaitable[T]]) -> T:
         """``attempt`` on each endpoint in turn, from the one that answered last, until one
         answers; the first one gets a second try at the end, since a connection that was just
-        reset fails one call before the channel reconnects (so does a lone endpoint's)."""
+        reset fails calls until the channel has seen the reset and reconnected (so does a lone
+        endpoint's): that try comes :data:`RETRY_AFTER_S` later."""
         failures = []
         for k in range(len(self._targets) + 1):
             i = (self._current + k) % len(self._targets)
+            if k == len(self._targets):
+                await asyncio.sleep(RETRY_AFTER_S)
             try:
                 result = await attempt(self._endpoint(i))
             except (grpc.aio.AioRpcError, TimeoutError, _StreamEnded) as err:
