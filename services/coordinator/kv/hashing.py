@@ -31,7 +31,6 @@ from xxhash import xxh3_64_intdigest
 
 # The "parent" of a sequence's first block: an arbitrary constant ("MOTOR" in ASCII).
 ROOT = 0x4D4F544F52
-_SIGN = 1 << 63
 _WRAP = 1 << 64
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -57,8 +56,3 @@ def chain(tokens: Sequence[int], block_size: int, parent: int = ROOT) -> array[i
     signed = array("q")
     signed.frombytes(out.tobytes())
     return signed
-
-
-def signed(key: int) -> int:
-    """An unsigned 64-bit key as the index stores it."""
-    return key - _WRAP if key >= _SIGN else key

@@ -222,18 +222,27 @@ class _Job:
         return sum(map(len, self.segments))
 
     def finish(self, encoded: Sequence[Sequence[int]], memo: ChatMemo | None) -> Prompt:
+        """The prompt of the segments' ids (one list each), its prefixes remembered."""
         if not self.cuts and self.base is None:
             return Prompt(encoded[0])
-        ids = array("q", self.base.ids) if self.base is not None else array("q")
+        ids = self.base_ids()
         keep: list[Said] = []
         for segment, (cut, key) in zip(encoded, self.cuts, strict=False):
             ids.extend(segment)
-            said = Said(self.text[:cut], ids[:])
-            keep.append(said)
-            if memo is not None:
-                memo.keep(key, said)
+            self.remember(cut, key, ids, keep, memo)
         ids.extend(encoded[-1])
         return Prompt(ids, self.base, keep)
+
+    def base_ids(self) -> array[int]:
+        """A copy of the remembered prefix's ids, to extend."""
+        return array("q", self.base.ids) if self.base is not None else array("q")
+
+    def remember(self, cut: int, key: int, ids: array[int], keep: list[Said], memo: ChatMemo | None) -> None:
+        """The text up to ``cut``, whose ids are ``ids``, remembered under message key ``key``."""
+        said = Said(self.text[:cut], ids[:])
+        keep.append(said)
+        if memo is not None:
+            memo.keep(key, said)
 
 
 class Tokens:
@@ -300,7 +309,7 @@ class Tokens:
         """``job`` encoded a chunk at a time, as long as ``held`` says some engine holds every
         block so far (see the module's doc); the chat prefixes it passes are remembered."""
         text, base = job.text, job.base
-        ids = array("q", base.ids) if base is not None else array("q")
+        ids = job.base_ids()
         keys = dict(job.cuts)
         bounds = sorted({*keys, len(text)})
         keep: list[Said] = []
@@ -319,10 +328,7 @@ class Tokens:
             ids.extend(part)
             key = keys.get(end)
             if key is not None:
-                said = Said(text[:end], ids[:])
-                keep.append(said)
-                if self.memo is not None:
-                    self.memo.keep(key, said)
+                job.remember(end, key, ids, keep, self.memo)
             if end == len(text):
                 return Prompt(ids, base, keep)
             if end - pos >= size:  # a whole chunk: ask before the next one
