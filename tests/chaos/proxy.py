@@ -73,13 +73,17 @@ class TcpProxy:
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
+        # Connections still piping end with their sockets (a stalled one is let go first), so
+        # none is left pending when the loop stops; any that lingers is cancelled.
+        assert self._flowing is not None
+        self._flowing.set()
         await self._cut()
-        # Connections still piping (waiting out a stall, say) are cancelled and awaited: none
-        # is left pending when the loop stops.
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
+        if rest:
+            _, pending = await asyncio.wait(rest, timeout=2)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _cut(self) -> int:
         writers = list(self._open)
