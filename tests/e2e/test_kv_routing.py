@@ -152,8 +152,9 @@ def _served_once_more(c: Cluster, client: openai.OpenAI, system: str, k: int, se
 
 def _mean_latency(tmp: Path, policy: str, prompts: list[str], order: list[int]) -> tuple[float, float]:
     # Each prefill engine holds about half of the system prompts (8 prompts of 25 blocks; 112
-    # blocks each), prefill costs 1 ms per uncached token.
-    c = up(tmp, policy, blocks=112, ms_per_token=1.0)
+    # blocks each), prefill costs 2 ms per uncached token: the modelled prefill, not the
+    # machine's noise (this runs beside the rest of the suite), decides the means.
+    c = up(tmp, policy, blocks=112, ms_per_token=2.0)
     try:
         client = client_of(c)
         times = [ask(client, prompts[i], f"question {n} about it") for n, i in enumerate(order)]
