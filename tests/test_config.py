@@ -29,6 +29,7 @@ COMMON = {
     "tls_ca_file",
     "max_message_bytes",
     "log_format",
+    "log_level",
 }
 # Transcribed from the public list of keys, so the schema cannot drift from it silently.
 CONTRACT_KEYS = {
@@ -43,7 +44,8 @@ CONTRACT_KEYS = {
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
         max_json_depth prefill_policy decode_policy kv_prefix_weight kv_load_weight
         kv_index_max_blocks kv_load_gate kv_affinity_load_gate_topn kv_events_stale_s
-        pd_min_prompt_tokens tokenizers api_keys_file controller
+        pd_min_prompt_tokens tokenizers api_keys_file tenants_file rate_limit clamp_max_tokens
+        congestion_raise_s controller
         controller_key_file precision_check_enabled precision_interval_s precision_logprobs
         precision_issue_threshold precision_clear_threshold precision_probe_question
         precision_probe_expected probe_max_attempts probe_timeout_s migration_limit migration_delay_s

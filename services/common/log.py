@@ -100,7 +100,15 @@ class _Formatter(logging.Formatter):
         return " ".join(f"{_key(k)}={_quote(v)}" for k, v in fields.items())
 
 
-def setup(service: str, log_format: str = "kv", level: int = logging.INFO) -> None:
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def set_level(name: str) -> None:
+    """Change the least severe level logged (config ``log_level``), at once, while running."""
+    logging.getLogger().setLevel(LEVELS[name])
+
+
+def setup(service: str, log_format: str = "kv", level: int | str = logging.INFO) -> None:
     """Configure the root logger for one process (idempotent)."""
     global _SERVICE, _FORMAT
     _SERVICE, _FORMAT = service, ("json" if log_format == "json" else "kv")
@@ -110,7 +118,7 @@ def setup(service: str, log_format: str = "kv", level: int = logging.INFO) -> No
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter())
     root.addHandler(handler)
-    root.setLevel(level)
+    root.setLevel(LEVELS[level] if isinstance(level, str) else level)
     for noisy in ("aiohttp.access", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -43,7 +43,7 @@ def service_main(
         for line in err.errors:
             print(line, file=sys.stderr)
         return 1
-    log.setup(section, cfg.section(section).log_format)
+    log.setup(section, cfg.section(section).log_format, cfg.section(section).log_level)
     try:
         return run(lambda stop: serve(cfg, stop), fast_loop=fast_loop)
     except (OSError, ConfigError) as err:

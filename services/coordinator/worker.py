@@ -91,7 +91,7 @@ def _engine_metrics(
 async def serve(directory: str, index: int, stop: asyncio.Event) -> int:
     settings = await asyncio.to_thread(_settings, directory)
     cfg = load(None, env={}, overrides={"coordinator": settings}).coordinator
-    log.setup(f"coordinator-worker-{index}", cfg.log_format)
+    log.setup(f"coordinator-worker-{index}", cfg.log_format, cfg.log_level)
     workers = worker_count(cfg.workers)
     use_shared_dir(os.path.join(directory, "metrics"))
     metrics = Metrics()

@@ -16,6 +16,7 @@ from motor_mesh.common.config.sections import (
     EngineConfig,
     NodeManagerConfig,
     Parallel,
+    RateLimit,
     ServerConfig,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "EngineConfig",
     "NodeManagerConfig",
     "Parallel",
+    "RateLimit",
     "ServerConfig",
     "from_dicts",
     "load",

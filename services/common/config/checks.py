@@ -245,6 +245,7 @@ LOAD_GATE = Check(
     ),
 )
 PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "nnodes")
+RATE_LIMIT_KEYS = ("max_requests", "window_s", "max_tokens_per_window", "skip_paths")
 COUNT = integer(1, 1_000_000)
 
 
@@ -273,6 +274,24 @@ PARALLEL = Check(
     "object with dp, tp, pp, ep, nnodes (each an integer >= 1; missing ones are 1; nnodes divides tp * pp)",
     _parallel,
 )
+
+
+def _rate_limit(value: Any) -> Result:
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    problems: list[Problem] = []
+    checks = {
+        "max_requests": integer(0, 1_000_000_000),
+        "window_s": seconds(0, WEEK, above=True),
+        "max_tokens_per_window": integer(0, 1 << 50),
+        "skip_paths": array(URL_PATH),
+    }
+    for key, item in value.items():
+        if key not in checks:
+            problems.append((f".{display_name(key)}", unknown_key(key, RATE_LIMIT_KEYS)))
+        else:
+            problems += [(f".{key}{sub}", message) for sub, message in checks[key](item)[1]]
+    return value, problems
 
 
 def _json_object(value: Any) -> Result:
@@ -322,10 +341,18 @@ def _environment(value: Any) -> Result:
 
 ENVIRONMENT = Check("object of variable name to string", _environment)
 
+URL_PATH = text(r"/[^\s?#]*", "a URL path starting with /", "a URL path")
 PORT = integer(0, 65535)  # 0: let the OS pick (tests bind port 0)
 # Upper bounds catch unit mistakes (milliseconds typed as seconds) and keep every wait finite.
 WEEK = 7 * 24 * 3600
 DURATION = seconds(0, WEEK, above=True)
+RATE_LIMIT = Check(
+    "object with max_requests (integer >= 0, 0 = no limit), window_s (seconds > 0),"
+    " max_tokens_per_window (integer >= 0, 0 = no limit), skip_paths (array of URL paths);"
+    " missing ones keep their defaults",
+    _rate_limit,
+)
+LOG_LEVEL = choice("debug", "info", "warning", "error")
 FILE = text(r"[^\0]*", "a path without NUL", 'a file path, "" = not set')  # NUL: open() would raise
 NONEMPTY = text(r"(?s:.+)", "a non-empty string", "not empty")
 DIRECTORY = text(r"[^\0]+", "a non-empty path without NUL", "a directory path")

@@ -53,6 +53,30 @@ class Parallel:
 ONE_OF_EACH = Parallel()
 
 
+@dataclass(frozen=True)
+class RateLimit:
+    """The Coordinator-wide rate limits (all tenants together), as token buckets that refill
+    continuously: `max_requests` and `max_tokens_per_window` per `window_s`."""
+
+    max_requests: int = 0
+    window_s: float = 60
+    max_tokens_per_window: int = 0
+    skip_paths: tuple[str, ...] = ("/health", "/readiness", "/metrics", "/metrics/engines")
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> RateLimit:
+        base = cls()
+        return cls(
+            max_requests=int(value.get("max_requests", base.max_requests)),
+            window_s=value.get("window_s", base.window_s),
+            max_tokens_per_window=int(value.get("max_tokens_per_window", base.max_tokens_per_window)),
+            skip_paths=tuple(value.get("skip_paths", base.skip_paths)),
+        )
+
+
+NO_RATE_LIMIT = RateLimit()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Keys every section has: how the service's listeners bind and authenticate, and its log
@@ -90,6 +114,9 @@ class ServerConfig:
     RESOURCE_EXHAUSTED."""
     log_format: str = setting("kv", c.choice("kv", "json"))
     """One line per event on stderr: `kv` (`event=listening service=controller …`) or `json`."""
+    log_level: str = setting("info", c.LOG_LEVEL)
+    """Least severe event logged: `debug`, `info`, `warning` or `error`. Changes while the
+    service runs (`motor config reload`, SIGHUP)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +302,28 @@ class CoordinatorConfig(ServerConfig):
     (`tls_cert_file`, `tls_key_file`) on a `host` other than loopback the keys travel in clear,
     which is warned about at start (`api_keys_in_clear`); without this file there,
     `inference_api_open` is."""
+    tenants_file: str = setting("", c.FILE)
+    """JSON file of tenants: a list of `{"name", "keys", "weight", "priority", "requests_per_minute",
+    "tokens_per_minute", "max_concurrent"}` (docs/admission.md). A key authenticates its
+    tenant (`Authorization: Bearer <key>`); stored as given or hashed (`sha256:…` or the PBKDF2
+    form that `motor keys hash` prints). With `api_keys_file` as well, that file's keys are one
+    more tenant, `default`. Same permission rule as `api_keys_file`; re-read by `motor config
+    reload` and SIGHUP."""
+    rate_limit: RateLimit = setting(NO_RATE_LIMIT, c.RATE_LIMIT, typed=RateLimit.from_json)
+    """Limits on this Coordinator deployment as a whole (every replica and tenant together): at
+    most `max_requests` requests and `max_tokens_per_window` tokens (prompt plus `max_tokens`,
+    corrected by the real usage when the request ends) per `window_s`, as token buckets that
+    refill continuously; 0 = no limit. Replicas split each limit evenly by the count the
+    Controller pushes. Requests to `skip_paths` are never limited. A refused request gets 429
+    `rate_limit_exceeded` with `Retry-After`."""
+    clamp_max_tokens: bool = setting(False, c.BOOLEAN)
+    """Lower a request's `max_tokens` to what the smaller of its prefill and decode engines'
+    `max_model_len` leaves after the prompt, instead of the engine refusing it after the prefill
+    was paid for; a prompt that alone is too long is refused with 400 before any leg."""
+    congestion_raise_s: float = setting(10, c.seconds(0, 3600))
+    """How long admission use (requests running and queued over `max_concurrent_requests` plus
+    `max_queued_requests`) must stay at or above 85 % before the congestion alarm 0xFC001005 is
+    raised at the Controller; it clears below 75 %."""
     controller: str = setting("127.0.0.1:7100", c.CONTROLLERS)
     """The Controller's address, where precision alarms and their clears are reported. With
     standby Controllers (the etcd store), every one of them, comma-separated, or
