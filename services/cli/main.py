@@ -33,7 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "top": ("motor_mesh.cli.top", "a live view of the engines: load, KV cache, tokens/s, latency, alarms"),
     "scale": ("motor_mesh.cli.scale", "set how many instances of a role the cluster should have"),
     "faults": ("motor_mesh.cli.faults", "report or clear a node/device fault (L1-L6) on a NodeManager"),
-    "config": ("motor_mesh.cli.config_cmd", "validate a configuration file (motor config check FILE)"),
+    "config": (
+        "motor_mesh.cli.config_cmd",
+        "validate a configuration file (check FILE), or apply its reloadable settings (reload FILE)",
+    ),
+    "keys": ("motor_mesh.cli.keys", "hash a client API key read on stdin (motor keys hash), or make one"),
 }
 
 

@@ -234,6 +234,10 @@ async def coordinator_part(
         "pd_groups": None,
         "inference_workers": None,
         "inference_workers_serving": None,
+        # The Controller's settings revision it applies (0: its own file's values) and the
+        # Coordinators it shares its rate limits with (docs/configuration-reload.md).
+        "settings_revision": None,
+        "replicas": None,
     }
     async with client.channel(args, address, key, retries=False) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
@@ -268,6 +272,8 @@ async def coordinator_part(
             pd_groups=groups,
             inference_workers=table.inference_workers,
             inference_workers_serving=table.inference_workers_serving,
+            settings_revision=table.settings_revision,
+            replicas=table.replicas or 1,  # 0: a Coordinator older than the field
         )
     return part
 

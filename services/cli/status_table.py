@@ -162,6 +162,28 @@ def coordinator_row(c: dict[str, Any]) -> list[str]:
     ]
 
 
+def settings_line(coordinators: list[dict[str, Any]]) -> str | None:
+    """Under the Coordinator table (which has no room for a column): the settings revision each
+    applies (docs/configuration-reload.md) and the share of every rate limit it takes; one
+    phrase when they agree, as they should. None when no Coordinator said."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for c in coordinators:
+        if c.get("settings_revision") is not None:
+            groups.setdefault((c["settings_revision"], c["replicas"]), []).append(c["address"])
+    if not groups:
+        return None
+
+    def phrase(revision: int, replicas: int) -> str:
+        which = f"revision {revision}" if revision else "their own file's"
+        return f"{which} (1/{replicas} of every rate limit each)"
+
+    if len(groups) == 1:
+        (revision, replicas), _ = next(iter(groups.items()))
+        return clip(f"settings: {phrase(revision, replicas)} on every Coordinator", WIDTH)
+    parts = [f"{phrase(*key)}: {', '.join(addresses)}" for key, addresses in sorted(groups.items())]
+    return clip("settings: " + "; ".join(parts), WIDTH)
+
+
 def engine_text(e: dict[str, Any]) -> str:
     pid = f"pid={e['pid']}" if e["pid"] else "no pid"
     text = f"{e['endpoint']} {pid} {e['status']}" + (" headless" if e["headless"] else "")
@@ -212,6 +234,9 @@ def render(doc: dict[str, Any], now: float) -> list[str]:
     lines = controller_lines(doc["controller"])
     lines.append("")
     lines += table_lines([COORDINATOR_HEADER] + [coordinator_row(c) for c in doc["coordinators"]])
+    settings = settings_line(doc["coordinators"])
+    if settings is not None:
+        lines.append(settings)
     lines.append("")
     if doc["nodemanagers"] is None:
         lines.append("NodeManagers: unknown (the Controller lists them)")

@@ -3,18 +3,21 @@
 Parses ``--config`` and the few flags that override config keys, loads the configuration
 (printing every error and exiting 1 before anything binds), sets up logging, then runs the
 service's ``serve(cfg, stop)`` coroutine until SIGTERM/SIGINT (a second one exits at once, and
-under ``motor up`` stdin closing stops it too: :func:`motor_mesh.common.server.run`).
+under ``motor up`` stdin closing stops it too: :func:`motor_mesh.common.server.run`). SIGHUP
+re-reads the ``--config`` file the same way (services/common/sighup.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from motor_mesh.common import log
+from motor_mesh.common import log, sighup
 from motor_mesh.common.config import Config, ConfigError, load
+from motor_mesh.common.config.source import Source, motor_env, record
 from motor_mesh.common.server import run
 
 Serve = Callable[[Config, Any], Awaitable[int]]
@@ -37,15 +40,18 @@ def service_main(
         parser.add_argument(flag, type=typ, dest=key, help=f"config {section}.{key}")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    env = motor_env(os.environ)  # what a reload applies again (config/source.py)
     try:
-        cfg = load(args.config, section=section, overrides={section: overrides})
+        cfg = load(args.config, section=section, env=env, overrides={section: overrides})
     except ConfigError as err:
         for line in err.errors:
             print(line, file=sys.stderr)
         return 1
     log.setup(section, cfg.section(section).log_format, cfg.section(section).log_level)
+    source = Source(section, args.config, cfg, overrides={section: overrides}, env=env)
+    record(source)
     try:
-        return run(lambda stop: serve(cfg, stop), fast_loop=fast_loop)
+        return run(lambda stop: sighup.serving(source, serve(cfg, stop)), fast_loop=fast_loop)
     except (OSError, ConfigError) as err:
         msg = "; ".join(err.errors) if isinstance(err, ConfigError) else str(err)
         log.error("start_failed", reason=msg)

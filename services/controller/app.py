@@ -28,8 +28,9 @@ import os
 import sys
 from pathlib import Path
 
-from motor_mesh.common import log
+from motor_mesh.common import log, sighup
 from motor_mesh.common.config import Config, ControllerConfig, read_key_file
+from motor_mesh.common.config.source import Source, recorded
 from motor_mesh.common.gcpolicy import GcGuard
 from motor_mesh.common.metrics_http import MetricsServer
 from motor_mesh.common.retry import Backoff
@@ -58,6 +59,7 @@ from motor_mesh.controller.reconcile.instances import InstanceReconciler
 from motor_mesh.controller.reconcile.runner import Reconciler
 from motor_mesh.controller.reconcile.teardown import Teardowns
 from motor_mesh.controller.service import ControllerService
+from motor_mesh.controller.settings import Settings, starting_config
 from motor_mesh.controller.store.db import StateCorrupt
 from motor_mesh.controller.store.interface import StateStore
 from motor_mesh.controller.store.sqlite import Store
@@ -71,6 +73,12 @@ FIRST_RESOLVE_S = 2.0
 # Reconciles in flight at once per kind: each waits on NodeManagers (probes, StartEngines), and a
 # fleet registering at once must not wait in line behind one slow node.
 WORKERS = 32
+
+
+def _tick_of(cfg: ControllerConfig) -> float:
+    """How often the Controller's timer runs: a quarter of its shortest timeout, within bounds."""
+    shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
+    return min(1.0, max(0.02, shortest / 4))
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -93,9 +101,13 @@ class Controller:
         coordinator_alarm_after_s: float = COORDINATOR_ALARM_AFTER_S,
         store: StateStore | None = None,
         leadership: Leadership | None = None,
+        source: Source | None = None,
     ) -> None:
         """``store``: an opened shared store (etcd) instead of ``state_dir``'s database, and
-        ``leadership`` the election this process has won, whose term fences every push."""
+        ``leadership`` the election this process has won, whose term fences every push.
+        ``source``: how ``motor controller`` loaded its configuration (its whole file, its flags
+        and environment), which a reload (ReloadConfig) is read and compared with; None: ``cfg``
+        and the defaults of the other sections."""
         self.cfg = cfg
         self.leadership = leadership
         # Key files first: a bad one is a start-up error before anything is opened.
@@ -104,7 +116,7 @@ class Controller:
         # A shared store is guarded by the election instead of a lock file.
         self._lock = _lock_state_dir(cfg.state_dir) if store is None else None
         try:
-            self._build(cfg, nm_key, coord_key, coordinator_alarm_after_s, store)
+            self._build(cfg, nm_key, coord_key, coordinator_alarm_after_s, store, source)
         except BaseException:  # a corrupt state file among others: the next start may retry
             if self._lock is not None:
                 os.close(self._lock)
@@ -117,10 +129,16 @@ class Controller:
         coord_key: str | None,
         coordinator_alarm_after_s: float,
         store: StateStore | None,
+        source: Source | None,
     ) -> None:
         self.store: StateStore = Store(cfg.state_dir) if store is None else store
-        shortest = min(cfg.instance_heartbeat_timeout_s, cfg.instance_assemble_timeout_s)
-        self._tick_s = min(1.0, max(0.02, shortest / 4))
+        # The settings a reload changes, with the last reload's applied over the file's: the
+        # reloadable keys below are read through self.cfg when used (apply_settings).
+        self.settings = Settings(self.store, starting_config(cfg, source), source)
+        if self.settings.running.controller.log_level != cfg.log_level:
+            log.set_level(self.settings.running.controller.log_level)
+        cfg = self.cfg = self.settings.running.controller
+        self._tick_s = _tick_of(cfg)
         # The timer reads the clock every tick, so a gap of several ticks (and at least one
         # heartbeat interval) is the loop not running, not NodeManagers being silent.
         self.clock = LiveClock(stall_s=max(cfg.heartbeat_interval_s, 3 * self._tick_s))
@@ -149,10 +167,16 @@ class Controller:
             )
             self.alarms.subscribe(self.alert_sink)
 
-        self.faults = FaultManager(cfg, self.table, self.nm_clients, self.store)
+        self.faults = FaultManager(cfg, self.table, self.nm_clients, self.store, settings=self.current)
         self.teardowns = Teardowns(self.table, self.nm_clients, self.alarms, self.clears)
         self.instances = InstanceReconciler(
-            cfg, self.table, self.nm_clients, self.faults, self.teardowns, self.clock.now
+            cfg,
+            self.table,
+            self.nm_clients,
+            self.faults,
+            self.teardowns,
+            self.clock.now,
+            settings=self.current,
         )
         self.instance_loop: Reconciler[int] = Reconciler(
             "instance",
@@ -179,6 +203,7 @@ class Controller:
             self.nm_clients,
             self.instance_loop.enqueue,
             self.clock.now,
+            settings=self.current,
         )
         self.assembly_loop: Reconciler[str] = Reconciler(
             "assembly",
@@ -197,6 +222,7 @@ class Controller:
             self.assembly_loop.enqueue,
             self.nm_clients,
             self.clock.now,
+            settings=self.current,
         )
         self.hub = HeartbeatHub(
             self.table,
@@ -219,7 +245,10 @@ class Controller:
             resync_s=RESYNC_S,
             on_reachability=self.coordinator_alarms.on_reachability,
             push_metadata=self.leadership.push_metadata if self.leadership else None,
+            settings=self.settings.pushed,
         )
+        self.settings.on_controller = self.apply_settings
+        self.settings.on_push = self.coordinators.settings_changed
         self.clears.coordinators = lambda: self.coordinator_set.current
         self.teardowns.drainer = self.coordinators  # planned removals drain on every Coordinator
         self.loops = (
@@ -248,6 +277,21 @@ class Controller:
             desired=",".join(f"{role_label(r)}={n}" for r, n in self.desired.counts().items()) or "none",
         )
 
+    def current(self) -> ControllerConfig:
+        """The Controller's section as it runs now (a reload replaces it)."""
+        return self.cfg
+
+    def apply_settings(self, cfg: ControllerConfig) -> None:
+        """A reload's controller section (settings.py): the log level at once; the heartbeat
+        timeout from the next sweep; start retries and relaunch timings as the next attempt or
+        step reads them (a relaunch already waiting keeps the deadline it set)."""
+        if cfg.log_level != self.cfg.log_level:
+            log.set_level(cfg.log_level)
+        self.cfg = cfg
+        self.hub.timeout_s = cfg.instance_heartbeat_timeout_s
+        self._tick_s = _tick_of(cfg)
+        self.clock.stall_s = max(cfg.heartbeat_interval_s, 3 * self._tick_s)
+
     def _coordinators_changed(self, addresses: list[str]) -> None:
         self.coordinators.set_addresses(addresses)
         self.coordinator_alarms.set_addresses(addresses)
@@ -270,6 +314,10 @@ class Controller:
         self.precision_loop.start()
         self._reconcile_alarms()
         self._timer = spawn("controller-timer", self._tick)
+        sighup.on_reload(self._reload_own)  # SIGHUP: its own section, stored like a reload
+
+    async def _reload_own(self, new: Config) -> None:
+        await self.settings.reload_own(new)
 
     async def _tick(self) -> None:
         """The clock's observations: silent NodeManagers (enqueued for their instance's
@@ -303,6 +351,7 @@ class Controller:
         if self._stopped:
             return
         self._stopped = True
+        sighup.on_reload(None)  # a standby (or the next leader) applies the log level alone
         self.end_streams()
         self.coordinator_alarms.close()
         if self._timer is not None:
@@ -329,7 +378,7 @@ async def serve(cfg: Config, stop: asyncio.Event) -> int:
     metrics listeners, then the Controller, until ``stop``."""
     c = cfg.controller
     try:
-        controller = Controller(c)
+        controller = Controller(c, source=recorded())
     except StateCorrupt as err:
         # The message is the whole story (which file, where it went, what to do): one line.
         print(f"motor controller: {err}", file=sys.stderr)

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from motor_mesh.common.enums import ACTIVE, INACTIVE, INITIAL, PAUSED, ROLE_NAMES, enum_name, status_name
-from motor_mesh.controller.alarms.store import COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
+from motor_mesh.controller.alarms.store import CONGESTION, COORDINATOR_FAULT, INSTANCE_FAULT, PRECISION
 from motor_mesh.controller.desired import role_label
 from motor_mesh.controller.reconcile.runner import DURATION_BUCKETS, FAILURE_KINDS, Reconciler
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2
@@ -51,6 +51,7 @@ RELAUNCH_OUTCOMES = ("succeeded", "failed")
 KNOWN_ALARMS = (
     (INSTANCE_FAULT, alarm_pb2.SEVERITY_MAJOR),
     (COORDINATOR_FAULT, alarm_pb2.SEVERITY_CRITICAL),
+    (CONGESTION, alarm_pb2.SEVERITY_MAJOR),
     (PRECISION, alarm_pb2.SEVERITY_MAJOR),
 )
 

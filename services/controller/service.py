@@ -108,3 +108,11 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
         self, request: pb.ListDesiredInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDesiredInstancesResponse:
         return pb.ListDesiredInstancesResponse(desired=self._c.desired.entries())
+
+    async def ReloadConfig(
+        self, request: pb.ReloadConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReloadConfigResponse:
+        # Stored before anything applies (controller/settings.py): a failed write raises
+        # StateWriteError (UNAVAILABLE, STATE_WRITE_FAILED) and nothing changed.
+        revision, changed = await self._c.settings.reload(request.config_text)
+        return pb.ReloadConfigResponse(settings_revision=revision, changed_keys=changed)

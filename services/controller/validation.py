@@ -9,7 +9,7 @@ import re
 from motor_mesh.common import enums
 from motor_mesh.common.config.checks import split_problem
 from motor_mesh.controller.alarms.pages import BadToken, decode_token
-from motor_mesh.controller.alarms.store import PRECISION
+from motor_mesh.controller.alarms.store import CONGESTION, PRECISION
 from motor_mesh.gen.motor.v1 import alarm_pb2, common_pb2, controller_pb2
 
 _ROLES = frozenset(common_pb2.Role.values()) - {common_pb2.ROLE_UNSPECIFIED}
@@ -162,6 +162,8 @@ def report_alarms(req: controller_pb2.ReportAlarmsRequest) -> list[tuple[str, st
             bad.append((f"alarms[{i}].severity", f"unknown severity {a.severity}"))
         if a.alarm_id == PRECISION and not a.moi:
             bad.append((f"alarms[{i}].moi", "required for a precision alarm (it is the dedupe key)"))
+        if a.alarm_id == CONGESTION and not a.moi:
+            bad.append((f"alarms[{i}].moi", "required for a congestion alarm (it is the dedupe key)"))
     return bad
 
 
@@ -187,6 +189,10 @@ def set_desired_instances(req: controller_pb2.SetDesiredInstancesRequest) -> lis
     return bad
 
 
+def reload_config(req: controller_pb2.ReloadConfigRequest) -> list[tuple[str, str]]:
+    return [] if req.config_text.strip() else [("config_text", "required: the configuration file's text")]
+
+
 VALIDATORS = {
     "Register": register,
     "ReportAlarms": report_alarms,
@@ -195,4 +201,5 @@ VALIDATORS = {
     "ListInstances": list_instances,
     "ReportFaults": report_faults,
     "SetDesiredInstances": set_desired_instances,
+    "ReloadConfig": reload_config,
 }

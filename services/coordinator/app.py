@@ -9,15 +9,16 @@ import json
 import math
 from typing import Any
 
-from motor_mesh.common import errors, exposure, log
+from motor_mesh.common import errors, exposure, log, sighup
 from motor_mesh.common.config import Config, ConfigError, CoordinatorConfig, read_key_file
 from motor_mesh.common.enums import ROLE_NAMES
 from motor_mesh.common.server import MotorServer
+from motor_mesh.coordinator.congestion import CongestionMonitor
 from motor_mesh.coordinator.engine_metrics.collector import Collector
 from motor_mesh.coordinator.engine_metrics.snapshot import SnapshotFile
 from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
 from motor_mesh.coordinator.health import Breaker
-from motor_mesh.coordinator.inference import InferenceServer, api_keys, https, make_router
+from motor_mesh.coordinator.inference import InferenceServer, https, make_router, tenants
 from motor_mesh.coordinator.kv import routing as kv_routing
 from motor_mesh.coordinator.kv.feed import KvFeed
 from motor_mesh.coordinator.kv.shared import SharedWriter
@@ -25,16 +26,17 @@ from motor_mesh.coordinator.metrics import Metrics, use_own_process
 from motor_mesh.coordinator.pd import Router
 from motor_mesh.coordinator.precision.reporter import AlarmReporter, service_ip
 from motor_mesh.coordinator.precision.sampler import GroupGone, PrecisionMonitor
-from motor_mesh.coordinator.routes import RoutingView, build_view
+from motor_mesh.coordinator.routes import RoutingView, build_view, netloc
 from motor_mesh.coordinator.service import CoordinatorService
+from motor_mesh.coordinator.settings import changed_keys, check_tenants, pushed
 from motor_mesh.coordinator.table import RoutingTable, TableState
 from motor_mesh.coordinator.workers.pool import WorkerPool, WorkersUnavailable, worker_count
 from motor_mesh.gen.motor.v1 import coordinator_pb2
 
 
 def _controller_key(cfg: CoordinatorConfig) -> str | None:
-    """The key precision alarms are reported with; only read when detection is on."""
-    if not (cfg.precision_check_enabled and cfg.controller_key_file):
+    """The key alarms are reported with (precision, congestion: the latter is always on)."""
+    if not cfg.controller_key_file:
         return None
     try:
         return read_key_file(cfg.controller_key_file)
@@ -45,11 +47,17 @@ def _controller_key(cfg: CoordinatorConfig) -> str | None:
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
+        # Settings that change while running (settings.py): the file's section (SIGHUP replaces
+        # it), the Controller's settings revision in force (0: the file's values) and replicas.
+        self.own_cfg = cfg
+        self.settings_revision = 0
+        self.replicas = 1
+        self._settings_lock = asyncio.Lock()
         self.workers = worker_count(cfg.workers)
         self.table = RoutingTable()
         self.view = RoutingView()
         # Files are read here, not in start(): a bad one must stop the process before any port binds.
-        self._keys = api_keys(cfg.api_keys_file)
+        self._tenants = tenants(cfg)
         self._ssl = https(cfg)
         self._controller_key = _controller_key(cfg)
         self.pool: WorkerPool | None = None
@@ -83,6 +91,8 @@ class Coordinator:
             drain_grace_s=cfg.drain_grace_s,
             engine_metrics=self.engine_metrics,
             own_metrics=self.metrics.render,
+            apply_settings=self._apply_pushed,
+            settings_state=lambda: (self.settings_revision, self.replicas),
         )
         self.server = MotorServer(
             "coordinator",
@@ -99,6 +109,7 @@ class Coordinator:
         # Precision detection (coordinator.precision_check_enabled); None while it is off.
         self.precision: PrecisionMonitor | None = None
         self._alarms: AlarmReporter | None = None
+        self.congestion: CongestionMonitor | None = None
         # With inference workers, the KV index is fed here, once, and shared with them.
         self._kv_feed: KvFeed | None = None
 
@@ -114,7 +125,7 @@ class Coordinator:
                 self.cfg,
                 lambda: self.view,
                 self.metrics,
-                self._keys,
+                self._tenants,
                 self._ssl,
                 engine_metrics=self.engine_metrics,
             )
@@ -141,6 +152,7 @@ class Coordinator:
             self._breaker.start()
         exposure.check_inference(self.cfg, self.http_address)
         await self.server.start()
+        self._start_congestion()
         if self.cfg.precision_check_enabled:
             await self._start_precision()
         if self.collector is not None:
@@ -150,6 +162,36 @@ class Coordinator:
         tls = {"https": "true"} if self._ssl is not None else {}
         extra = {"workers": str(self.workers)} if self.pool is not None else {}
         self.server.announce(http=self.http_address, **tls, **extra)
+        sighup.on_reload(self._reload_file)
+
+    async def apply_settings(self, cfg: CoordinatorConfig, revision: int, replicas: int) -> None:
+        """Run by ``cfg`` from now on, its rate limits divided by ``replicas``: the Controller's
+        settings (ApplySettings) or the file's again (SIGHUP). All or nothing: a tenants file
+        that cannot be used raises FAILED_PRECONDITION and the settings in force stay."""
+        async with self._settings_lock:  # one at a time, in the order they came
+            directory = await check_tenants(cfg)
+            if self.inference is not None:
+                self.inference.reconfigure(cfg, replicas, directory)
+            elif self.pool is not None:
+                await self.pool.reconfigure(cfg, replicas)  # each worker reads the files itself
+            if cfg.log_level != self.cfg.log_level:
+                log.set_level(cfg.log_level)
+            changed = changed_keys(self.cfg, cfg)
+            self.cfg, self.settings_revision, self.replicas = cfg, revision, replicas
+            self.service.drain_grace_s = cfg.drain_grace_s
+        shown = ",".join(changed) or "none"
+        log.event("settings_applied", revision=revision, replicas=replicas, changed=shown)
+
+    async def _apply_pushed(self, revision: int, settings_json: str, replicas: int) -> None:
+        """ApplySettings: the Controller's values over this Coordinator's file's ("" keeps the
+        file's); raises INVALID_ARGUMENT for values their checks refuse."""
+        await self.apply_settings(pushed(self.own_cfg, settings_json), revision, replicas)
+
+    async def _reload_file(self, new: Config) -> None:
+        """SIGHUP: this Coordinator's file again (its reloadable keys; sighup.py refused any
+        other change), until the Controller's next push brings back its values."""
+        await self.apply_settings(new.coordinator, 0, self.replicas)
+        self.own_cfg = new.coordinator
 
     async def _start_precision(self) -> None:
         cfg = self.cfg
@@ -170,6 +212,28 @@ class Coordinator:
             controller=cfg.controller,
             service_ip=ip,
         )
+
+    def _start_congestion(self) -> None:
+        cfg = self.cfg
+        reporter = AlarmReporter(cfg, self._controller_key, kind="congestion")
+
+        async def address() -> str:
+            return netloc(await service_ip(cfg.host, cfg.controller), self.server.port)
+
+        # self.cfg read at every sample: a settings reload may replace it.
+        self.congestion = CongestionMonitor(
+            lambda: self.cfg, self._admission, reporter, self.metrics, address
+        )
+        self.congestion.start()
+
+    def _admission(self) -> tuple[int, int]:
+        """Requests running and queued in every process serving HTTP."""
+        if self.pool is not None:
+            return self.pool.hub.admission()
+        if self.inference is None:
+            return 0, 0
+        admission = self.inference.admission  # each time: it may be replaced on a reload
+        return admission.active, admission.queued
 
     async def _exchange(
         self, p: int, d: int, path: str, body: dict[str, Any], timeout_s: float
@@ -247,6 +311,7 @@ class Coordinator:
             self._http_stop = asyncio.create_task(self.pool.stop())
 
     async def stop(self) -> None:
+        sighup.on_reload(None)
         if self.inference is not None:
             self.inference.app.draining = True
         await self.server.stop()
@@ -258,6 +323,8 @@ class Coordinator:
             await self.pool.stop()
         if self.collector is not None:
             await self.collector.stop()
+        if self.congestion is not None:
+            await self.congestion.close()
         if self.precision is not None:
             await self.precision.close()
         if self._alarms is not None:

@@ -9,26 +9,28 @@ handlers and answered by the server; while nothing is routable, the API answers 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from motor_mesh.common.config import CoordinatorConfig, read_private_file
+from motor_mesh.common.config import CoordinatorConfig
 from motor_mesh.common.http_errors import OpenAIError, invalid_request, model_not_found
 from motor_mesh.common.httpmessages import JSON_CT, Handler, Headers, Request, Responder, route_table
-from motor_mesh.coordinator.admission import Admission
+from motor_mesh.coordinator.admission.gate import Gate, RateLimited, Ticket
+from motor_mesh.coordinator.admission.slots import Account
+from motor_mesh.coordinator.admission.tenants import PRIORITIES
+from motor_mesh.coordinator.admission.usage import MeteredResponder
 from motor_mesh.coordinator.bodies import BadBody, estimate_tokens, parse_request
 from motor_mesh.coordinator.engine_metrics.source import FORMATS, ROLES, EngineMetrics
 from motor_mesh.coordinator.metrics import Metrics
 from motor_mesh.coordinator.pd import Call, Router
 from motor_mesh.coordinator.routes import RoutingView
 
-if TYPE_CHECKING:  # loaded only when tracing is on
+if TYPE_CHECKING:  # loaded only when tracing is on (the context budget: when clamp_max_tokens is)
+    from motor_mesh.coordinator.context_budget import ContextBudget
     from motor_mesh.coordinator.tracing import RequestTrace, RequestTracer
 
-MAX_API_KEYS_BYTES = 1024 * 1024
 OFF_LOOP_BYTES = 1 << 20
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -45,32 +47,6 @@ def _not_routable() -> OpenAIError:
     )
 
 
-class ApiKeys:
-    """Client keys from ``coordinator.api_keys_file`` (one per line), compared in constant time."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self._keys = [k.encode() for k in keys]
-
-    @classmethod
-    def from_file(cls, path: str) -> ApiKeys:
-        """Raises ConfigError when group or others can read the file (the keys grant access),
-        UnicodeDecodeError or ValueError when its content is unusable."""
-        text = read_private_file(path, "API keys file", MAX_API_KEYS_BYTES).decode("utf-8")
-        keys = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
-        if not keys:
-            raise ValueError(f"{path}: no API key in the file")
-        return cls(keys)
-
-    def allows(self, header: bytes | None) -> bool:
-        if not header or not header.startswith(b"Bearer "):
-            return False
-        given = header[7:].strip()
-        ok = False
-        for key in self._keys:  # every key is compared: the time does not tell which one matched
-            ok |= hmac.compare_digest(given, key)
-        return ok
-
-
 class InferenceApp:
     """The request handlers. One per process serving HTTP (the management process with
     ``workers = 1``, else each worker)."""
@@ -81,8 +57,7 @@ class InferenceApp:
         view: Callable[[], RoutingView],
         router: Router,
         metrics: Metrics,
-        keys: ApiKeys | None,
-        admission: Admission,
+        gate: Gate,
         worker: int | None = None,
         tracer: RequestTracer | None = None,
         scheme: str = "http",
@@ -97,8 +72,7 @@ class InferenceApp:
         self._health = json.dumps(status, separators=(",", ":")).encode()
         self._router = router
         self._metrics = metrics
-        self._keys = keys
-        self._admission = admission
+        self._gate = gate
         self._max_depth = cfg.max_json_depth
         self._tracer = tracer  # None: tracing is off
         self._engine_metrics = engine_metrics  # None: collection is off
@@ -106,6 +80,7 @@ class InferenceApp:
         # Set when the process starts stopping: readiness fails so load balancers move away,
         # while requests already here (and late ones) are still served during the drain.
         self.draining = False
+        self.budget: ContextBudget | None = None  # coordinator.clamp_max_tokens (set by the server)
 
     def handler(self) -> Handler:
         return route_table(
@@ -164,25 +139,32 @@ class InferenceApp:
 
     # -- OpenAI API -----------------------------------------------------------------------
 
-    def _check_key(self, req: Request) -> None:
-        if self._keys is not None and not self._keys.allows(req.headers.get(b"authorization")):
-            raise invalid_request(
-                "invalid or missing API key", "invalid_api_key", status=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
+    async def _identify(self, req: Request) -> Account:
+        """The caller's tenant account (401 without a valid key, when keys are configured)."""
+        header = req.headers.get(b"authorization")
+        account = self._gate.identify(header)
+        if account is None:  # only a PBKDF2-stored key can match: checked off the loop
+            assert header is not None
+            account = await self._gate.identify_slowly(header)
+        return account
 
     async def models(self, req: Request, out: Responder) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            self._check_key(req)
+            account = await self._identify(req)
+            headers = None
+            if self._gate.limited(req.path):
+                headers = self._refused_if(
+                    lambda: self._gate.charge(account, 0, loop.time()), account
+                ).headers
             view = self._view()
             if not view.routable:
                 raise _not_routable()
             data = [
                 {"id": m, "object": "model", "created": 0, "owned_by": "motor"} for m in view.model_names()
             ]
-            out.send(200, json.dumps({"object": "list", "data": data}).encode())
+            out.send(200, json.dumps({"object": "list", "data": data}).encode(), headers=headers)
         except OpenAIError as err:
             out.error(err)
         finally:
@@ -213,26 +195,21 @@ class InferenceApp:
             if trace is not None:
                 trace.end(out.status or unanswered, cancelled=not out.status and unanswered == 499)
 
-    async def _admitted(self, req: Request, out: Responder, t0: float, trace: RequestTrace | None) -> None:
-        self._check_key(req)
+    def _refused_if(self, charge: Callable[[], Ticket], account: Account) -> Ticket:
+        try:
+            return charge()
+        except RateLimited as err:
+            self._metrics.refused(err.limit, PRIORITIES[account.tenant.priority])
+            raise
+
+    async def _admitted(
+        self, request: Request, out: Responder, t0: float, trace: RequestTrace | None
+    ) -> None:
+        gate = self._gate
+        account = await self._identify(request)
         view = self._view()
         if not view.routable:
             raise _not_routable()
-        admission = self._admission
-        if admission.active >= admission.max_concurrent:
-            self._metrics.queued(1)
-            try:
-                await admission.acquire()
-            finally:
-                self._metrics.queued(-1)
-        else:
-            await admission.acquire()
-        try:
-            await self._serve(req, out, t0, trace)
-        finally:
-            admission.release()
-
-    async def _serve(self, request: Request, out: Responder, t0: float, trace: RequestTrace | None) -> None:
         try:
             body = request.body
             if len(body) < OFF_LOOP_BYTES:
@@ -241,24 +218,99 @@ class InferenceApp:
                 req, raw = await asyncio.to_thread(parse_request, body, self._max_depth)
         except BadBody as exc:
             raise invalid_request(str(exc), "invalid_json") from None
+        model = _model_of(req, view)
+        prompt_tokens, total_tokens = estimate_tokens(req)
+        loop = asyncio.get_running_loop()
+        ticket = None
+        if gate.limited(request.path):
+            ticket = self._refused_if(lambda: gate.charge(account, total_tokens, loop.time()), account)
+        slots = gate.slots
+        try:
+            if slots.active >= slots.max_concurrent or slots.queued:
+                self._metrics.queued(1)
+                try:
+                    await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
+                finally:
+                    self._metrics.queued(-1)
+            else:
+                await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
+        except OpenAIError as err:
+            self._metrics.refused(
+                err.code if isinstance(err.code, str) else "queue", PRIORITIES[account.tenant.priority]
+            )
+            if ticket is not None:
+                gate.refund(ticket, loop.time())
+                raise _with_headers(err, ticket.headers) from None
+            raise
+        meter = None
+        if ticket is not None and ticket.token_buckets:
+            meter = out = MeteredResponder(out)
+        try:
+            await self._serve(request, out, req, raw, model, prompt_tokens, total_tokens, t0, trace, ticket)
+        except OpenAIError as err:
+            if ticket is not None and not out.started:
+                gate.refund(ticket, loop.time())
+                raise _with_headers(err, ticket.headers) from None
+            raise
+        finally:
+            slots.release(account)
+            if meter is not None and ticket is not None and meter.status < 400:
+                used = meter.used()
+                if used is not None:
+                    used += meter.prompt_tokens if meter.prompt_tokens is not None else prompt_tokens
+                gate.settle(ticket, used, loop.time())
+
+    async def _serve(
+        self,
+        request: Request,
+        out: Responder,
+        req: dict[str, Any],
+        raw: bytes,
+        model: str,
+        prompt_tokens: int,
+        total_tokens: int,
+        t0: float,
+        trace: RequestTrace | None,
+        ticket: Ticket | None,
+    ) -> None:
         view = self._view()  # the newest view: the wait in the queue may have been long
         if not view.routable:
             raise _not_routable()
-        model = req.get("model")
-        if model is None and len(view.models) == 1:
-            model = next(iter(view.models))  # the engine fills in its default the same way
-        if not isinstance(model, str):
-            raise invalid_request("model is required and must be a string", "invalid_request", "model")
         routes = view.models.get(model)
         if routes is None:
             raise model_not_found(model)
-        prompt_tokens, total_tokens = estimate_tokens(req)
+        prompt = None
+        if self.budget is not None:  # max_tokens fitted to the context, or a 400 (context_budget.py)
+            req, raw, prompt = await self.budget.fit(req, raw, request.path == CHAT, routes)
+            prompt_tokens, total_tokens = estimate_tokens(req)
         path = request.path
-        call = Call(out, path, _PATHS[path], raw, req, model, prompt_tokens, total_tokens, t0)
+        call = Call(out, path, _PATHS[path], raw, req, model, prompt_tokens, total_tokens, t0, prompt=prompt)
+        if ticket is not None and ticket.headers:
+            call.reply = ticket.headers
         if trace is not None:
             trace.model(model)
-            call.trace, call.reply = trace, trace.reply
+            call.trace = trace
+            call.reply = trace.reply if call.reply is None else call.reply + (trace.reply or [])
         await self._router.route(call, routes, lambda: self._view().models.get(model))
+
+
+def _model_of(req: dict[str, Any], view: RoutingView) -> str:
+    """The request's model: a string the table serves (404 otherwise)."""
+    model = req.get("model")
+    if model is None and len(view.models) == 1:
+        model = next(iter(view.models))  # the engine fills in its default the same way
+    if not isinstance(model, str):
+        raise invalid_request("model is required and must be a string", "invalid_request", "model")
+    if model not in view.models:
+        raise model_not_found(model)
+    return model
+
+
+def _with_headers(err: OpenAIError, headers: Headers) -> OpenAIError:
+    """``err`` with the rate-limit counters every answer carries."""
+    if headers:
+        err.headers = {**(err.headers or {}), **dict(headers)}
+    return err
 
 
 def _error_with(out: Responder, err: OpenAIError, extra: Headers) -> None:

@@ -7,18 +7,21 @@ on the shared port (``SO_REUSEPORT``: the kernel spreads connections over the wo
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from motor_mesh.common import telemetry
+from motor_mesh.common import log, telemetry
 from motor_mesh.common.config import ConfigError, CoordinatorConfig
 from motor_mesh.common.httpserver import HttpServer
-from motor_mesh.coordinator.admission import Admission
+from motor_mesh.coordinator.admission.gate import Gate
+from motor_mesh.coordinator.admission.slots import Slots
+from motor_mesh.coordinator.admission.tenants import Directory, load_directory
 from motor_mesh.coordinator.engine_metrics.source import EngineMetrics
 from motor_mesh.coordinator.health import Breaker
-from motor_mesh.coordinator.http_app import ApiKeys, InferenceApp
+from motor_mesh.coordinator.http_app import InferenceApp
 from motor_mesh.coordinator.kv import routing as kv_routing
 from motor_mesh.coordinator.metrics import Metrics
 from motor_mesh.coordinator.migration.budget import StateBudget
@@ -28,20 +31,16 @@ from motor_mesh.coordinator.routes import RoutingView, netloc
 from motor_mesh.coordinator.upstream import Deadlines, Engines
 
 if TYPE_CHECKING:
+    from motor_mesh.coordinator.context_budget import ContextBudget
     from motor_mesh.coordinator.tracing import RequestTracer
 
 HTTP_SHUTDOWN_S = 3.0
 
 
-def api_keys(path: str) -> ApiKeys | None:
-    if not path:
-        return None
-    try:
-        return ApiKeys.from_file(path)
-    except ConfigError as err:
-        raise ConfigError([f"coordinator.api_keys_file: {e}" for e in err.errors]) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"coordinator.api_keys_file: cannot use {path}: {exc}") from None
+def tenants(cfg: CoordinatorConfig) -> Directory | None:
+    """The tenants and keys of ``tenants_file`` and ``api_keys_file``; None: the API is open.
+    Raises ConfigError."""
+    return load_directory(cfg.tenants_file, cfg.api_keys_file)
 
 
 def https(cfg: CoordinatorConfig) -> ssl.SSLContext | None:
@@ -92,18 +91,19 @@ def make_router(
     if view is not None and kv_routing.wanted(cfg):
         kv = kv_routing.KvRouting(cfg, view, metrics, kv_shared_dir)
 
-    def policy(name: str) -> Policy:
-        if name != kv_routing.POLICY:
-            return make_policy(name)
-        return kv.policy if kv is not None else least_load
-
     migration = Migration(
         cfg.migration_limit if view is not None else 0,  # pinned requests never continue
         cfg.migration_delay_s,
         StateBudget.share(cfg.max_migration_state_bytes, cfg.max_migration_state_total_bytes, workers),
     )
-    prefill, decode = policy(cfg.prefill_policy), policy(cfg.decode_policy)
+    prefill, decode = _policy(cfg.prefill_policy, kv), _policy(cfg.decode_policy, kv)
     return Router(engines, prefill, decode, kv, migration, cfg.pd_min_prompt_tokens)
+
+
+def _policy(name: str, kv: kv_routing.KvRouting | None) -> Policy:
+    if name != kv_routing.POLICY:
+        return make_policy(name)
+    return kv.policy if kv is not None else least_load
 
 
 class InferenceServer:
@@ -115,7 +115,7 @@ class InferenceServer:
         cfg: CoordinatorConfig,
         view: Callable[[], RoutingView],
         metrics: Metrics,
-        keys: ApiKeys | None,
+        directory: Directory | None,
         ssl_context: ssl.SSLContext | None,
         *,
         workers: int = 1,
@@ -129,20 +129,74 @@ class InferenceServer:
         self._workers = workers
         self.breaker = Breaker(view, metrics.endpoints_down.set)
         self.router = make_router(cfg, metrics, self.breaker, view, kv_shared_dir, workers)
-        self.admission = Admission.share(
-            cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s, workers
-        )
+        self.gate = Gate(cfg, directory, workers, asyncio.get_running_loop().time())
         self.tracer = request_tracer()
         scheme = "https" if ssl_context is not None else "http"
         self.app = InferenceApp(
-            cfg, view, self.router, metrics, keys, self.admission, worker, self.tracer, scheme, engine_metrics
+            cfg, view, self.router, metrics, self.gate, worker, self.tracer, scheme, engine_metrics
         )
         self.http = HttpServer(self.app.handler(), max_body_bytes=cfg.max_body_bytes)
         self.http.on_reject = self.app.rejected
         self.address = ""
+        self._view = view
+        self._budget: ContextBudget | None = None  # made the first time clamp_max_tokens is on
+
+    @property
+    def admission(self) -> Slots:
+        """The concurrency slots and their queue (``active``, ``queued``, their limits)."""
+        return self.gate.slots
+
+    def reconfigure(self, cfg: CoordinatorConfig, replicas: int, directory: Directory | None) -> None:
+        """Settings changed while running (docs/admission.md, docs/configuration-reload.md):
+        admission and rate limits (``directory``: the tenants and API keys files as read again,
+        off the loop, by the caller), timeouts, continuation, policies and their weights."""
+        self.gate.reconfigure(cfg, directory, replicas, asyncio.get_running_loop().time())
+        router = self.router
+        router.engines.deadlines = deadlines(cfg)
+        router.min_prompt_tokens = cfg.pd_min_prompt_tokens
+        router.migration = Migration(cfg.migration_limit, cfg.migration_delay_s, router.migration.budget)
+        kv = router.kv
+        if kv is not None:
+            kv.policy.prefix_weight = cfg.kv_prefix_weight
+            kv.policy.load_weight = cfg.kv_load_weight
+            kv.policy.load_gate = cfg.kv_load_gate
+            kv.policy.gate_topn = cfg.kv_affinity_load_gate_topn
+        for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy)):
+            if name == kv_routing.POLICY and kv is None:
+                log.warn("policy_needs_restart", role=role, policy=name, reason="kv_aware was off at start")
+        if cfg.prefill_policy != self.cfg.prefill_policy:  # a policy keeps its state (a rotation)
+            router.prefill_policy = _policy(cfg.prefill_policy, kv)
+        if cfg.decode_policy != self.cfg.decode_policy:
+            router.decode_policy = _policy(cfg.decode_policy, kv)
+        self.cfg = cfg
+        self.clamp(cfg.clamp_max_tokens)
+
+    def set_replicas(self, replicas: int) -> None:
+        """How many Coordinators share the deployment's limits (the Controller's count)."""
+        self.gate.set_replicas(replicas, asyncio.get_running_loop().time())
 
     def set_completed(self, sink: CompletedSink | None) -> None:
         self.router.completed = sink
+
+    def clamp(self, on: bool) -> None:
+        """``coordinator.clamp_max_tokens`` on or off, at start and on a reload: while on, the
+        context budget follows the routing view and fits each request; off, the request path
+        does not look at it and its task does not run."""
+        budget = self._budget
+        if on and budget is None:
+            from motor_mesh.coordinator.context_budget import ContextBudget  # loaded only when on
+
+            kv = self.router.kv
+            tokenizers = kv.tokenizers if kv is not None else None  # one load per tokenizer
+            budget = self._budget = ContextBudget(self.cfg, self._view, self.metrics, tokenizers)
+        if budget is None:
+            return
+        if on:
+            budget.start()
+            self.app.budget = budget
+        else:
+            self.app.budget = None
+            budget.pause()
 
     async def start(self) -> str:
         """Bind the HTTP port; returns its ``host:port``."""
@@ -155,6 +209,7 @@ class InferenceServer:
         self.breaker.start()
         if self.router.kv is not None:
             await self.router.kv.start()
+        self.clamp(self.cfg.clamp_max_tokens)
         self.metrics.start_flushing()
         # Everything alive now (modules, config, the server) lives as long as the process: out
         # of the collector's sight, a full collection walks only what requests allocate, which
@@ -170,6 +225,8 @@ class InferenceServer:
         await self.breaker.stop()
         if self.router.kv is not None:
             await self.router.kv.stop()
+        if self._budget is not None:
+            await self._budget.stop()
         await self.router.close()
         self.router.engines.close()
         await self.metrics.stop_flushing()

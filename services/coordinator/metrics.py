@@ -97,6 +97,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self._refused = Counter(
+            "motor_coordinator_admission_refused",
+            "Requests refused at admission, by the limit that refused them (requests_per_minute, "
+            "tokens_per_minute, rate_limit.max_requests, rate_limit.max_tokens_per_window, "
+            "too_many_requests: queue full or taken by a higher class, queue_timeout) and the "
+            "tenant's priority class.",
+            ["reason", "priority"],
+            registry=r,
+        )
         self._ttft = Histogram(
             "motor_coordinator_time_to_first_byte_seconds",
             "Time from a completion request to the first byte of its answer (for a stream, the "
@@ -206,6 +215,20 @@ class Metrics:
             registry=r,
             multiprocess_mode=mode,
         )
+        self.admission_use = Gauge(
+            "motor_coordinator_admission_use",
+            "Requests running and queued in every inference worker over max_concurrent_requests "
+            "plus max_queued_requests (1: full); the congestion alarm 0xFC001005 is raised at 0.85 "
+            "held for congestion_raise_s, cleared below 0.75.",
+            registry=r,
+            multiprocess_mode=mode,
+        )
+        self.congestion_alarm = Gauge(
+            "motor_coordinator_congestion_alarm",
+            "1 while this Coordinator's congestion alarm (0xFC001005) is raised.",
+            registry=r,
+            multiprocess_mode=mode,
+        )
         self.engine_endpoints = Gauge(
             "motor_coordinator_engine_metrics_endpoints",
             "Engine endpoints the engine-metrics collector scrapes, by state: fresh (in the "
@@ -238,6 +261,7 @@ class Metrics:
         self._requests_t: dict[tuple[str, int], CounterTally] = {}
         self._latency_t: dict[str, HistogramTally] = {}
         self._routed_t: dict[str, CounterTally] = {}
+        self._refused_t: dict[tuple[str, str], CounterTally] = {}
         self._phase_t: dict[str, HistogramTally] = {}
         self._ttft_t = self.tallies.histogram(lambda: self._ttft, LATENCY_BUCKETS)
         self.in_flight_now = 0
@@ -260,6 +284,13 @@ class Metrics:
                 lambda: self._latency.labels(route), LATENCY_BUCKETS
             )
         h.observe(seconds)
+
+    def refused(self, reason: str, priority: str) -> None:
+        key = (reason, priority)
+        c = self._refused_t.get(key)
+        if c is None:
+            c = self._refused_t[key] = self.tallies.counter(lambda: self._refused.labels(reason, priority))
+        c.n += 1
 
     def upstream_error(self, role: str, kind: str) -> None:
         key = (role, kind)

@@ -172,7 +172,7 @@ class Router:
     ) -> None:
         """Serve ``call`` on ``routes``; with a carry, a leg that breaks continues on the routes
         ``routes_of`` gives then (the table may have changed meanwhile)."""
-        if self.kv is not None:
+        if self.kv is not None and call.prompt is None:  # (the context budget may have read it)
             some = routes.pd[0].prefill[0] if routes.pd else (routes.union or routes.prefill_only)[0]
             call.prompt = await self.kv.prompt(call.req, call.path == CHAT_PATH, some)
         if call.carry is None and self.migration.limit:

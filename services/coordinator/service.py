@@ -64,15 +64,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         drain_grace_s: float = 30.0,
         engine_metrics: EngineMetrics | None = None,
         own_metrics: Callable[[], Awaitable[bytes]] | None = None,
+        apply_settings: Callable[[int, str, int], Awaitable[None]] | None = None,
+        settings_state: Callable[[], tuple[int, int]] = lambda: (0, 1),
     ) -> None:
         self.table = table
+        # ApplySettings (revision, settings JSON, replicas; raises MotorError, applying nothing),
+        # and the (settings revision, replicas) in force; None: ApplySettings is UNIMPLEMENTED.
+        self._apply_settings = apply_settings
+        self._settings_state = settings_state
         # The engines' metrics (None: collection is off) and this Coordinator's own exposition.
         self._engine_metrics = engine_metrics
         self._own_metrics = own_metrics
         # Legs in flight per instance id, every process serving HTTP counted, and how many
         # workers have not reported since a given revision (DrainInstances).
         self._legs = legs
-        self._drain_grace_s = drain_grace_s
+        self.drain_grace_s = drain_grace_s  # coordinator.drain_grace_s: a reload changes it
         # The inference worker processes; None when this process serves HTTP itself.
         self._pool = pool
         # Makes the inference workers (and readiness) follow a new state, or, given None, makes
@@ -223,6 +229,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> pb.CoordinatorListInstancesResponse:
         state = self.table.state
         available, unavailable, paused = state.groups()
+        revision, replicas = self._settings_state()
         return pb.CoordinatorListInstancesResponse(
             available=available,
             unavailable=unavailable,
@@ -232,6 +239,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             inference_workers=self._pool.count if self._pool is not None else 1,
             inference_workers_serving=len(self._pool.hub.serving()) if self._pool is not None else 1,
             draining_ids=sorted(state.draining),
+            settings_revision=revision,
+            replicas=replicas,
         )
 
     async def DrainInstances(
@@ -240,7 +249,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """A write like Pause (the workers take the new table first), answered with each
         instance's deadline and the legs still on it."""
         grace = (
-            request.grace.ToTimedelta().total_seconds() if request.HasField("grace") else self._drain_grace_s
+            request.grace.ToTimedelta().total_seconds() if request.HasField("grace") else self.drain_grace_s
         )
         now = time.time()
         ids = list(request.ids)
@@ -265,6 +274,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if began:  # one line when a drain begins, not one per poll
             log.event("instances_draining", ids=",".join(map(str, began)), grace_s=grace)
         return resp
+
+    async def ApplySettings(
+        self, request: pb.ApplySettingsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ApplySettingsResponse:
+        """The Controller's settings and replicas (docs/configuration-reload.md), applied whole
+        or not at all by the Coordinator (app.py ``apply_settings``). Fenced like the table's
+        writes: an older leader's push never undoes a newer one's."""
+        if self._apply_settings is None:
+            raise errors.unimplemented("ApplySettings")
+        self._fence("ApplySettings", _term_of(context))
+        # Shielded like a table write: a caller that gives up must not leave the workers on
+        # settings the Coordinator does not say it runs by.
+        apply = asyncio.ensure_future(
+            self._apply_settings(request.settings_revision, request.settings_json, request.replicas)
+        )
+        try:
+            await asyncio.shield(apply)
+        except asyncio.CancelledError:
+            apply.add_done_callback(lambda done: _unwatched("ApplySettings", done))
+            raise
+        revision, replicas = self._settings_state()
+        return pb.ApplySettingsResponse(
+            settings_revision=revision, replicas=replicas, incarnation=self.table.incarnation
+        )
 
     async def ClearPrecisionAlarm(
         self, request: pb.ClearPrecisionAlarmRequest, context: grpc.aio.ServicerContext

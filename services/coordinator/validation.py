@@ -145,6 +145,16 @@ def get_engine_metrics(req: coordinator_pb2.GetEngineMetricsRequest) -> list[tup
     return bad
 
 
+# ApplySettings: Coordinators one Controller may count (far beyond any deployment: a typo).
+MAX_REPLICAS = 100_000
+
+
+def apply_settings(req: coordinator_pb2.ApplySettingsRequest) -> list[tuple[str, str]]:
+    if not 1 <= req.replicas <= MAX_REPLICAS:
+        return [("replicas", f"must be 1..{MAX_REPLICAS}: the Coordinators that share the load")]
+    return []
+
+
 VALIDATORS = {
     "SetInstances": set_instances,
     "AddInstances": add_instances,
@@ -154,4 +164,5 @@ VALIDATORS = {
     "ResumeInstances": resume_instances,
     "ClearPrecisionAlarm": clear_precision_alarm,
     "GetEngineMetrics": get_engine_metrics,
+    "ApplySettings": apply_settings,
 }

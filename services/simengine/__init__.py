@@ -8,6 +8,7 @@ the real one is logged as `event=listening service=engine-sim http=H:P [bootstra
                                                `kv_transfer_params.prompt_token_ids`),
                                                continue_final_message, echo (chat)
   GET  /v1/models, /health, /health_generate, /metrics, /get_model_info, /get_server_info, /version
+                                               (/v1/models: each model's `max_model_len`)
   POST /flush_cache, /reset_prefix_cache       empty the prefix cache (SGLang's and vLLM's names)
   GET|POST /sim/fault                          fault injection, loopback clients only
 
@@ -35,6 +36,10 @@ KV events (kv_events.py): `--kv-events-config` (vLLM's JSON) publishes every cac
 vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-parallel rank),
 sent after the answer that caused them, as vLLM's publisher thread does; the bound addresses
 are logged in the listening line (`kv_events=`, `kv_replay=`).
+
+Context (`--max-model-len N`, SGLang's `--context-length`; default 131072): a request whose
+prompt has N tokens or more, or whose `max_tokens` would run past N, is a 400 in vLLM's words; a
+`max_tokens` not given is cut to what the context leaves.
 
 Answers (generation.py, docs/sim-engine.md): greedy, each token a function of the whole token
 context before it, so a prompt resent with the first k tokens of its answer appended continues

@@ -22,7 +22,7 @@ from motor_mesh.simengine.faults import FaultError, FaultState, parse_fault_body
 from motor_mesh.simengine.kv_events import Publisher
 from motor_mesh.simengine.latency import LatencyModel, Slots
 from motor_mesh.simengine.metrics import Metrics
-from motor_mesh.simengine.openai_api import MAX_MODEL_LEN, dumps
+from motor_mesh.simengine.openai_api import dumps
 from motor_mesh.simengine.prefix_cache import PrefixCache, seed_key
 from motor_mesh.simengine.tokens import load_tokenizer
 
@@ -83,7 +83,7 @@ class Engine:
                         "owned_by": "motor-sim",
                         "root": self.model_id,
                         "parent": None,
-                        "max_model_len": MAX_MODEL_LEN,
+                        "max_model_len": cfg.max_model_len,
                     }
                     for name in cfg.model_ids
                 ],

@@ -15,6 +15,7 @@ import uuid
 from motor_mesh.common import log
 from motor_mesh.simengine.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MODEL,
     DEFAULT_NUM_BLOCKS,
     EngineConfig,
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-address", dest="dp_address")
     g.add_argument("--data-parallel-rpc-port", dest="dp_rpc_port", type=_port)
     g.add_argument("--data-parallel-rank", dest="dp_rank", type=int)
+    g.add_argument(
+        "--max-model-len", "--context-length", dest="max_model_len", type=_pos_int,
+        default=DEFAULT_MAX_MODEL_LEN, metavar="N",
+        help=f"context length in tokens, prompt and output together (default {DEFAULT_MAX_MODEL_LEN}): "
+        "reported by /v1/models; a longer request is a 400, as in vLLM",
+    )  # fmt: skip
     g.add_argument("--headless", action="store_true", help="serve no HTTP; live until signalled")
     g.add_argument("--log-format", choices=("kv", "json"), default="kv")
     g.add_argument(
@@ -221,6 +228,7 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         num_gpu_blocks=ns.num_gpu_blocks,
         enable_prefix_caching=ns.enable_prefix_caching,
         tokenizer=ns.tokenizer,
+        max_model_len=ns.max_model_len,
         kv_events=kv_events,
         ttft_ms=ns.ttft_ms,
         prefill_ms_per_token=ns.prefill_ms_per_token,

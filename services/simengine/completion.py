@@ -284,6 +284,7 @@ class Completions:
     ) -> None:
         """``served``: filled in for the tracer, which calls this again with one."""
         if served is None:
+            self.metrics.requests += 1
             if b"traceparent" in request.headers:
                 self.metrics.traceparents += 1
             if self.tracer is not None:
@@ -393,7 +394,6 @@ class Completions:
         if req.model is not None and req.model not in engine.accepted:
             raise model_not_found(req.model)
         side, proto = self._leg(req)
-        n_tokens = 1 if side == "prefill" else req.max_tokens
         chains: tuple[Chain, ...] = ()
         cache = engine.prefix
         # Every prompt's ids: the context the answer is generated from (generation.py).
@@ -407,6 +407,8 @@ class Completions:
             # (The built-in tokenizer's counts stay the whitespace words they always were: the
             # same but for an empty prompt, counted as 1.)
             req.prompt_tokens = [len(i) for i in ids]
+        self._fit_context(req)
+        n_tokens = 1 if side == "prefill" else req.max_tokens
         if cache is not None:
             chains = tuple(map(cache.chain, ids))
         prompt_tokens = sum(req.prompt_tokens)
@@ -425,6 +427,30 @@ class Completions:
             chains,
             ids,
         )
+
+    def _fit_context(self, req: ParsedRequest) -> None:
+        """vLLM's context check, on each prompt's token count: a prompt of ``--max-model-len``
+        tokens or more, or a ``max_tokens`` that would run past the context, is a 400 before
+        anything is computed (in vLLM's words); a ``max_tokens`` not given is cut to what the
+        context leaves."""
+        limit = self.cfg.max_model_len
+        longest = max(req.prompt_tokens, default=0)
+        if longest >= limit:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{longest} input tokens. Please reduce the length of the input messages.",
+                "invalid_request",
+            )
+        room = limit - longest
+        if not req.max_tokens_given:
+            req.max_tokens = min(req.max_tokens, room)
+        elif req.max_tokens > room:
+            raise invalid_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {req.max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has {longest} "
+                f"input tokens ({req.max_tokens} > {limit} - {longest}).",
+                "invalid_request",
+            )
 
     def _check_ids(self, ids: list[list[int]], param: str | None) -> None:
         """Given ids must be in the vocabulary, as vLLM's renderer checks them (a 400)."""

@@ -12,6 +12,8 @@ PROTOCOLS = ("vllm", "sglang")
 DEFAULT_BLOCK_SIZE = 16
 # vLLM sizes its cache from GPU memory; without a GPU the sim needs a number (1M tokens at 16).
 DEFAULT_NUM_BLOCKS = 65536
+# vLLM takes a model's context length from its config; the sim has none, so a long one.
+DEFAULT_MAX_MODEL_LEN = 131072
 _KV_EVENTS_TYPES: dict[str, type] = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int}
 
 
@@ -71,6 +73,8 @@ class EngineConfig:
     num_gpu_blocks: int = DEFAULT_NUM_BLOCKS
     enable_prefix_caching: bool = True
     tokenizer: str | None = None  # None: the model's, when it is a local directory
+    # Context length in tokens (prompt + output), reported by /v1/models and enforced as vLLM does.
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     # latency model
     ttft_ms: float = 0.0

@@ -62,6 +62,7 @@ class Metrics(Collector):
         self.faults: dict[str, int] = {}
         self.bootstrap_timeouts = 0
         self.traceparents = 0
+        self.requests = 0  # completion requests received, whatever their answer
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -125,6 +126,12 @@ class Metrics(Collector):
             "motor_sim_bootstrap_timeouts",
             "SGLang decode legs whose room never filled.",
             value=self.bootstrap_timeouts,
+        )
+        # Refusals too (vLLM counts none of them): it shows whether a router sent a request at all.
+        yield CounterMetricFamily(
+            "motor_sim_completion_requests",
+            "Completion requests received, whatever their answer (a 400 included).",
+            value=self.requests,
         )
         # Counted whether or not this engine exports spans: it shows what its router sends.
         yield CounterMetricFamily(

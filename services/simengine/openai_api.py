@@ -34,7 +34,8 @@ from motor_mesh.simengine.generation import (
 )
 
 DEFAULT_MAX_TOKENS = 16
-MAX_MODEL_LEN = 131072
+# Any count parses; what the context leaves is checked once the prompt is counted (completion.py).
+MAX_TOKENS = (1 << 63) - 1
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
@@ -71,6 +72,7 @@ class ParsedRequest:
     prompt_tokens: list[int]
     question: str | None  # what a known answer answers (chat); None: nothing to answer afresh
     max_tokens: int
+    max_tokens_given: bool  # false: max_tokens is the default (cut to what the context leaves)
     n: int
     stream: bool
     include_usage: bool
@@ -327,9 +329,9 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer | None = None) -> 
         prompts = [text]
         if reused is not None:
             token_prompts, ids_param = [reused], IDS_PARAM
-        max_tokens = _int_field(body, "max_completion_tokens", 1, MAX_MODEL_LEN)
+        max_tokens = _int_field(body, "max_completion_tokens", 1, MAX_TOKENS)
         if max_tokens is None:
-            max_tokens = _int_field(body, "max_tokens", 1, MAX_MODEL_LEN)
+            max_tokens = _int_field(body, "max_tokens", 1, MAX_TOKENS)
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise RequestError("logprobs must be a boolean", "logprobs")
@@ -341,7 +343,7 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer | None = None) -> 
         prompts, token_prompts = _prompts(body)
         ids_param = "prompt" if token_prompts is not None else None
         question = None  # each text prompt is its own question (completion.py)
-        max_tokens = _int_field(body, "max_tokens", 1, MAX_MODEL_LEN)
+        max_tokens = _int_field(body, "max_tokens", 1, MAX_TOKENS)
         top_k = _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
@@ -360,6 +362,7 @@ def parse_request(body: Any, chat: bool, tokenizer: Tokenizer | None = None) -> 
         prompt_tokens=counts,
         question=question,
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens_given=max_tokens is not None,
         n=_int_field(body, "n", 1, MAX_N) or 1,
         stream=bool(stream),
         include_usage=bool(stream and opts and opts.get("include_usage")),

@@ -261,6 +261,10 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.drain_grace_s = 30.0
         self.draining: dict[int, float] = {}
         self.drain_unimplemented = False
+        # ApplySettings as taken (they are not in ``calls``: the table tests count those), and
+        # the code to refuse it with while set (UNIMPLEMENTED: a Coordinator older than it).
+        self.settings: list[coordinator_pb2.ApplySettingsRequest] = []
+        self.refuse_settings: grpc.StatusCode | None = None
 
     def restart_state(self) -> None:
         """What a restarted Coordinator looks like: empty table, new incarnation."""
@@ -380,6 +384,16 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             entry.move_time.FromNanoseconds(int(move_at * 1e9))
         self.calls.append(("Drain", req, True))
         return resp
+
+    async def ApplySettings(
+        self, req: coordinator_pb2.ApplySettingsRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ApplySettingsResponse:
+        if self.refuse_settings is not None:
+            raise errors.error_info(self.refuse_settings, "TEST_REFUSED", "test: ApplySettings refused")
+        self.settings.append(req)
+        return coordinator_pb2.ApplySettingsResponse(
+            settings_revision=req.settings_revision, replicas=req.replicas, incarnation=self.incarnation
+        )
 
     async def start(self, port: int = 0) -> FakeCoordinator:
         descriptor = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]

@@ -63,7 +63,7 @@ def test_a_drain_reaches_the_workers_with_its_deadline() -> None:
 
 def test_a_report_carries_loads_legs_and_the_revision_routed_by() -> None:
     report = codec.encode_report({1: 30, 2: 5}, {1: 2}, 9)
-    assert codec.decode_report(report) == ({1: 30, 2: 5}, {1: 2}, 9)
+    assert codec.decode_report(report)[:3] == ({1: 30, 2: 5}, {1: 2}, 9)
     with pytest.raises(codec.CodecError):
         codec.decode_report(report[:-1])
 

@@ -1013,3 +1013,53 @@ class ListDesiredInstancesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListDesiredInstancesResponse: _TypeAlias = ListDesiredInstancesResponse  # noqa: Y015
+
+@_typing.final
+class ReloadConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_TEXT_FIELD_NUMBER: _builtins.int
+    config_text: _builtins.str
+    """The configuration file's text: JSON, sectioned, or flat (then the controller section), as
+    `motor controller --config` reads it. Required.
+    """
+    def __init__(
+        self,
+        *,
+        config_text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_text", b"config_text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadConfigRequest: _TypeAlias = ReloadConfigRequest  # noqa: Y015
+
+@_typing.final
+class ReloadConfigResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_REVISION_FIELD_NUMBER: _builtins.int
+    CHANGED_KEYS_FIELD_NUMBER: _builtins.int
+    settings_revision: _builtins.int
+    """The settings revision now in force: 1 more per reload that changed a stored setting (of the
+    controller or coordinator section), the same when nothing changed; 0 = none has yet.
+    """
+    @_builtins.property
+    def changed_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The keys whose value changed, as "section.key", sorted; empty when nothing changed."""
+
+    def __init__(
+        self,
+        *,
+        settings_revision: _builtins.int = ...,
+        changed_keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_keys", b"changed_keys", "settings_revision", b"settings_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadConfigResponse: _TypeAlias = ReloadConfigResponse  # noqa: Y015

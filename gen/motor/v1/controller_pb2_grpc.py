@@ -97,6 +97,11 @@ class ControllerStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
                 _registered_method=True)
+        self.ReloadConfig = channel.unary_unary(
+                '/motor.v1.Controller/ReloadConfig',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ReloadConfigRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ReloadConfigResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -277,6 +282,28 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadConfig(self, request, context):
+        """Applies the settings of a configuration file that may change while the services run
+        (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
+        Controller read its own --config (its command-line flags and MOTOR_* variables on top) and
+        compared with the configuration it runs: a change to any key outside the reloadable ones
+        changes nothing and is refused. Otherwise the settings are stored first (a new
+        settings_revision; they survive a restart and a change of leader, and a restarted Controller
+        applies them over its file's), then the Controller's own keys apply at once and the
+        Coordinator-wide ones are pushed to every Coordinator (ApplySettings), each then routing
+        by them. A file that changes nothing keeps the revision. A nodemanager.log_level change is
+        accepted but applied by each NodeManager only when it re-reads its own file (SIGHUP).
+
+        Errors: INVALID_ARGUMENT (BadRequest, field config_text, one violation per problem) for a
+        file that is not a valid configuration. FAILED_PRECONDITION (PreconditionFailure type
+        NOT_RELOADABLE, one violation per key, subject "section.key") when it changes a key that
+        needs a restart; nothing is applied then. UNAVAILABLE (ErrorInfo reason
+        STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -334,6 +361,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListDesiredInstances,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.SerializeToString,
+            ),
+            'ReloadConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadConfig,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ReloadConfigRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ReloadConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -641,6 +673,33 @@ class Controller:
             '/motor.v1.Controller/ListDesiredInstances',
             motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Controller/ReloadConfig',
+            motor_dot_v1_dot_controller__pb2.ReloadConfigRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ReloadConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

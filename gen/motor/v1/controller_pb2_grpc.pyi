@@ -163,6 +163,24 @@ class ControllerStub:
     """
     ListDesiredInstances: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]
     """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+    ReloadConfig: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReloadConfigRequest, _controller_pb2.ReloadConfigResponse]
+    """Applies the settings of a configuration file that may change while the services run
+    (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
+    Controller read its own --config (its command-line flags and MOTOR_* variables on top) and
+    compared with the configuration it runs: a change to any key outside the reloadable ones
+    changes nothing and is refused. Otherwise the settings are stored first (a new
+    settings_revision; they survive a restart and a change of leader, and a restarted Controller
+    applies them over its file's), then the Controller's own keys apply at once and the
+    Coordinator-wide ones are pushed to every Coordinator (ApplySettings), each then routing
+    by them. A file that changes nothing keeps the revision. A nodemanager.log_level change is
+    accepted but applied by each NodeManager only when it re-reads its own file (SIGHUP).
+
+    Errors: INVALID_ARGUMENT (BadRequest, field config_text, one violation per problem) for a
+    file that is not a valid configuration. FAILED_PRECONDITION (PreconditionFailure type
+    NOT_RELOADABLE, one violation per key, subject "section.key") when it changes a key that
+    needs a restart; nothing is applied then. UNAVAILABLE (ErrorInfo reason
+    STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+    """
 
 @_typing.type_check_only
 class ControllerAsyncStub(ControllerStub):
@@ -299,6 +317,24 @@ class ControllerAsyncStub(ControllerStub):
     """
     ListDesiredInstances: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]  # type: ignore[assignment]
     """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+    ReloadConfig: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReloadConfigRequest, _controller_pb2.ReloadConfigResponse]  # type: ignore[assignment]
+    """Applies the settings of a configuration file that may change while the services run
+    (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
+    Controller read its own --config (its command-line flags and MOTOR_* variables on top) and
+    compared with the configuration it runs: a change to any key outside the reloadable ones
+    changes nothing and is refused. Otherwise the settings are stored first (a new
+    settings_revision; they survive a restart and a change of leader, and a restarted Controller
+    applies them over its file's), then the Controller's own keys apply at once and the
+    Coordinator-wide ones are pushed to every Coordinator (ApplySettings), each then routing
+    by them. A file that changes nothing keeps the revision. A nodemanager.log_level change is
+    accepted but applied by each NodeManager only when it re-reads its own file (SIGHUP).
+
+    Errors: INVALID_ARGUMENT (BadRequest, field config_text, one violation per problem) for a
+    file that is not a valid configuration. FAILED_PRECONDITION (PreconditionFailure type
+    NOT_RELOADABLE, one violation per key, subject "section.key") when it changes a key that
+    needs a restart; nothing is applied then. UNAVAILABLE (ErrorInfo reason
+    STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+    """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
     """The cluster Controller: assembles NodeManager registrations into instances, watches
@@ -498,5 +534,29 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.ListDesiredInstancesResponse, _abc.Awaitable[_controller_pb2.ListDesiredInstancesResponse]]:
         """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+
+    @_abc_1.abstractmethod
+    def ReloadConfig(
+        self,
+        request: _controller_pb2.ReloadConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ReloadConfigResponse, _abc.Awaitable[_controller_pb2.ReloadConfigResponse]]:
+        """Applies the settings of a configuration file that may change while the services run
+        (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
+        Controller read its own --config (its command-line flags and MOTOR_* variables on top) and
+        compared with the configuration it runs: a change to any key outside the reloadable ones
+        changes nothing and is refused. Otherwise the settings are stored first (a new
+        settings_revision; they survive a restart and a change of leader, and a restarted Controller
+        applies them over its file's), then the Controller's own keys apply at once and the
+        Coordinator-wide ones are pushed to every Coordinator (ApplySettings), each then routing
+        by them. A file that changes nothing keeps the revision. A nodemanager.log_level change is
+        accepted but applied by each NodeManager only when it re-reads its own file (SIGHUP).
+
+        Errors: INVALID_ARGUMENT (BadRequest, field config_text, one violation per problem) for a
+        file that is not a valid configuration. FAILED_PRECONDITION (PreconditionFailure type
+        NOT_RELOADABLE, one violation per key, subject "section.key") when it changes a key that
+        needs a restart; nothing is applied then. UNAVAILABLE (ErrorInfo reason
+        STATE_WRITE_FAILED) when the store could not be written: nothing changed.
+        """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -489,6 +489,8 @@ class CoordinatorListInstancesResponse(_message.Message):
     INFERENCE_WORKERS_FIELD_NUMBER: _builtins.int
     INFERENCE_WORKERS_SERVING_FIELD_NUMBER: _builtins.int
     DRAINING_IDS_FIELD_NUMBER: _builtins.int
+    SETTINGS_REVISION_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Goes up by 1 only when the table changes."""
     incarnation: _builtins.str
@@ -500,6 +502,14 @@ class CoordinatorListInstancesResponse(_message.Message):
     inference_workers_serving: _builtins.int
     """Of inference_workers, how many are running and serving now; fewer while a worker that
     exited is being restarted.
+    """
+    settings_revision: _builtins.int
+    """The Controller's settings revision this Coordinator applies (ApplySettings); 0 = its own
+    file's values (no reload has changed any).
+    """
+    replicas: _builtins.int
+    """The Coordinators the Controller last said share the load (each rate limit is divided by
+    it); 1 before it said.
     """
     @_builtins.property
     def available(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Instance]:
@@ -530,10 +540,12 @@ class CoordinatorListInstancesResponse(_message.Message):
         inference_workers: _builtins.int = ...,
         inference_workers_serving: _builtins.int = ...,
         draining_ids: _abc.Iterable[_builtins.int] | None = ...,
+        settings_revision: _builtins.int = ...,
+        replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "draining_ids", b"draining_ids", "incarnation", b"incarnation", "inference_workers", b"inference_workers", "inference_workers_serving", b"inference_workers_serving", "paused", b"paused", "revision", b"revision", "unavailable", b"unavailable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "draining_ids", b"draining_ids", "incarnation", b"incarnation", "inference_workers", b"inference_workers", "inference_workers_serving", b"inference_workers_serving", "paused", b"paused", "replicas", b"replicas", "revision", b"revision", "settings_revision", b"settings_revision", "unavailable", b"unavailable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,3 +800,61 @@ class GetEngineMetricsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetEngineMetricsResponse: _TypeAlias = GetEngineMetricsResponse  # noqa: Y015
+
+@_typing.final
+class ApplySettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_REVISION_FIELD_NUMBER: _builtins.int
+    SETTINGS_JSON_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    settings_revision: _builtins.int
+    """The Controller's settings revision: 1 more per reload that changed a setting; 0 = none has."""
+    settings_json: _builtins.str
+    """JSON object of every reloadable coordinator key with its value (docs/configuration.md says
+    which); "" = keep this Coordinator's own file's values.
+    """
+    replicas: _builtins.int
+    """Coordinators the Controller reaches now (at least 1): each rate limit is divided by it."""
+    def __init__(
+        self,
+        *,
+        settings_revision: _builtins.int = ...,
+        settings_json: _builtins.str = ...,
+        replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "settings_json", b"settings_json", "settings_revision", b"settings_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplySettingsRequest: _TypeAlias = ApplySettingsRequest  # noqa: Y015
+
+@_typing.final
+class ApplySettingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_REVISION_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    settings_revision: _builtins.int
+    """The settings revision now applied."""
+    replicas: _builtins.int
+    """The replicas now applied."""
+    incarnation: _builtins.str
+    """Random per Coordinator start."""
+    def __init__(
+        self,
+        *,
+        settings_revision: _builtins.int = ...,
+        replicas: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "replicas", b"replicas", "settings_revision", b"settings_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplySettingsResponse: _TypeAlias = ApplySettingsResponse  # noqa: Y015

@@ -95,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.FromString,
                 _registered_method=True)
+        self.ApplySettings = channel.unary_unary(
+                '/motor.v1.Coordinator/ApplySettings',
+                request_serializer=motor_dot_v1_dot_coordinator__pb2.ApplySettingsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_coordinator__pb2.ApplySettingsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -222,6 +227,25 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplySettings(self, request, context):
+        """The Controller's Coordinator-wide settings and how many Coordinators share the load; sent by
+        the Controller after `motor config reload`, to a restarted Coordinator, and whenever the
+        number of Coordinators it reaches changes (docs/configuration-reload.md). The Coordinator
+        checks every value, then applies them at once: its log level, admission and rate limits
+        (each rate limit divided by replicas), per-phase deadlines, migration, policies and their
+        weights, and the tenants file, read again. Sending the same again re-reads the tenants file
+        and changes nothing else.
+
+        Errors: INVALID_ARGUMENT (BadRequest) for settings_json that is not a JSON object, holds a
+        key that is not a reloadable coordinator key or a value its check refuses, or replicas 0.
+        FAILED_PRECONDITION (PreconditionFailure type TENANTS_FILE_UNUSABLE, subject
+        "coordinator.tenants_file") when the tenants file cannot be read or used, and STALE_LEADER
+        for a push from an older leader term; the settings in force stay as they were then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +293,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetEngineMetrics,
                     request_deserializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.FromString,
                     response_serializer=motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.SerializeToString,
+            ),
+            'ApplySettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplySettings,
+                    request_deserializer=motor_dot_v1_dot_coordinator__pb2.ApplySettingsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_coordinator__pb2.ApplySettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +559,33 @@ class Coordinator:
             '/motor.v1.Coordinator/GetEngineMetrics',
             motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsRequest.SerializeToString,
             motor_dot_v1_dot_coordinator__pb2.GetEngineMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplySettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Coordinator/ApplySettings',
+            motor_dot_v1_dot_coordinator__pb2.ApplySettingsRequest.SerializeToString,
+            motor_dot_v1_dot_coordinator__pb2.ApplySettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,6 +119,21 @@ class CoordinatorStub:
     leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
     FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
     """
+    ApplySettings: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ApplySettingsRequest, _coordinator_pb2.ApplySettingsResponse]
+    """The Controller's Coordinator-wide settings and how many Coordinators share the load; sent by
+    the Controller after `motor config reload`, to a restarted Coordinator, and whenever the
+    number of Coordinators it reaches changes (docs/configuration-reload.md). The Coordinator
+    checks every value, then applies them at once: its log level, admission and rate limits
+    (each rate limit divided by replicas), per-phase deadlines, migration, policies and their
+    weights, and the tenants file, read again. Sending the same again re-reads the tenants file
+    and changes nothing else.
+
+    Errors: INVALID_ARGUMENT (BadRequest) for settings_json that is not a JSON object, holds a
+    key that is not a reloadable coordinator key or a value its check refuses, or replicas 0.
+    FAILED_PRECONDITION (PreconditionFailure type TENANTS_FILE_UNUSABLE, subject
+    "coordinator.tenants_file") when the tenants file cannot be read or used, and STALE_LEADER
+    for a push from an older leader term; the settings in force stay as they were then.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -210,6 +225,21 @@ class CoordinatorAsyncStub(CoordinatorStub):
     last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
     leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
     FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
+    """
+    ApplySettings: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ApplySettingsRequest, _coordinator_pb2.ApplySettingsResponse]  # type: ignore[assignment]
+    """The Controller's Coordinator-wide settings and how many Coordinators share the load; sent by
+    the Controller after `motor config reload`, to a restarted Coordinator, and whenever the
+    number of Coordinators it reaches changes (docs/configuration-reload.md). The Coordinator
+    checks every value, then applies them at once: its log level, admission and rate limits
+    (each rate limit divided by replicas), per-phase deadlines, migration, policies and their
+    weights, and the tenants file, read again. Sending the same again re-reads the tenants file
+    and changes nothing else.
+
+    Errors: INVALID_ARGUMENT (BadRequest) for settings_json that is not a JSON object, holds a
+    key that is not a reloadable coordinator key or a value its check refuses, or replicas 0.
+    FAILED_PRECONDITION (PreconditionFailure type TENANTS_FILE_UNUSABLE, subject
+    "coordinator.tenants_file") when the tenants file cannot be read or used, and STALE_LEADER
+    for a push from an older leader term; the settings in force stay as they were then.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -353,6 +383,27 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         last values for coordinator.engine_metrics_stale_s, then leaves the aggregate; one that
         leaves the table leaves it at once. INVALID_ARGUMENT for an unknown view or role;
         FAILED_PRECONDITION when collection is off (engine_metrics_interval_s = 0).
+        """
+
+    @_abc_1.abstractmethod
+    def ApplySettings(
+        self,
+        request: _coordinator_pb2.ApplySettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ApplySettingsResponse, _abc.Awaitable[_coordinator_pb2.ApplySettingsResponse]]:
+        """The Controller's Coordinator-wide settings and how many Coordinators share the load; sent by
+        the Controller after `motor config reload`, to a restarted Coordinator, and whenever the
+        number of Coordinators it reaches changes (docs/configuration-reload.md). The Coordinator
+        checks every value, then applies them at once: its log level, admission and rate limits
+        (each rate limit divided by replicas), per-phase deadlines, migration, policies and their
+        weights, and the tenants file, read again. Sending the same again re-reads the tenants file
+        and changes nothing else.
+
+        Errors: INVALID_ARGUMENT (BadRequest) for settings_json that is not a JSON object, holds a
+        key that is not a reloadable coordinator key or a value its check refuses, or replicas 0.
+        FAILED_PRECONDITION (PreconditionFailure type TENANTS_FILE_UNUSABLE, subject
+        "coordinator.tenants_file") when the tenants file cannot be read or used, and STALE_LEADER
+        for a push from an older leader term; the settings in force stay as they were then.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -49,11 +49,14 @@ def load_config(
     section: str | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    text: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """All four sections with every key filled; raises ConfigError listing every problem.
 
     ``section`` is the caller's own section: what a flat file holds. ``env`` defaults to
-    ``os.environ``; pass ``{}`` to ignore the environment.
+    ``os.environ``; pass ``{}`` to ignore the environment. ``text``: the file's contents, already
+    read (a file sent over the wire: ``motor config reload``); ``path`` then only names it in
+    the errors.
     """
     if section is not None and section not in SECTIONS:
         raise ConfigError(f"unknown section {short(section)}; did you mean '{nearest(section, SECTIONS)}'?")
@@ -73,9 +76,10 @@ def load_config(
             config[sec][key] = copy.deepcopy(stored)
             origin[sec, key] = where
 
-    if path is not None:
-        shown = shown_path(path)
-        for sec, values in _read_file(path, section, errors).items():
+    if path is not None or text is not None:
+        name = path if path is not None else "config"
+        shown = shown_path(name)
+        for sec, values in _read_file(name, section, errors, text).items():
             for key, value in values.items():
                 if key in SCHEMA[sec]:
                     put(f"{shown}: {sec}.{key}", sec, key, value)
@@ -177,9 +181,10 @@ def load(
     section: str | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    text: str | None = None,
 ) -> Config:
     """Like :func:`load_config`, as typed sections (what the services read)."""
-    return from_dicts(load_config(path, section=section, env=env, overrides=overrides))
+    return from_dicts(load_config(path, section=section, env=env, overrides=overrides, text=text))
 
 
 def from_dicts(sections: Mapping[str, Mapping[str, Any]]) -> Config:
@@ -201,12 +206,18 @@ def shown_path(path: str) -> str:
     return path if path.isprintable() else short(path)
 
 
-def _read_file(path: str, section: str | None, errors: list[str]) -> dict[str, dict[str, Any]]:
-    """The file's values by section; problems go to ``errors``."""
+def _read_file(
+    path: str, section: str | None, errors: list[str], text: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """The file's values by section (``text``: its contents, already read); problems go to
+    ``errors``."""
     where = shown_path(path)
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
+        if text is None:
+            with open(path, encoding="utf-8-sig") as f:
+                text = f.read()
+        else:
+            text = text.removeprefix("\ufeff")  # as utf-8-sig reads a file
     except OSError as exc:
         errors.append(f"{where}: cannot read: {exc.strerror or type(exc).__name__}")
         return {}

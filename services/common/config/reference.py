@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from motor_mesh.common.config.reloadable import reloadable
 from motor_mesh.common.config.sections import SCHEMA, SECTION_TYPES, ServerConfig, docs, keys
 
 INTRO = """\
@@ -33,6 +34,10 @@ cfg.json: controller.portt: unknown key; did you mean 'port'?
 
 A higher layer replaces an object value (`parallel`, `engine.args`, `engine.env`) whole;
 objects are not merged key by key. Durations (`*_s`) are seconds, integer or fractional.
+
+Keys marked *Reloadable* change while the services run: `motor config reload FILE` (the
+Coordinators' part is pushed to every Coordinator) or SIGHUP to one service; any other key
+changes only with a restart ([configuration-reload.md](configuration-reload.md)).
 """
 
 
@@ -46,7 +51,8 @@ def _table(cls: type[ServerConfig], names: list[str], section: str) -> list[str]
     for name in names:
         default, check = SCHEMA[section][name]
         shown = json.dumps(default, ensure_ascii=False)
-        rows.append(f"| `{name}` | {_cell(check.spec)} | `{shown}` | {_cell(meaning.get(name, ''))} |")
+        text = ("*Reloadable.* " if reloadable(section, name) else "") + meaning.get(name, "")
+        rows.append(f"| `{name}` | {_cell(check.spec)} | `{shown}` | {_cell(text)} |")
     return rows
 
 

@@ -50,6 +50,7 @@ from motor_mesh.gen.motor.v1 import alarm_pb2
 ALERTNAMES = {
     "0xfc001002": "MotorInstanceFault",
     "0xfc001004": "MotorCoordinatorFault",
+    "0xfc001005": "MotorCoordinatorCongestion",
     "0xfc001009": "MotorPrecisionIssue",
 }
 OTHER_ALERTNAME = "MotorAlarm"

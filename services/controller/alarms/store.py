@@ -43,6 +43,7 @@ from motor_mesh.gen.motor.v1 import alarm_pb2
 
 INSTANCE_FAULT = "0xFC001002"
 COORDINATOR_FAULT = "0xFC001004"
+CONGESTION = "0xFC001005"  # reported by a Coordinator, about itself (by its moi)
 PRECISION = "0xFC001009"
 
 ALARM = alarm_pb2.ALARM_CATEGORY_ALARM

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -81,11 +82,14 @@ class FaultManager:
         table: InstanceTable,
         clients: NodeManagerClients,
         store: StateStore,
+        *,
+        settings: Callable[[], ControllerConfig] | None = None,
     ) -> None:
         self.table = table
         self.store = store
         self.relaunch = cfg.enable_engine_relaunch
-        self.strategies = {s.name: s for s in (EngineRelaunch(clients, cfg), Terminate(table))}
+        relaunch = EngineRelaunch(clients, cfg, settings)
+        self.strategies = {s.name: s for s in (relaunch, Terminate(table))}
         self._states: dict[int, FaultState] = {}
         # Reported faults by NodeManager address, then by code: they outlive the instance (a
         # rebuilt instance on a bad device is separated again) until cleared, and a restart.

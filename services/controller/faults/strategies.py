@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -81,12 +82,32 @@ class EngineRelaunch:
     rank = 2  # the fault level it answers: an L3+ fault (separation) stops it
     first_phase = "probe"
 
-    def __init__(self, clients: NodeManagerClients, cfg: ControllerConfig) -> None:
+    def __init__(
+        self,
+        clients: NodeManagerClients,
+        cfg: ControllerConfig,
+        settings: Callable[[], ControllerConfig] | None = None,
+    ) -> None:
         self.clients = clients
-        self.timeout_s = cfg.engine_relaunch_complete_timeout_s
-        self.poll_s = cfg.engine_relaunch_poll_interval_s
-        self.retries = cfg.engine_relaunch_dispatch_retries
-        self.threshold = cfg.engine_relaunch_nm_unreachable_threshold
+        # Read at each step: a reload replaces the running section (controller/settings.py); a
+        # relaunch already waiting keeps the deadline it stored.
+        self._cfg = settings or (lambda: cfg)
+
+    @property
+    def timeout_s(self) -> float:
+        return self._cfg().engine_relaunch_complete_timeout_s
+
+    @property
+    def poll_s(self) -> float:
+        return self._cfg().engine_relaunch_poll_interval_s
+
+    @property
+    def retries(self) -> int:
+        return self._cfg().engine_relaunch_dispatch_retries
+
+    @property
+    def threshold(self) -> int:
+        return self._cfg().engine_relaunch_nm_unreachable_threshold
 
     async def advance(self, inst: Instance, rec: StrategyRecord) -> Step:
         if rec.phase == "probe":

@@ -23,6 +23,7 @@ from typing import Any
 
 from motor_mesh.common import log
 from motor_mesh.common.config import ControllerConfig
+from motor_mesh.common.config.source import recorded
 from motor_mesh.common.metrics_http import MetricsServer
 from motor_mesh.common.server import MotorServer, start_with_metrics
 from motor_mesh.common.tasks import cancel_quietly, spawn
@@ -100,7 +101,8 @@ async def serve_ha(c: ControllerConfig, stop: asyncio.Event, on_lost: Callable[[
             await cancel_quietly(keeper)
             await leadership.resign()
             return 1
-        controller = lead.controller = Controller(c, store=store, leadership=leadership)
+        # The stored settings (the last reload's) come with the store: a new leader goes on with them.
+        controller = lead.controller = Controller(c, store=store, leadership=leadership, source=recorded())
         gate.activate(controller.servicer)
         server.on_stop(controller.end_streams)
         await controller.start()

@@ -112,3 +112,8 @@ class LeaderGate(controller_pb2_grpc.ControllerServicer):
         self, request: pb.ListDesiredInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDesiredInstancesResponse:
         return await self._serving().ListDesiredInstances(request, context)
+
+    async def ReloadConfig(
+        self, request: pb.ReloadConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReloadConfigResponse:
+        return await self._serving().ReloadConfig(request, context)

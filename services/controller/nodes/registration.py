@@ -50,6 +50,8 @@ class Registrar:
         enqueue_job: Callable[[str], None],
         nm_clients: NodeManagerClients,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        settings: Callable[[], ControllerConfig] | None = None,
     ) -> None:
         self.clock = clock
         self.max_pending = MAX_PENDING_JOBS
@@ -60,10 +62,15 @@ class Registrar:
         self.store = store
         self.enqueue_job = enqueue_job
         self.heartbeat_interval_ms = int(cfg.heartbeat_interval_s * 1000)
-        self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
         # Enabled: a NodeManager whose engine died holds its pod-restart fallback while the
         # fault manager relaunches the engines in place.
         self.relaunch_enabled = cfg.enable_engine_relaunch
+        # Read when used: a reload replaces the running section (controller/settings.py).
+        self._cfg = settings or (lambda: cfg)
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self._cfg().instance_heartbeat_timeout_s
 
     async def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
         """A NodeManager restarted in place (a later incarnation at the address of a live

@@ -13,6 +13,15 @@ instead. A failed call is retried with the key's backoff (a failed Set never que
 Set); the Watch coming back retries at once. The periodic resync diffs every instance, so a lost
 event is corrected within one resync.
 
+The same reconcile keeps the Coordinator's settings in step (docs/configuration-reload.md): the
+Controller's settings revision with its Coordinator-wide values, and ``replicas``, how many
+Coordinators the Controller reaches (each divides its rate limits by it). What the Coordinator
+acknowledged is remembered with its incarnation; ``ApplySettings`` goes out when that differs
+from what is wanted: after a reload, to a new or restarted Coordinator, and when one comes or
+goes. A Coordinator that predates ApplySettings (UNIMPLEMENTED) is left alone; one that refuses
+the settings (INVALID_ARGUMENT, FAILED_PRECONDITION: its tenants file, say) is tried again at
+the next resync or change, not in a loop.
+
 grpc.aio ends a call whose channel is closed with a ``CancelledError`` in the caller (and a
 call on a closed channel with ``UsageError``): both are failed calls like any other, and the
 pusher opens a fresh channel, since nothing more goes through that one.
@@ -57,6 +66,10 @@ _CALL_FAILED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledErro
 
 # The metadata every push carries (the HA leader's term); raises when no push may be sent.
 PushMetadata = Callable[[], tuple[tuple[str, str], ...]]
+# The settings every Coordinator is to apply: (revision, settings JSON or "", replicas).
+WantedSettings = Callable[[], tuple[int, str, int]]
+# Answers that refuse the settings themselves: retried at the next resync or change.
+SETTINGS_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 # A Coordinator that answers these to DrainInstances has nothing of the instance to drain: it
 # does not hold it (or no longer: deleted meanwhile), or it predates DrainInstances.
 NOTHING_TO_DRAIN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED)
@@ -84,9 +97,15 @@ class CoordinatorPusher:
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_reachability: Reachability | None = None,
         push_metadata: PushMetadata | None = None,
+        settings: WantedSettings | None = None,
     ) -> None:
         self.address = address
         self._push_metadata = push_metadata
+        # None: no settings are pushed (a pusher of the table alone).
+        self._settings = settings
+        # (revision, replicas, incarnation) the Coordinator acknowledged, or refused; None: none.
+        self.settings_acked: tuple[int, int, str] | None = None
+        self._settings_refused: tuple[int, int, str] | None = None
         self._table = table
         self._enqueue = enqueue
         self._key = key
@@ -111,7 +130,14 @@ class CoordinatorPusher:
         self.last_set_ok = float("-inf")
         self._last_warn: tuple[str, float] = ("", float("-inf"))
         self._suppressed = 0
-        self.stats = {"set_ok": 0, "set_failed": 0, "incremental_ok": 0, "incremental_failed": 0}
+        self.stats = {
+            "set_ok": 0,
+            "set_failed": 0,
+            "incremental_ok": 0,
+            "incremental_failed": 0,
+            "settings_ok": 0,
+            "settings_failed": 0,
+        }
         # Since when (monotonic) the Coordinator's table may lack a change; None: in step. A new
         # pusher has sent nothing yet.
         self.behind_since: float | None = time.monotonic()
@@ -164,7 +190,9 @@ class CoordinatorPusher:
             self._enqueue(self.address)  # a retry waiting out its backoff goes now
 
     def resync(self) -> None:
-        """Diff every instance at the next reconcile (what corrects a lost event)."""
+        """Diff every instance at the next reconcile (what corrects a lost event), and offer
+        settings it refused again."""
+        self._settings_refused = None
         self._dirty.update(self._held or ())
         self._dirty.update(i.id for i in self._table.routable())
 
@@ -219,6 +247,9 @@ class CoordinatorPusher:
             return REQUEUE_NOW
         if not self._dirty:  # nothing changed while the calls were in flight
             self.behind_since = None
+        await self._send_settings()  # after the table: a restarted Coordinator routes at once
+        if self._held is None:  # the settings' answer showed a new incarnation
+            return REQUEUE_NOW
         if periodic:
             # Overdue when the calls took longer than the interval: then at once, since a
             # requeue_after of 0 or less asks for no requeue at all.
@@ -343,6 +374,53 @@ class CoordinatorPusher:
         self._last_warn = ("", float("-inf"))
         self._check_incarnation(resp.incarnation)
 
+    async def _send_settings(self) -> None:
+        """ApplySettings, when what the Coordinator acknowledged is not what is wanted now."""
+        if self._settings is None:
+            return
+        revision, text, replicas = self._settings()
+        wanted = (revision, replicas, self.incarnation)
+        if wanted in (self.settings_acked, self._settings_refused):
+            return
+        stub, gen = self._stub, self.channel_gen
+        assert stub is not None
+        req = coordinator_pb2.ApplySettingsRequest(
+            settings_revision=revision, settings_json=text, replicas=replicas
+        )
+        try:
+            resp = await stub.ApplySettings(
+                req, timeout=self._timeout, metadata=self._metadata(), wait_for_ready=False
+            )
+        except _CALL_FAILED as err:
+            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:  # older than ApplySettings: its own file's
+                if self.settings_acked != wanted:
+                    log.warn("coordinator_settings_unsupported", coordinator=self.address)
+                self.settings_acked = wanted
+                return
+            if code in SETTINGS_REFUSED:
+                assert isinstance(err, grpc.aio.AioRpcError)
+                log.warn(
+                    "coordinator_settings_refused",
+                    coordinator=self.address,
+                    revision=revision,
+                    code=code.name,
+                    detail=err.details() or "",
+                )
+                self._settings_refused = wanted
+                return
+            self.stats["settings_failed"] += 1
+            self._failed("settings", err, gen)
+        self.stats["settings_ok"] += 1
+        self._check_incarnation(resp.incarnation)
+        self.settings_acked = (resp.settings_revision, resp.replicas, resp.incarnation)
+        log.event(
+            "coordinator_settings_applied",
+            coordinator=self.address,
+            revision=resp.settings_revision,
+            replicas=resp.replicas,
+        )
+
     async def drain(self, instance_id: int) -> DrainReport:
         """``DrainInstances`` of one instance, with the Coordinator's own grace (an instance
         already draining keeps its deadline, so calling again only reports). Changes nothing
@@ -441,17 +519,23 @@ class CoordinatorSync:
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_reachability: Reachability | None = None,
         push_metadata: PushMetadata | None = None,
+        settings: Callable[[], tuple[int, str]] | None = None,
     ) -> None:
+        """``settings``: the Controller's settings revision and Coordinator-wide settings JSON
+        (controller/settings.py), pushed with the replicas; None pushes the table alone."""
         self._table = table
+        self._on_reachability = on_reachability
+        self._settings = settings
         self._new_pusher = functools.partial(
             CoordinatorPusher,
+            settings=self._wanted_settings if settings is not None else None,
             push_metadata=push_metadata,
             key=key,
             tls=tls,
             max_message_bytes=max_message_bytes,
             sync_interval_s=sync_interval_s,
             call_timeout_s=call_timeout_s,
-            on_reachability=on_reachability,
+            on_reachability=self._reachability,
         )
         self.reconciler: Reconciler[str] = Reconciler(
             "coordinator",
@@ -473,6 +557,28 @@ class CoordinatorSync:
         self._table.subscribe(p)
         return p
 
+    @property
+    def replicas(self) -> int:
+        """The Coordinators whose health Watch says reachable, at least 1: what each divides its
+        rate limits by."""
+        return max(1, sum(1 for p in self.pushers.values() if p.reachable))
+
+    def _wanted_settings(self) -> tuple[int, str, int]:
+        assert self._settings is not None
+        revision, text = self._settings()
+        return revision, text, self.replicas
+
+    def _reachability(self, address: str, reachable: bool, why: str) -> None:
+        if self._on_reachability is not None:
+            self._on_reachability(address, reachable, why)
+        if self._settings is not None:
+            self.settings_changed()  # one came or went: the others take a new share
+
+    def settings_changed(self) -> None:
+        """The settings or the replicas changed: every Coordinator is looked at again."""
+        for address in self.pushers:
+            self.reconciler.enqueue(address)
+
     def set_addresses(self, addresses: Sequence[str]) -> None:
         """Push to exactly these Coordinators from now on."""
         wanted = set(addresses)
@@ -489,6 +595,8 @@ class CoordinatorSync:
             if self._started:
                 p.start()
                 self.reconciler.enqueue(address)
+        if self._settings is not None and self._started:
+            self.settings_changed()  # a Coordinator scaled away no longer takes a share
 
     async def drain(self, instance_id: int) -> dict[str, DrainReport]:
         """DrainInstances of one instance on every Coordinator pushed to now, at once."""

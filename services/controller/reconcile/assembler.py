@@ -39,6 +39,8 @@ class Assembler:
         nm_clients: NodeManagerClients,
         enqueue_instance: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        settings: Callable[[], ControllerConfig] | None = None,
     ) -> None:
         self.clock = clock
         self.pending = pending
@@ -46,9 +48,14 @@ class Assembler:
         self.store = store
         self.nm_clients = nm_clients
         self.enqueue_instance = enqueue_instance
-        self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
         self.assemble_timeout_s = cfg.instance_assemble_timeout_s
         self._warned: dict[str, tuple[int, int, float]] = {}  # job → the state last warned about
+        # Read when used: a reload replaces the running section (controller/settings.py).
+        self._cfg = settings or (lambda: cfg)
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self._cfg().instance_heartbeat_timeout_s
 
     async def reconcile(self, job: str) -> Result:
         # Decisions and writes hold the job's lock; the probes in between do not, so a

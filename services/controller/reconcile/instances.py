@@ -60,14 +60,24 @@ class InstanceReconciler:
         faults: FaultManager,
         teardowns: Teardowns,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        settings: Callable[[], ControllerConfig] | None = None,
     ) -> None:
         self.clock = clock
         self.table = table
         self.nm_clients = nm_clients
         self.faults = faults
         self.teardowns = teardowns
-        self.heartbeat_timeout_s = cfg.instance_heartbeat_timeout_s
-        self.start_retries = cfg.start_command_retries
+        # Read when used: a reload replaces the running section (controller/settings.py).
+        self._cfg = settings or (lambda: cfg)
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self._cfg().instance_heartbeat_timeout_s
+
+    @property
+    def start_retries(self) -> int:
+        return self._cfg().start_command_retries
 
     async def reconcile(self, instance_id: int) -> Result:
         inst = self.table.live.get(instance_id)

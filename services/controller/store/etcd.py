@@ -45,7 +45,14 @@ from motor_mesh.controller.store.etcd_client import (
     prefix_end,
 )
 from motor_mesh.controller.store.etcd_layout import Op
-from motor_mesh.controller.store.interface import KEEP_DELETED, DesiredCounts, Fence, NodeFaults, NotLeader
+from motor_mesh.controller.store.interface import (
+    KEEP_DELETED,
+    DesiredCounts,
+    Fence,
+    NodeFaults,
+    NotLeader,
+    StoredSettings,
+)
 from motor_mesh.gen.etcd.etcdserverpb import rpc_pb2
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
@@ -140,6 +147,9 @@ class EtcdStore:
 
     def load_desired(self) -> DesiredCounts:
         return self._snap.desired()
+
+    def load_settings(self) -> StoredSettings | None:
+        return self._snap.settings()
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -252,6 +262,9 @@ class EtcdStore:
     async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
         op: Op = ("put", lay.desired_key(role), lay.desired_value(replicas, update_time_ns))
         await self._write("desired instances", [op])
+
+    async def save_settings(self, settings: StoredSettings) -> None:
+        await self._write("settings", [("put", lay.SETTINGS, lay.settings_value(settings))])
 
     # ---- transactions ------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ Keys, under ``<etcd_prefix>/`` (ids and sequences as 20 digits, so key order is 
     alarm_active/<dedupe key>    {"seq": sequence, "alarm": <motor.v1.Alarm, base64>}
     desired_instances/<role>     {"replicas": n, "update_time_ns": ...}: the desired instance
                                  count of the role (prefill, decode or union)
+    meta/settings                {"revision": n, "coordinator": {...}, "controller": {...}}: the
+                                 settings of the last reload that changed something
     meta/journal                 {"id": ..., "chunks": n}: the journal below is committed
     journal/<id>/<n>             [[kind, key, value or range end (base64)], ...]: operations of
                                  a write too large for one transaction
@@ -35,7 +37,7 @@ from motor_mesh.common.enums import ROLE_NAMES, ROLES_BY_NAME, InstanceStatus, R
 from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store.db import StateCorrupt
-from motor_mesh.controller.store.interface import DesiredCounts, NodeFaults
+from motor_mesh.controller.store.interface import DesiredCounts, NodeFaults, StoredSettings, settings_of
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
 # etcd's defaults (--max-txn-ops 128, --max-request-bytes 1.5 MiB), with room for the compares.
@@ -49,6 +51,7 @@ JOURNALS = b"journal/"
 INSTANCES, PENDING, NODE_FAULTS = b"instances/", b"pending/", b"node_faults/"
 FAULT_HISTORY, ALARM_HISTORY, ALARM_ACTIVE = b"fault_history/", b"alarm_history/", b"alarm_active/"
 DESIRED = b"desired_instances/"
+SETTINGS = b"meta/settings"
 
 # One operation, on keys relative to the prefix: ("put", key, value), ("del", key, b"") or
 # ("range", start, end): delete every key in [start, end).
@@ -83,6 +86,11 @@ def desired_key(role: Role) -> bytes:
 
 def desired_value(replicas: int, update_time_ns: int) -> bytes:
     return dumps({"replicas": replicas, "update_time_ns": update_time_ns})
+
+
+def settings_value(s: StoredSettings) -> bytes:
+    values = {"revision": s.revision, "coordinator": dict(s.coordinator), "controller": dict(s.controller)}
+    return dumps(values)
 
 
 def journal_marker(jid: str, chunks: int) -> bytes:
@@ -203,6 +211,17 @@ class Snapshot:
             return role, (int(d["replicas"]), int(d["update_time_ns"]))
 
         return dict(sorted(self.decode(k, decode, k, v) for k, v in self.entries(DESIRED)))
+
+    def settings(self) -> StoredSettings | None:
+        raw = self.kvs.get(SETTINGS)
+        if raw is None:
+            return None
+
+        def decode() -> StoredSettings:
+            d = json.loads(raw)
+            return settings_of(int(d["revision"]), d["coordinator"], d["controller"])
+
+        return self.decode(SETTINGS, decode)
 
 
 def _history(key: bytes, raw: bytes) -> tuple[int, list[tuple[int, str]]]:

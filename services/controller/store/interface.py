@@ -14,7 +14,8 @@ its standbys). Both keep the same promises:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from google.rpc import error_details_pb2
@@ -33,6 +34,26 @@ NodeFaults = dict[str, tuple[int, str]]
 # The desired instance counts (SetDesiredInstances) by role (a motor.v1.Role value): (replicas,
 # when it was set, in nanoseconds since the Unix epoch).
 DesiredCounts = dict[Role, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class StoredSettings:
+    """What the last reload that changed something set (ReloadConfig, controller/settings.py):
+    its revision, and every reloadable key of the coordinator and of the controller section with
+    its value, as JSON."""
+
+    revision: int
+    coordinator: Mapping[str, Any]
+    controller: Mapping[str, Any]
+
+
+def settings_of(revision: int, coordinator: object, controller: object) -> StoredSettings:
+    """A stored settings record read back, its shape checked: a wrong one raises ValueError,
+    which the stores report as an unreadable state."""
+    if not isinstance(coordinator, dict) or not isinstance(controller, dict) or revision < 1:
+        raise ValueError("settings: expected a revision of 1 or more and two JSON objects")
+    return StoredSettings(revision, coordinator, controller)
+
 
 # DELETED instances kept for ListInstances(status=DELETED), in memory and in the store; older
 # ones are pruned as new ones are deleted and at start-up. The id counter is stored apart from
@@ -98,6 +119,10 @@ class StateStore(Protocol):
         """The desired instance count of each role that has one."""
         ...
 
+    def load_settings(self) -> StoredSettings | None:
+        """The settings of the last reload that changed something; None before any."""
+        ...
+
     # ---- writes ------------------------------------------------------------------------------
 
     async def next_instance_id(self) -> int:
@@ -143,6 +168,10 @@ class StateStore(Protocol):
 
     async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
         """Record ``replicas`` as the desired instance count of ``role``, set at ``update_time_ns``."""
+        ...
+
+    async def save_settings(self, settings: StoredSettings) -> None:
+        """Replace the stored settings (one record, whatever its revision)."""
         ...
 
     async def close(self) -> None:

@@ -14,6 +14,7 @@ cannot be decoded is a corrupt file like any other.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,13 @@ from motor_mesh.common.enums import DELETED, InstanceStatus, Role
 from motor_mesh.controller.convert import instance_from_row, instance_row, pending_from_row, pending_row
 from motor_mesh.controller.model import Instance, Pending
 from motor_mesh.controller.store.db import Writer, move_aside, open_checked
-from motor_mesh.controller.store.interface import KEEP_DELETED, DesiredCounts, NodeFaults
+from motor_mesh.controller.store.interface import (
+    KEEP_DELETED,
+    DesiredCounts,
+    NodeFaults,
+    StoredSettings,
+    settings_of,
+)
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
 _SCHEMA = """
@@ -50,6 +57,10 @@ CREATE TABLE IF NOT EXISTS alarm_active (
 );
 CREATE TABLE IF NOT EXISTS desired_instances (
     role INTEGER PRIMARY KEY, replicas INTEGER NOT NULL, update_time_ns INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS settings (
+    id INTEGER PRIMARY KEY CHECK (id = 1), revision INTEGER NOT NULL,
+    coordinator TEXT NOT NULL, controller TEXT NOT NULL
 );
 """
 
@@ -150,6 +161,13 @@ class Store:
 
         return self._load(load)
 
+    def load_settings(self) -> StoredSettings | None:
+        def load() -> StoredSettings | None:
+            row = self._db.execute("SELECT revision, coordinator, controller FROM settings").fetchone()
+            return None if row is None else settings_of(int(row[0]), json.loads(row[1]), json.loads(row[2]))
+
+        return self._load(load)
+
     # ---- writes ----------------------------------------------------------------------------
 
     async def next_instance_id(self) -> int:
@@ -207,6 +225,15 @@ class Store:
     async def save_desired(self, role: Role, replicas: int, update_time_ns: int) -> None:
         """The desired instance count of ``role``, replacing the one recorded before."""
         await self._writer.run("desired instances", _save_desired, (role, replicas, update_time_ns))
+
+    async def save_settings(self, settings: StoredSettings) -> None:
+        """The settings of a reload, replacing the ones stored before."""
+        row = (settings.revision, _dumps(settings.coordinator), _dumps(settings.controller))
+        await self._writer.run("settings", _save_settings, row)
+
+
+def _dumps(values: object) -> str:
+    return json.dumps(values, separators=(",", ":"), sort_keys=True)
 
 
 # ---- statements, run on the writer thread inside one transaction each ------------------------
@@ -305,5 +332,14 @@ def _save_desired(db: sqlite3.Connection, row: tuple[int, int, int]) -> None:
     db.execute(
         "INSERT INTO desired_instances(role, replicas, update_time_ns) VALUES(?,?,?) "
         "ON CONFLICT(role) DO UPDATE SET replicas=excluded.replicas, update_time_ns=excluded.update_time_ns",
+        row,
+    )
+
+
+def _save_settings(db: sqlite3.Connection, row: tuple[int, str, str]) -> None:
+    db.execute(
+        "INSERT INTO settings(id, revision, coordinator, controller) VALUES(1,?,?,?) "
+        "ON CONFLICT(id) DO UPDATE SET revision=excluded.revision, coordinator=excluded.coordinator, "
+        "controller=excluded.controller",
         row,
     )

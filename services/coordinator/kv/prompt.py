@@ -30,6 +30,9 @@ rest cannot change the choice (routing reads how far an engine holds the prompt'
 blocks), so it is not encoded, and the prompt's length is estimated from the characters left.
 A new 8k-token document then costs its first chunk (about 128 tokens), not its whole encoding;
 one some engine holds is encoded whole, chunk after chunk.
+
+The tokenizer of each model is loaded once per inference process (:class:`Tokenizers`), for
+kv_aware and the context budget (``coordinator.clamp_max_tokens``) alike.
 """
 
 from __future__ import annotations
@@ -38,15 +41,19 @@ import asyncio
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any, Protocol
 
+from motor_mesh.common import enums, log, tasks
 from motor_mesh.common.tokenizer import (
+    Builtin,
     HfTokenizer,
     Tokenizer,
     is_token_ids,
+    load,
     message_text,
     sim_chat_text,
+    tokenizer_file,
 )
 from motor_mesh.coordinator.kv.hashing import chain
 from motor_mesh.coordinator.routes import Upstream
@@ -426,6 +433,57 @@ class Tokens:
         if isinstance(prompt, list) and is_token_ids(prompt):
             return Prompt(list(prompt))  # token ids: every engine takes them as they are
         return None
+
+
+class Tokenizers:
+    """The :class:`Tokens` of each (model, engine type), loaded off the loop once something
+    wants them: ``paths`` (``coordinator.tokenizers``) names a model's tokenizer, else the model
+    name is tried as a local path. One per inference process, shared by what reads prompts
+    (kv_aware routing, the context budget), so a tokenizer is loaded once. ``who`` names the
+    log events (``<who>_tokenizer``, ``<who>_no_tokenizer``, ``<who>_tokenizer_failed``)."""
+
+    def __init__(self, paths: Mapping[str, str], who: str = "kv") -> None:
+        self._paths = paths
+        self._who = who
+        self._tokens: dict[tuple[str, int], Tokens | None] = {}  # None: loading, or none to load
+
+    def get(self, model: str, engine_type: int) -> Tokens | None:
+        """The loaded Tokens; None while loading, or when there is no tokenizer to load."""
+        return self._tokens.get((model, engine_type))
+
+    def want(self, model: str, engine_type: int) -> None:
+        """Start loading the tokenizer of (model, engine type), unless that was done before."""
+        key = (model, engine_type)
+        if key in self._tokens:
+            return
+        self._tokens[key] = None
+        tasks.start(f"{self._who}_tokenizer {model}", self._load(model, engine_type))
+
+    async def _load(self, model: str, engine_type: int) -> None:
+        sim = engine_type == enums.ENGINE_SIM
+        path = self._paths.get(model) or model
+        who = self._who
+        try:
+            tokenizer = await asyncio.to_thread(_tokenizer_for, path, sim)
+        except Exception as exc:  # any failure: this model's prompts are not read
+            log.warn(f"{who}_tokenizer_failed", model=model, path=path, error=str(exc) or type(exc).__name__)
+            return
+        if tokenizer is None:
+            # A real engine's ids cannot be guessed: its prompts are not read.
+            log.warn(f"{who}_no_tokenizer", model=model, hint="set coordinator.tokenizers")
+            return
+        # Loading checks how the tokenizer encodes sample chats (segments_agree): off the loop.
+        tokens = await asyncio.to_thread(Tokens, tokenizer, sim)
+        self._tokens[(model, engine_type)] = tokens
+        incremental = tokens.memo is not None
+        log.event(f"{who}_tokenizer", model=model, tokenizer=tokenizer.name, sim=sim, incremental=incremental)
+
+
+def _tokenizer_for(path: str, sim: bool) -> Tokenizer | None:
+    """The simulated engine falls back to its built-in tokenizer, as the engine itself does."""
+    if tokenizer_file(path) is None:
+        return Builtin() if sim else None
+    return load(path)
 
 
 def _word_cut(text: str, lo: int, hi: int) -> int | None:

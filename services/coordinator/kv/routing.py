@@ -12,13 +12,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from motor_mesh.common import enums, log, tasks
+from motor_mesh.common import enums, tasks
 from motor_mesh.common.config import CoordinatorConfig
-from motor_mesh.common.tokenizer import Builtin, Tokenizer, load
-from motor_mesh.common.tokenizer import tokenizer_file as find_tokenizer
 from motor_mesh.coordinator.kv.feed import RECONCILE_S, KvFeed
 from motor_mesh.coordinator.kv.policy import IndexView, KvAware
-from motor_mesh.coordinator.kv.prompt import Prompt, PromptView, Tokens
+from motor_mesh.coordinator.kv.prompt import Prompt, PromptView, Tokenizers
 from motor_mesh.coordinator.kv.shared import SharedReader
 from motor_mesh.coordinator.metrics import Metrics
 from motor_mesh.coordinator.routes import RoutingView, Target
@@ -69,7 +67,7 @@ class KvRouting:
             load_gate=cfg.kv_load_gate,
             gate_topn=cfg.kv_affinity_load_gate_topn,
         )
-        self._tokens: dict[tuple[str, int], Tokens | None] = {}  # by (model, engine type)
+        self.tokenizers = Tokenizers(cfg.tokenizers)  # by (model, engine type)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -89,7 +87,7 @@ class KvRouting:
     async def prompt(self, req: dict[str, Any], chat: bool, target: Target) -> PromptView | None:
         """The request's prompt tokenized for ``target``'s model and engine; None while its
         tokenizer is not loaded, or when the body has no prompt it can read."""
-        tokens = self._tokens.get((target.model, target.engine_type))
+        tokens = self.tokenizers.get(target.model, target.engine_type)
         if tokens is None:
             return None
         prompt = await tokens.prompt(req, chat, self._held)
@@ -114,7 +112,7 @@ class KvRouting:
             if view is not last:
                 for t in view.targets:
                     if t.role in self._roles:
-                        self._want_tokenizer(t)
+                        self.tokenizers.want(t.model, t.engine_type)
                 last = view
             if self.shared is not None:
                 await self._follow_shared(self.shared)
@@ -129,38 +127,6 @@ class KvRouting:
             gen, names = changed
             opened = await asyncio.to_thread(shared.attach, names)
             shared.install(gen, names, opened)
-
-    def _want_tokenizer(self, t: Target) -> None:
-        key = (t.model, t.engine_type)
-        if key in self._tokens:
-            return
-        self._tokens[key] = None
-        tasks.start(f"kv_tokenizer {t.model}", self._load_tokenizer(*key))
-
-    async def _load_tokenizer(self, model: str, engine_type: int) -> None:
-        sim = engine_type == enums.ENGINE_SIM
-        path = self.cfg.tokenizers.get(model) or model
-        try:
-            tokenizer = await asyncio.to_thread(_tokenizer_for, path, sim)
-        except Exception as exc:  # any failure: route this model by load
-            log.warn("kv_tokenizer_failed", model=model, path=path, error=str(exc) or type(exc).__name__)
-            return
-        if tokenizer is None:
-            # A real engine's ids cannot be guessed: its requests go by load alone.
-            log.warn("kv_no_tokenizer", model=model, hint="set coordinator.tokenizers")
-            return
-        # Loading checks how the tokenizer encodes sample chats (prompt.segments_agree): off the loop.
-        tokens = await asyncio.to_thread(Tokens, tokenizer, sim)
-        self._tokens[(model, engine_type)] = tokens
-        incremental = tokens.memo is not None
-        log.event("kv_tokenizer", model=model, tokenizer=tokenizer.name, sim=sim, incremental=incremental)
-
-
-def _tokenizer_for(path: str, sim: bool) -> Tokenizer | None:
-    """The simulated engine falls back to its built-in tokenizer, as the engine itself does."""
-    if find_tokenizer(path) is None:
-        return Builtin() if sim else None
-    return load(path)
 
 
 def wanted(cfg: CoordinatorConfig) -> bool:

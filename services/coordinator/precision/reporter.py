@@ -6,6 +6,10 @@ between failures). The queue outlives any Controller outage; it does not outlive
 an alarm not yet accepted when the Coordinator stops is lost (logged as
 ``precision_reports_lost``), and the group is sampled afresh by the next Coordinator.
 
+:class:`AlarmReporter` carries any of the Coordinator's alarms: the congestion alarm
+(``coordinator/congestion.py``) has one of its own, ``kind="congestion"``, which names its task
+and log lines (``congestion_report_failed``…) so that each alarm's delivery reads on its own.
+
 With several Controllers (``coordinator.controller`` lists them, or names them with
 ``dns:///``) every delivery goes to the leader: each attempt follows a standby's NOT_LEADER
 answer and skips a Controller that is down before it counts as failed.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -109,7 +114,10 @@ class AlarmReporter:
         key: str | None,
         on_pending: Callable[[int], None] = lambda n: None,
         backoff: retry.Backoff | None = None,
+        *,
+        kind: str = "precision",
     ) -> None:
+        self.kind = kind
         self._target = ControllerTarget(
             cfg.controller,
             key=key,
@@ -122,18 +130,35 @@ class AlarmReporter:
         self._on_pending = on_pending
         self._backoff = backoff or retry.Backoff(initial=0.2, maximum=30.0)
         self._task: asyncio.Task[None] | None = None
+        self._empty = asyncio.Event()  # set while nothing waits for the Controller
+        self._empty.set()
 
     @property
     def pending(self) -> int:
         return len(self._queue)
 
     def start(self) -> None:
-        self._task = tasks.spawn("precision_alarm_reporter", self._run)
+        self._task = tasks.spawn(f"{self.kind}_alarm_reporter", self._run)
 
     def submit(self, alarm: alarm_pb2.Alarm) -> None:
         self._queue.append(alarm)
+        self._empty.clear()
         self._on_pending(len(self._queue))
         self._wake.set()
+
+    async def active(self, alarm_id: str, timeout_s: float) -> list[alarm_pb2.Alarm]:
+        """The Controller's active alarms of ``alarm_id`` (ListAlarms, one page of up to 1000).
+        Raises grpc.aio.AioRpcError."""
+        request = controller_pb2.ListAlarmsRequest(active_only=True, alarm_id=alarm_id, page_size=1000)
+        resp = await self._target.call("ListAlarms", request, timeout_s)
+        return list(resp.alarms)
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until the Controller accepted everything submitted, at most ``timeout_s``;
+        whether it did (before a stop: a last CLEAR is worth a short wait, not a hung stop)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._empty.wait(), timeout_s)
+        return not self._queue
 
     async def _run(self) -> None:
         while True:
@@ -155,7 +180,7 @@ class AlarmReporter:
                 # an operator can fix (a wrong key) is logged as an error.
                 logger = log.error if failure.code in retry.TERMINAL_CODES else log.warn
                 logger(
-                    "precision_report_failed",
+                    f"{self.kind}_report_failed",
                     controller=self._target.address,
                     code=failure.code.name,
                     message=failure.message,
@@ -166,11 +191,14 @@ class AlarmReporter:
                 continue
             for _ in batch:
                 self._queue.popleft()
+            if not self._queue:
+                self._empty.set()
             self._on_pending(len(self._queue))
             self._backoff.reset()
             for a in batch:
                 log.event(
-                    "precision_report_accepted",
+                    f"{self.kind}_report_accepted",
+                    alarm_id=a.alarm_id,
                     category=alarm_pb2.AlarmCategory.Name(a.category),
                     p=a.p_instance_id,
                     d=a.instance_id,
@@ -185,5 +213,5 @@ class AlarmReporter:
         await tasks.cancel_quietly(self._task)
         self._task = None
         if self._queue:
-            log.warn("precision_reports_lost", pending=len(self._queue), controller=self._target.target)
+            log.warn(f"{self.kind}_reports_lost", pending=len(self._queue), controller=self._target.target)
         await self._target.close()

@@ -15,7 +15,9 @@ A table snapshot (``encode_state``), little-endian::
 The instance keeps its own key (normally equal to ``Instance.id``) so the round trip is exact.
 Loads (``encode_loads``) are ``u32 n | n x (u64 instance id, i64 load)``; a worker's report
 (``encode_report``) is its loads then its legs in flight in the same form, then ``u64`` the table
-revision it routed by; the hub's broadcast of
+revision it routed by, then ``u64 running | u64 queued``, its admission (requests holding a
+slot, requests waiting for one; a report that ends after the revision reads as 0, 0); the hub's
+broadcast of
 every worker's loads (``encode_worker_loads``) is ``u32 n | n x (u32 worker index, loads)``. A
 precision sample is ``u64 p | u64 d`` then the :class:`Completed` as UTF-8 JSON (the request is
 the client's parsed JSON body, so it serialises as it came).
@@ -36,11 +38,13 @@ from motor_mesh.gen.motor.v1 import common_pb2
 # Message kinds: the first frame of every message.
 HELLO = b"hello"  # worker -> hub (DEALER -> ROUTER): [HELLO, peer, u64 pid]; asks for a snapshot
 STATE = b"state"  # hub -> worker (ROUTER reply and PUB): [STATE, incarnation, snapshot]
-BEAT = b"beat"  # hub -> workers (PUB): [BEAT, incarnation, u64 revision]
+BEAT = b"beat"  # hub -> workers (PUB): [BEAT, incarnation, u64 revision, u64 settings generation]
 LOADS = b"loads"  # PUB: [LOADS, incarnation, worker loads]; PUSH: [LOADS, peer, report]
 ACK = b"ack"  # worker -> hub (PUSH): [ACK, peer, u64 revision]
 SAMPLE = b"sample"  # worker -> hub (PUSH): [SAMPLE, peer, sample]
 SERVING = b"serving"  # worker -> hub (PUSH): [SERVING, peer, b""]; it listens for clients
+DEMAND = b"demand"  # worker -> hub (PUSH): [DEMAND, peer, JSON {bucket: amount asked}] (shares.py)
+PARTS = b"parts"  # hub -> workers (PUB): [PARTS, incarnation, JSON {bucket: {worker: part}}]
 
 STATE_FORMAT = 2
 
@@ -167,26 +171,43 @@ def decode_loads(data: bytes) -> dict[int, int]:
     return loads
 
 
-def encode_report(loads: Mapping[int, int], legs: Mapping[int, int], revision: int) -> bytes:
+class Report(NamedTuple):
+    """One worker's report, decoded."""
+
+    loads: dict[int, int]
+    legs: dict[int, int]
+    revision: int
+    running: int = 0  # requests holding an admission slot
+    queued: int = 0  # requests waiting for one
+
+
+def encode_report(
+    loads: Mapping[int, int], legs: Mapping[int, int], revision: int, running: int = 0, queued: int = 0
+) -> bytes:
     """One worker's report: its loads, its legs in flight per instance id (a drain is over when
-    no worker has one left on the instance), and the table revision it routed by then."""
+    no worker has one left on the instance), the table revision it routed by then, and its
+    admission (for the management process's congestion alarm)."""
     parts: list[bytes] = []
     try:
         _put_loads(parts, loads)
         _put_loads(parts, legs)
         parts.append(_U64.pack(max(revision, 0)))
+        parts.append(_PAIR.pack(running, queued))
     except struct.error as exc:
         raise _fail("loads", exc) from exc
     return b"".join(parts)
 
 
-def decode_report(data: bytes) -> tuple[dict[int, int], dict[int, int], int]:
+def decode_report(data: bytes) -> Report:
     r = _Reader(data, "loads")
     loads = _get_loads(r)
     legs = _get_loads(r)
     (revision,) = r.unpack(_U64)
+    running = queued = 0
+    if r.pos < len(r.data):  # a report without admission numbers (an older encoder) ends here
+        running, queued = r.unpack(_PAIR)
     r.done()
-    return loads, legs, revision
+    return Report(loads, legs, revision, running, queued)
 
 
 def encode_worker_loads(per_worker: Mapping[int, Mapping[int, int]]) -> bytes:

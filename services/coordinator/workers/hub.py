@@ -15,8 +15,8 @@ Three ipc sockets in a private directory (:func:`codec.addresses`):
   message harmless), a beat every ``beat_s`` with the current revision (level-triggered: a worker
   that missed anything sees a newer revision and asks for a snapshot) and every live worker's
   loads every ``loads_s``.
-- PULL: acks, each worker's loads, "serving" (it listens on the inference port), precision
-  samples.
+- PULL: acks, each worker's loads (with its admission: requests running and queued, which the
+  congestion alarm sums), "serving" (it listens on the inference port), precision samples.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from motor_mesh.common import log, tasks
 from motor_mesh.coordinator.precision.groups import Completed
 from motor_mesh.coordinator.table import TableState
 from motor_mesh.coordinator.workers import codec
+from motor_mesh.coordinator.workers.shares import DemandShares, decode_demand
+from motor_mesh.coordinator.workers.shares import encode as encode_parts
 
 BEAT_S = 0.5
 LOADS_S = 0.1
+PARTS_S = 0.5
 # Pids of workers that were forgotten, kept so a hello still queued from a dead process cannot
 # make it live again. Bounded: only the most recent restarts can still have messages in flight.
 _DEAD_KEPT = 256
@@ -70,6 +73,8 @@ class _Worker:
     loads: dict[int, int] = field(default_factory=dict)
     legs: dict[int, int] = field(default_factory=dict)  # in flight per instance id
     reported: int = -1  # the table revision it routed by when it sent its last report
+    running: int = 0  # its admission as last reported: requests holding a slot,
+    queued: int = 0  # and requests waiting for one
     serving: bool = False  # it said it listens on the inference port
 
 
@@ -113,6 +118,8 @@ class WorkerHub:
         # different incarnation has a table from a dead process and must not keep serving it.
         self.incarnation = os.urandom(8)
         self._state = TableState()
+        self.settings_generation = 0  # of the workers' settings file (pool.reconfigure)
+        self.shares = DemandShares()  # each worker's part of every rate-limit bucket
         self._encoded = codec.encode_state(self._state)
         self._workers: dict[int, _Worker] = {}
         self._dead: dict[tuple[int, int], None] = {}  # (index, pid), oldest first
@@ -142,6 +149,7 @@ class WorkerHub:
             tasks.spawn("worker_hub_reports", self._serve_reports),
             tasks.spawn("worker_hub_beat", self._beat),
             tasks.spawn("worker_hub_loads", self._share_loads),
+            tasks.spawn("worker_hub_parts", self._share_parts),
         ]
         log.event("worker_hub_started", sock_dir=self.sock_dir, revision=self._state.revision)
 
@@ -239,6 +247,15 @@ class WorkerHub:
             for iid, n in w.legs.items():
                 total[iid] = total.get(iid, 0) + n
         return total, behind
+
+    def admission(self) -> tuple[int, int]:
+        """Requests running and queued in every live worker together, as last reported (a
+        forgotten worker's numbers leave the sums with it)."""
+        running = queued = 0
+        for w in self._workers.values():
+            running += w.running
+            queued += w.queued
+        return running, queued
 
     def serving(self) -> dict[int, int]:
         """index -> pid of every live worker that said it listens (:meth:`WorkerLink.serving`)."""
@@ -354,9 +371,16 @@ class WorkerHub:
                 worker.acked = revision
                 self._notify()
         elif kind == codec.LOADS:
-            loads, legs, revision = codec.decode_report(body)
+            report = codec.decode_report(body)
             if worker is not None:
-                worker.loads, worker.legs, worker.reported = loads, legs, revision
+                worker.loads, worker.legs, worker.reported = report.loads, report.legs, report.revision
+                worker.running, worker.queued = report.running, report.queued
+        elif kind == codec.DEMAND:
+            if worker is not None:
+                try:
+                    self.shares.add(worker.index, decode_demand(body))
+                except ValueError as exc:
+                    raise codec.CodecError(f"demand: {exc}") from None
         elif kind == codec.SERVING:
             if worker is not None and not worker.serving:
                 worker.serving = True
@@ -365,12 +389,24 @@ class WorkerHub:
             raise codec.CodecError(f"unknown kind {kind[:16]!r}")
 
     async def _beat(self) -> None:
+        while True:
+            await self.beat_now()
+            await asyncio.sleep(self.beat_s)
+
+    async def beat_now(self) -> None:
+        """The table revision and settings generation every worker must hold."""
+        assert self._pub is not None
+        revision, generation = codec.pack_u64(self._state.revision), codec.pack_u64(self.settings_generation)
+        await self._pub.send_multipart([codec.BEAT, self.incarnation, revision, generation])
+
+    async def _share_parts(self) -> None:
+        """Every PARTS_S, the parts of the rate-limit buckets that moved (shares.py)."""
         assert self._pub is not None
         while True:
-            await self._pub.send_multipart(
-                [codec.BEAT, self.incarnation, codec.pack_u64(self._state.revision)]
-            )
-            await asyncio.sleep(self.beat_s)
+            await asyncio.sleep(PARTS_S)
+            changed = self.shares.round(self._workers)
+            if changed:
+                await self._pub.send_multipart([codec.PARTS, self.incarnation, encode_parts(changed)])
 
     async def _share_loads(self) -> None:
         """Every live worker's loads (even none: a worker that left must leave the sums)."""

@@ -28,6 +28,8 @@ from motor_mesh.coordinator.precision.groups import Completed
 from motor_mesh.coordinator.table import TableState
 from motor_mesh.coordinator.workers import codec
 from motor_mesh.coordinator.workers.hub import BEAT_S, LOADS_S
+from motor_mesh.coordinator.workers.shares import decode as decode_parts
+from motor_mesh.coordinator.workers.shares import encode_demand
 
 LOST_AFTER_S = 3.0  # no beat for this long: the hub (the management process) is gone
 LOADS_REFRESH_S = 1.0  # unchanged loads are still sent this often (the hub may have restarted)
@@ -35,6 +37,7 @@ ASK_AGAIN_S = 1.0  # a snapshot request not answered within this is sent again
 _DROP_LOG_EVERY = 1000
 
 LoadsGetter = Callable[[], dict[int, int]]
+AdmissionGetter = Callable[[], tuple[int, int]]  # requests running, requests queued
 
 
 class WorkerLink:
@@ -46,6 +49,9 @@ class WorkerLink:
         on_loads: Callable[[dict[int, int]], None],
         *,
         on_lost: Callable[[str], None] | None = None,
+        on_settings: Callable[[int], None] | None = None,
+        settings_generation: int = 0,
+        on_parts: Callable[[dict[str, dict[int, float]]], None] | None = None,
         lost_after_s: float = LOST_AFTER_S,
         loads_s: float = LOADS_S,
     ) -> None:
@@ -54,6 +60,11 @@ class WorkerLink:
         self.on_state = on_state
         self.on_loads = on_loads
         self.on_lost = on_lost
+        # Told the generation of newer settings a beat announces (the pool rewrote its file).
+        self.on_settings = on_settings
+        self.settings_generation = settings_generation
+        # Told this worker's new parts of the rate-limit buckets (shares.py).
+        self.on_parts = on_parts
         self.lost_after_s = lost_after_s
         self.loads_s = loads_s
         self.pid = os.getpid()
@@ -139,13 +150,22 @@ class WorkerLink:
 
     # ---- what the worker calls -----------------------------------------------------------------
 
-    def report_loads(self, get_loads: LoadsGetter, get_legs: LoadsGetter = dict) -> None:
-        """Every ``loads_s``, send this worker's in-flight load and legs per instance id (when
-        they changed, and at least every LOADS_REFRESH_S). Call after :meth:`start`."""
+    def report_loads(
+        self,
+        get_loads: LoadsGetter,
+        get_legs: LoadsGetter = dict,
+        get_admission: AdmissionGetter | None = None,
+    ) -> None:
+        """Every ``loads_s``, send this worker's in-flight load and legs per instance id, and its
+        admission (requests running, queued) (when they changed, and at least every
+        LOADS_REFRESH_S). Call after :meth:`start`."""
         if self._push is None:
             raise RuntimeError("WorkerLink.report_loads before start")
+        admission = get_admission or (lambda: (0, 0))
         self._tasks.append(
-            tasks.spawn(f"worker_link_{self.index}_loads", lambda: self._report(get_loads, get_legs))
+            tasks.spawn(
+                f"worker_link_{self.index}_loads", lambda: self._report(get_loads, get_legs, admission)
+            )
         )
 
     def serving(self) -> None:
@@ -200,6 +220,11 @@ class WorkerLink:
         if not self._same_hub(frames[1]):
             return False
         self._last_beat = time.monotonic()
+        generation = codec.unpack_u64(frames[3])
+        if generation > self.settings_generation:
+            self.settings_generation = generation
+            if self.on_settings is not None:
+                self.on_settings(generation)
         if self._serving_pending:
             self.serving()
         if codec.unpack_u64(frames[2]) > self.revision:
@@ -207,6 +232,21 @@ class WorkerLink:
         if self._ack_pending:
             self._ack()
         return False
+
+    def _on_parts(self, frames: list[bytes]) -> None:
+        if not self._same_hub(frames[1]) or self.on_parts is None:
+            return
+        try:
+            parts = decode_parts(frames[2])
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise codec.CodecError(f"parts: {exc}") from None
+        self.on_parts(parts)
+
+    def send_demand(self, asked: dict[str, float]) -> None:
+        """What each rate-limit bucket was asked for lately (never blocks; dropped when the
+        queue to the hub is full: the next report carries on)."""
+        if asked:
+            self._send([codec.DEMAND, self._peer, encode_demand(asked)])
 
     def _on_loads(self, frames: list[bytes]) -> None:
         if not self._same_hub(frames[1]):
@@ -281,13 +321,15 @@ class WorkerLink:
             try:
                 if kind == codec.STATE:
                     self._on_state(frames, "publish")
-                elif len(frames) != 3:
+                elif len(frames) != (4 if kind == codec.BEAT else 3):
                     raise codec.CodecError(f"{len(frames)} frames")
                 elif kind == codec.BEAT:
                     if self._on_beat(frames):
                         await self._ask()
                 elif kind == codec.LOADS:
                     self._on_loads(frames)
+                elif kind == codec.PARTS:
+                    self._on_parts(frames)
                 else:
                     raise codec.CodecError(f"unknown kind {kind[:16]!r}")
             except codec.CodecError as exc:
@@ -316,11 +358,13 @@ class WorkerLink:
             if now - self._last_beat > self.lost_after_s:
                 self._lose(f"no beat for {self.lost_after_s}s")
 
-    async def _report(self, get_loads: LoadsGetter, get_legs: LoadsGetter) -> None:
-        last: tuple[dict[int, int], dict[int, int], int] | None = None
+    async def _report(
+        self, get_loads: LoadsGetter, get_legs: LoadsGetter, get_admission: AdmissionGetter
+    ) -> None:
+        last: tuple[dict[int, int], dict[int, int], int, int, int] | None = None
         sent_at = float("-inf")
         while True:
-            report = dict(get_loads()), dict(get_legs()), self.revision
+            report = dict(get_loads()), dict(get_legs()), self.revision, *get_admission()
             now = time.monotonic()
             if (report != last or now - sent_at >= LOADS_REFRESH_S) and self._send(
                 [codec.LOADS, self._peer, codec.encode_report(*report)]

@@ -18,10 +18,11 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from motor_mesh.common import log, scratch
 from motor_mesh.common.config import CoordinatorConfig
+from motor_mesh.common.config.sections import to_json
 from motor_mesh.common.signals import on_forced_exit
 from motor_mesh.coordinator.metrics import forget_process, use_shared_dir
 from motor_mesh.coordinator.precision.groups import Completed
@@ -71,6 +72,9 @@ class WorkerPool:
         self.hub = WorkerHub(self.dir)
         self.supervisor = WorkerSupervisor(count, self._argv, self.hub, on_exit=self._exited)
         self._port: socket.socket | None = None
+        self._http_port = cfg.http_port
+        self.generation = 0  # of the settings the workers are told (a reload adds one)
+        self.replicas = 1
         on_forced_exit(self.kill_now)
 
     def _argv(self, index: int) -> list[str]:
@@ -96,14 +100,8 @@ class WorkerPool:
         holds the table and listens."""
         cfg = self.cfg
         self._port = _hold_port(cfg.host, cfg.http_port)
-        port = int(self._port.getsockname()[1])
-        # Read-only mappings (coordinator.tokenizers) are plain dicts in the workers' JSON.
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        settings = {
-            **{k: dict(v) if isinstance(v, Mapping) else v for k, v in fields.items()},
-            "http_port": port,
-        }
-        await asyncio.to_thread(self._write_config, settings)
+        port = self._http_port = int(self._port.getsockname()[1])
+        await asyncio.to_thread(self._write_config, self._settings(cfg))
         self.hub.set_state(state)
         await self.hub.start()
         await self.supervisor.start()
@@ -118,11 +116,31 @@ class WorkerPool:
         log.event("workers_serving", workers=self.count, http=address, pids=",".join(map(str, self.pids())))
         return address
 
+    def _settings(self, cfg: CoordinatorConfig) -> dict[str, object]:
+        """What the workers' file holds: the settings generation, the replica count and the
+        coordinator section (the port the pool holds in place of ``http_port = 0``)."""
+        section = {f.name: to_json(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        section["http_port"] = self._http_port
+        return {"generation": self.generation, "replicas": self.replicas, "coordinator": section}
+
     def _write_config(self, settings: dict[str, object]) -> None:
+        """Replace the file whole (a worker starting meanwhile reads the old or the new one)."""
         path = os.path.join(self.dir, CONFIG_FILE)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp = f"{path}.{self.generation}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(settings, f)
+        os.replace(tmp, path)
+
+    async def reconfigure(self, cfg: CoordinatorConfig, replicas: int) -> None:
+        """New settings for every worker: the file is rewritten (what a worker that starts
+        later reads) and the next heartbeat, sent at once, tells each to read it again."""
+        self.generation += 1
+        self.replicas = max(1, replicas)
+        self.cfg = cfg
+        await asyncio.to_thread(self._write_config, self._settings(cfg))
+        self.hub.settings_generation = self.generation
+        await self.hub.beat_now()
 
     def pids(self) -> list[int]:
         return [pid for _, pid in sorted(self.supervisor.pids().items())]

@@ -144,6 +144,7 @@ def test_status_shows_the_controller_the_coordinator_and_every_nodemanager(clust
     assert coordinator[1:4] == ["SERVING", "yes", table["revision"]]
     assert coordinator[4] == table["incarnation"][:8]
     assert coordinator[5:] == ["2", "0", "0", "1", "2/2"]
+    assert "settings: their own file's (1/1 of every rate limit each) on every Coordinator" in lines
     for pid, (nm, iid, role, endpoint) in pids.items():
         uptime = rows[nm][4]
         assert re.fullmatch(r"\d+s|\d+m\d\ds", uptime)
@@ -158,6 +159,7 @@ def test_status_shows_the_controller_the_coordinator_and_every_nodemanager(clust
     assert (coord["revision"], coord["incarnation"]) == (int(table["revision"]), table["incarnation"])
     assert coord["routable"] is True and coord["routable_pd_groups"] == 1
     assert coord["inference_workers"] == coord["inference_workers_serving"] == 2
+    assert (coord["settings_revision"], coord["replicas"]) == (0, 1)  # no reload: its file's values
     assert {e["pid"]: nm["address"] for nm in doc["nodemanagers"] for e in nm["engines"]} == {
         pid: nm for pid, (nm, *_) in pids.items()
     }
