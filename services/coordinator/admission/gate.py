@@ -4,8 +4,9 @@ its rate limits and the Coordinator-wide ones allow it, and a slot to run in
 
 Every limit is split over the processes that enforce it: the Controller tells each Coordinator
 how many replicas share the deployment (``replicas``), and a Coordinator's inference workers
-split its part evenly. With no tenants file, no API keys file and no rate limit, a request costs
-a lookup of the open account and the slot counter.
+split its part by where the requests go (workers/shares.py; evenly until they report). With no
+tenants file, no API keys file and no rate limit, a request costs a lookup of the open account
+and the slot counter.
 """
 
 from __future__ import annotations
