@@ -133,6 +133,10 @@ class FakeController:
         self._lead()
         return controller_pb2.ListDesiredInstancesResponse()
 
+    async def ReloadConfig(self, request: Any, context: Any) -> Any:
+        self._lead()
+        raise errors.unimplemented("ReloadConfig")
+
 
 class FakeControllerServer:
     """``fake`` served on loopback (``port`` 0: any free one), with health ``""`` SERVING."""
