@@ -46,6 +46,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         c.wait_ready()
         wait_until(lambda: value(c, "motor_coordinator_kv_subscriptions") == 2, timeout=60)
+        # Every inference worker loads Llama 3's tokenizer on its own, off its loop: until it has,
+        # it routes by load and counts no prompt tokens (the tests wait on those counts).
+        workers = max(1, sum("event=worker_serving " in line for line in c.proc.lines))
+        wait_until(lambda: sum("event=kv_tokenizer " in line for line in c.proc.lines) >= workers, timeout=60)
         yield c
     finally:
         c.cleanup()
