@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import zmq.asyncio
+from prometheus_client import values
 
+from motor_mesh.coordinator.metrics import MULTIPROC_ENV
 from tests.procs import ROOT, Proc, motor_argv
 
 TIERS = ("chaos", "e2e", "fuzz", "deploy", "real")
@@ -126,6 +129,21 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()
     yield c
     c.destroy(linger=0)
+
+
+@pytest.fixture(autouse=True)
+def _metric_values_restored() -> Iterator[None]:
+    """A Coordinator with inference workers started in process points prometheus_client's values
+    at its shared files for the rest of the process (metrics.use_shared_dir): a later test's
+    metrics would share those files' entries (two registries' "h" one value). Put it back."""
+    value_class = values.ValueClass
+    shared = os.environ.get(MULTIPROC_ENV)
+    yield
+    values.ValueClass = value_class
+    if shared is None:
+        os.environ.pop(MULTIPROC_ENV, None)
+    else:
+        os.environ[MULTIPROC_ENV] = shared
 
 
 @pytest.fixture(autouse=True)
