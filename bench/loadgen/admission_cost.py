@@ -53,13 +53,14 @@ async def _path(gate: Gate, header: bytes, now: float) -> None:
     assert account is not None
     ticket = gate.charge(account, 150, now) if gate.limited(PATH) else None
     slots = gate.slots
-    await slots.acquire(account, 30, 120)
+    gate.asks_for_a_slot(account)
+    granted = await slots.acquire(account, 30, 120)
     out = Responder(_Drop(), False)  # type: ignore[arg-type]
     meter = None
     if ticket is not None and ticket.token_buckets:
         meter = out = MeteredResponder(out)
     out.send(200, BODY, headers=ticket.headers if ticket is not None else None)
-    slots.release(account)
+    slots.release(account, granted)
     if meter is not None and ticket is not None:
         used = meter.used()
         gate.settle(ticket, None if used is None else used + (meter.prompt_tokens or 30), now)

@@ -67,14 +67,20 @@ async def _one(
 async def run(
     url: str, model: str, tenants: list[Tenant], seconds: float, prompt: str, max_tokens: int, seed: int = 1
 ) -> None:
-    """Every tenant at its rate for ``seconds``; returns once every answer is in."""
+    """Every tenant at its rate for ``seconds``; returns once every answer is in. Each tenant is
+    a client of its own, with its own connections, as two applications would be: one pool shared
+    by both would hand a connection a flood's refusal just freed to the other tenant's next
+    request, moving that tenant from one inference worker to another as no real client does."""
     rng = random.Random(seed)
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
+    timeout = aiohttp.ClientTimeout(total=120)
+    sessions = [
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) for _ in tenants
+    ]
+    try:
         t0 = time.perf_counter()
         pending: set[asyncio.Task[None]] = set()
 
-        async def feed(tenant: Tenant) -> None:
+        async def feed(tenant: Tenant, s: aiohttp.ClientSession) -> None:
             at = tenant.start_s
             while True:
                 at += rng.expovariate(tenant.rate)
@@ -87,6 +93,9 @@ async def run(
                 pending.add(task)
                 task.add_done_callback(pending.discard)
 
-        await asyncio.gather(*(feed(t) for t in tenants))
+        await asyncio.gather(*(feed(t, s) for t, s in zip(tenants, sessions, strict=True)))
         while pending:
             await asyncio.gather(*list(pending))
+    finally:
+        for s in sessions:
+            await s.close()

@@ -221,6 +221,7 @@ class ContextBudget:
         self._tokenizers = tokenizers if tokenizers is not None else Tokenizers(cfg.tokenizers, "context")
         self.lengths: dict[Upstream, int] = {}  # max_model_len by endpoint, those known
         self._asks: dict[Upstream, _Ask] = {}  # endpoints still to be read
+        self.rounds = 0  # looks at the view done: "nothing more was asked" is a count, not a time
         self._silent: set[Upstream] = set()  # endpoints that answered without a length
         self._memo: dict[str, tuple[ModelRoutes, int | None]] = {}  # context by model, per routes
         self._pool: Pool | None = None  # its own: never a connection of the request path
@@ -333,6 +334,7 @@ class ContextBudget:
                 # At once, each within FETCH_TIMEOUT_S: a silent engine holds the others that long.
                 await asyncio.gather(*(self._ask(ep) for ep in due))
                 self._known.set(len(self.lengths))
+            self.rounds += 1
             await asyncio.sleep(FOLLOW_S)
 
     def _joined(self, view: RoutingView) -> None:

@@ -225,15 +225,16 @@ class InferenceApp:
         if gate.limited(request.path):
             ticket = self._refused_if(lambda: gate.charge(account, total_tokens, loop.time()), account)
         slots = gate.slots
+        gate.asks_for_a_slot(account)
         try:
             if slots.active >= slots.max_concurrent or slots.queued:
                 self._metrics.queued(1)
                 try:
-                    await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
+                    granted = await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
                 finally:
                     self._metrics.queued(-1)
             else:
-                await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
+                granted = await slots.acquire(account, prompt_tokens, total_tokens - prompt_tokens)
         except OpenAIError as err:
             self._metrics.refused(
                 err.code if isinstance(err.code, str) else "queue", PRIORITIES[account.tenant.priority]
@@ -253,7 +254,7 @@ class InferenceApp:
                 raise _with_headers(err, ticket.headers) from None
             raise
         finally:
-            slots.release(account)
+            slots.release(account, granted)
             if meter is not None and ticket is not None and meter.status < 400:
                 used = meter.used()
                 if used is not None:

@@ -5,8 +5,12 @@ who gets a slot and in which order, which request is refused with which error an
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import json
 import os
+import random
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +22,7 @@ from motor_mesh.common.config import ConfigError, CoordinatorConfig, RateLimit
 from motor_mesh.common.http_errors import OpenAIError
 from motor_mesh.coordinator.admission.buckets import Bucket
 from motor_mesh.coordinator.admission.gate import Gate, RateLimited
-from motor_mesh.coordinator.admission.slots import Account, Slots
+from motor_mesh.coordinator.admission.slots import LINGER_S, Account, Slots
 from motor_mesh.coordinator.admission.tenants import PRIORITIES, Tenant, load_directory, parse_tenants
 from motor_mesh.coordinator.workers.shares import DemandShares, decode, encode
 
@@ -149,44 +153,143 @@ async def test_a_full_queue_refuses_batch_before_interactive() -> None:
     interactive[1].cancel()
 
 
-async def test_the_last_free_slot_is_kept_from_a_backlogged_tenant_for_a_light_one() -> None:
-    slots = Slots(8, 100, 30)  # headroom: 1 slot
+class Clock:
+    """Virtual time for Slots: the tests move it, so credits and hold times are exact."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _hold_for(slots: Slots, clock: Clock, seconds: float) -> None:
+    """One request held ``seconds``: what the slots then take a slot's hold time to be."""
+    warm = _account("warm")
+    granted = await slots.acquire(warm, 100, 100)
+    clock.t += seconds
+    slots.release(warm, granted)
+    clock.t += 2 * LINGER_S  # warm is no longer active
+
+
+async def test_the_headroom_is_kept_from_a_tenant_over_its_share_for_one_within_it() -> None:
+    clock = Clock()
+    slots = Slots(8, 100, 30, clock)  # headroom: 2 slots
+    await _hold_for(slots, clock, 10.0)
     heavy, light = _account("heavy"), _account("light")
-    await slots.acquire(light)
-    for _ in range(7):
-        await slots.acquire(heavy)
-    backlog = [asyncio.create_task(slots.acquire(heavy)) for _ in range(2)]
+    await slots.acquire(light, 100, 100)
+    clock.t += 10.0  # light, asking for less than its share, has credit
+    for _ in range(5):  # heavy asks five requests' worth at once: over its share
+        await slots.acquire(heavy, 100, 100)
+    backlog = [asyncio.create_task(slots.acquire(heavy, 100, 100)) for _ in range(2)]
     await asyncio.sleep(0)
-    assert slots.active == 8 and slots.queued == 2
-    slots.release(light)  # one slot free: heavy has a backlog and light is still active
-    await asyncio.sleep(0)
-    assert slots.active == 7 and not any(t.done() for t in backlog)
-    await asyncio.wait_for(slots.acquire(light), 1)  # at once, ahead of heavy's backlog
-    assert light.running == 1 and heavy.running == 7
-    slots.release(heavy)  # free again: light has no request waiting
-    await asyncio.sleep(0)
-    assert slots.active == 7
+    assert slots.active == 6 and slots.queued == 2  # two slots free, kept for light
+    await asyncio.wait_for(slots.acquire(light, 100, 100), 1)  # at once, ahead of heavy's backlog
+    assert (light.running, heavy.running, slots.queued) == (2, 5, 2)
     slots.release(light)
-    slots.release(heavy)  # two free: past the headroom, heavy's backlog runs
-    await asyncio.wait_for(asyncio.gather(*backlog), 1)
-    assert heavy.running == 7
+    await asyncio.sleep(0)
+    assert slots.active == 6  # the freed slot is headroom again, not heavy's
+    slots.release(light)  # three free: one past the headroom, heavy's first waiter runs
+    await asyncio.wait_for(backlog[0], 1)
+    assert heavy.running == 6 and not backlog[1].done()
+    slots.release(heavy)
+    await asyncio.wait_for(backlog[1], 1)
+    assert heavy.running == 6 and slots.active == 6 and slots.queued == 0
+
+
+async def test_with_nobody_within_its_share_the_headroom_is_anyones() -> None:
+    clock = Clock()
+    slots = Slots(8, 100, 30, clock)
+    await _hold_for(slots, clock, 10.0)
+    a, b = _account("a"), _account("b")
+    for _ in range(4):
+        await slots.acquire(a, 100, 100)
+        await slots.acquire(b, 100, 100)  # both far over their share, nothing waits: all 8 run
+    assert slots.active == 8 and slots.queued == 0
 
 
 async def test_a_tenant_within_its_share_goes_ahead_of_one_far_over_it() -> None:
-    slots = Slots(16, 100, 30)
-    flood, near = _account("flood"), _account("near")
-    for account, n in ((flood, 13), (near, 3)):
-        for _ in range(n):
-            await slots.acquire(account, 100, 100)
-    # flood asks for 23 requests' worth, near for 5: what the slots serve is 16
-    waiting = [asyncio.create_task(slots.acquire(a, 100, 100)) for a in [flood] * 10 + [near] * 2]
+    clock = Clock()
+    slots = Slots(1, 100, 30, clock)  # one slot: no headroom, only the order counts
+    await _hold_for(slots, clock, 10.0)
+    near, flood = _account("near"), _account("flood")
+    slots.release(near, await slots.acquire(near, 100, 100))
+    clock.t += 10.0  # near asks for less than its share (one slot held 10 s): credit again
+    held = await slots.acquire(flood, 100, 100)
+    waiting = [asyncio.create_task(slots.acquire(flood, 100, 100)) for _ in range(10)]
     await asyncio.sleep(0)
-    assert slots.queued == 12  # flood's first waiter leads: same tag as near's, and earlier
-    slots.release(flood)
+    mine = asyncio.create_task(slots.acquire(near, 100, 100))  # behind flood's ten by arrival
     await asyncio.sleep(0)
-    assert (flood.running, near.running) == (12, 4)  # the slot went to near
+    assert slots.queued == 11
+    slots.release(flood, held)
+    await asyncio.wait_for(mine, 1)  # the slot went to near, whose credit is not spent
+    assert near.running == 1 and flood.running == 0 and slots.queued == 10
     for task in waiting:
         task.cancel()
+
+
+async def _simulate(
+    slots: Slots, clock: Clock, senders: list[tuple[Account, float, float]], until: float, hold: float
+) -> dict[str, list[tuple[float, float]]]:
+    """Open-loop senders (account, requests per second, start) against ``slots`` in virtual
+    time, each request holding its slot for ``hold`` s give or take half (seeded, so the run is
+    the same every time). Returns, per tenant, (sent, waited) of every granted request."""
+    rng = random.Random(7)
+    events: list[tuple[float, int, str, Account, float]] = []
+    seq = itertools.count()
+    t0 = clock.t
+    for account, rate, start in senders:
+        at = t0 + start
+        while (at := at + rng.expovariate(rate)) < t0 + until:
+            heapq.heappush(events, (at, next(seq), "send", account, 0.0))
+    granted: dict[str, list[tuple[float, float]]] = {a.tenant.name: [] for a, _, _ in senders}
+
+    async def one(account: Account) -> None:
+        sent = clock.t
+        with contextlib.suppress(OpenAIError):
+            got = await slots.acquire(account, 100, 100)
+            granted[account.tenant.name].append((sent - t0, got - sent))
+            heapq.heappush(events, (got + hold * rng.uniform(0.5, 1.5), next(seq), "end", account, got))
+
+    tasks = []
+    while events:
+        at, _, what, account, since = heapq.heappop(events)
+        clock.t = at
+        if what == "send":
+            tasks.append(asyncio.create_task(one(account)))
+        else:
+            slots.release(account, since)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the granted waiters note their slot
+    for task in tasks:
+        task.cancel()
+    return granted
+
+
+async def test_a_tenant_at_its_share_waits_for_nothing_while_another_floods_at_ten_times_its_own() -> None:
+    clock = Clock()
+    slots = Slots(64, 64, 1e9, clock)  # a bench worker's part of 128 slots
+    hold = 16.0
+    share = 64 / hold / 2  # requests per second: half of what the slots serve
+    flood, fair = _account("flood"), _account("fair")
+    got = await _simulate(slots, clock, [(fair, share, 0.0), (flood, 10 * share, 30.0)], 300.0, hold)
+    waits = sorted(w for sent, w in got["fair"] if sent >= 30.0)
+    assert len(waits) > 300 and waits[int(0.99 * len(waits))] == 0.0  # as if alone
+    served = sum(1 for sent, _ in got["flood"] if 60 <= sent < 270) / 210
+    assert served > 0.4 * share  # and the flood has what is left (less the headroom)
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 3.0)])
+async def test_two_backlogged_tenants_are_served_by_their_weights(weights: tuple[float, float]) -> None:
+    clock = Clock()
+    slots = Slots(32, 32, 1e9, clock)
+    hold = 10.0
+    a, b = _account("a", weight=weights[0]), _account("b", weight=weights[1])
+    both = 2 * 32 / hold  # each sends twice what the slots serve
+    got = await _simulate(slots, clock, [(a, both, 0.0), (b, both, 0.0)], 400.0, hold)
+    na, nb = (sum(1 for sent, w in got[t] if 50 <= sent + w < 350) for t in ("a", "b"))
+    want = weights[0] / sum(weights)
+    assert na / (na + nb) == pytest.approx(want, rel=0.05)
 
 
 async def test_alone_a_tenant_uses_every_slot() -> None:
@@ -388,6 +491,26 @@ def test_parts_follow_the_demand_and_add_up_to_the_whole() -> None:
         raise AssertionError("the parts never went back to even")
     wire = decode(encode(parts))
     assert wire["r:a"][0] == pytest.approx(parts["r:a"][0], abs=1e-4)
+
+
+def test_a_tenants_share_of_a_workers_slots_follows_where_its_requests_go() -> None:
+    """A client whose keep-alive connections happen to be on one worker sends most of its
+    requests there: its share of that worker's slots grows to match (Slots, "within share")."""
+    gate = Gate(CoordinatorConfig(), None, workers=2, now=0.0)
+    account = gate.identify(None)
+    assert account is not None
+    for _ in range(3):
+        gate.asks_for_a_slot(account)
+    assert gate.take_demand() == {"s:-": 3.0}  # reported to the management process
+    gate.set_parts({"s:-": {0: 0.75, 1: 0.25}}, index=0, now=0.0)
+    assert account.spread == 1.5  # three quarters here: 1.5 times an even share
+    gate.set_parts({"s:-": {}}, index=0, now=0.0)  # no demand lately: even again
+    assert account.spread == 1.0
+    single = Gate(CoordinatorConfig(), None, workers=1, now=0.0)
+    one = single.identify(None)
+    assert one is not None
+    single.asks_for_a_slot(one)
+    assert single.take_demand() == {}  # one worker: nothing to split
 
 
 def test_a_worker_takes_its_part_of_each_bucket() -> None:

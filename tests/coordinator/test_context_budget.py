@@ -343,7 +343,8 @@ async def test_the_budget_reads_each_endpoint_once_as_it_joins_and_again_when_re
         # The table changes (another instance joins, nothing else): no endpoint is read twice.
         holder.set(*holder.view.targets, target(3, DECODE, d.port, pid=12))
         await until(lambda: d.asked == 2, 5)  # (instance 3's endpoint is a new one)
-        await asyncio.sleep(0.2)
+        seen = budget.rounds
+        await until(lambda: budget.rounds >= seen + 2, 5)  # a whole round more: nothing else asked
         assert (p.asked, d.asked) == (1, 2)
         # The prefill engine is relaunched (a new pid: a new endpoint) with a smaller context.
         p.body = models_body({"id": MODEL, "max_model_len": 40})
@@ -393,7 +394,8 @@ async def test_an_engine_that_does_not_say_is_not_asked_again(
     try:
         routes = holder.set(target(1, PREFILL, silent.port), target(2, DECODE, silent.port))
         await until(lambda: silent.asked == 2, 5)
-        await asyncio.sleep(0.3)
+        seen = budget.rounds
+        await until(lambda: budget.rounds >= seen + 2, 5)  # a whole round more: not asked again
         assert silent.asked == 2 and budget.context(routes) is None
         # Nothing known: a request passes as it came, without being counted.
         req = {"model": MODEL, "messages": [{"role": "user", "content": "x " * 1000}], "max_tokens": 10**6}

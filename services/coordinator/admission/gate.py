@@ -128,6 +128,15 @@ class Gate:
             else:
                 self._parts.pop(key, None)
         self._apply_limits(now)
+        for name, account in self._accounts.items():
+            account.spread = self._parts.get(f"s:{name}", 1.0 / self._workers) * self._workers
+
+    def asks_for_a_slot(self, account: Account) -> None:
+        """Count a request that asks for a slot here: each worker's share of a tenant's slots
+        follows where the tenant's requests go, as a bucket's parts do (Slots, "within share")."""
+        if self.demand is not None:
+            key = f"s:{account.tenant.name}"
+            self.demand[key] = self.demand.get(key, 0.0) + 1
 
     def take_demand(self) -> dict[str, float]:
         """What each bucket was asked for since the last call."""

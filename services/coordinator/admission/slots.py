@@ -14,17 +14,26 @@ first waiter's tag.
 
 Three rules keep a tenant that sends far more than its share from hurting the others:
 
-- **Within share first.** A waiter whose tenant asks for no more than ``SHARE_SLACK`` times
-  its share of what the slots serve (the rate it asks for against the rate served, over
-  ``RATE_S``, shared by the weights of the tenants active now) goes ahead of one whose tenant
-  asks for more, tags deciding among each kind: a tenant near its share is served as if alone,
-  and one flooding the queue gets what is left. When every tenant asks for more than that, as
-  when all are backlogged, the tags alone decide and the weights hold.
-- **Headroom.** The last ``headroom`` free slots are kept from tenants with a backlog (two or
-  more requests waiting) while another active tenant has none: a tenant within its share then
-  finds a slot at once instead of waiting for one to end, and the tenant flooding the queue
-  runs on the other slots. When every active tenant is backlogged (or only one is active) the
-  headroom is anyone's, so no slot idles while requests wait for it.
+- **Within share first.** Each tenant has a credit, a token bucket: it fills at ``SHARE_SLACK``
+  times the tenant's share of what the slots can serve (each slot turns over once per mean
+  hold, measured as requests end; the share is by weight among the tenants active now), holds
+  up to the tenant's share of the slots, and each request takes its cost from it, down to one
+  request below zero. A request the credit covered when it came (within its share) goes ahead of
+  those it did not, tags deciding among each kind: a tenant near its share is served as if
+  alone, bursts included, and one flooding the queue gets what is left. When every tenant asks
+  for more than its share, as when all are backlogged, the tags alone decide and the weights
+  hold. The credit starts at one request when a tenant becomes active, so a flood does not
+  first take a share's worth of slots. (A rate measured over a few seconds would not do: a
+  tenant sending at its share crosses any threshold near it whenever its arrivals bunch up,
+  and what the slots served in a few seconds swings with the slots that happened to end then.
+  Nor may a tenant's credit, rather than its request's, decide: a flood's credit touching zero
+  for an instant would let its whole line through.)
+- **Headroom.** The last ``headroom`` free slots (a quarter) are kept from requests beyond
+  their tenant's share while another active tenant is within its share: that tenant then finds
+  a slot at once instead of waiting for one to end (the number of requests a tenant at its
+  share runs swings well above its mean; the headroom covers the swing), and the tenant
+  flooding the queue runs on the other slots. When no other active tenant is within its share
+  the headroom is anyone's, so no slot idles while requests wait for it.
 - **Fair drop.** A full queue makes room by refusing the newest waiter of the lowest class below
   the newcomer's, else, in the newcomer's class, the newest waiter of the tenant with the
   longest line for its weight, when that is not the newcomer's tenant. Otherwise the newcomer
@@ -43,6 +52,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 from motor_mesh.common.http_errors import OpenAIError
 from motor_mesh.coordinator.admission.tenants import PRIORITIES, Tenant
@@ -52,12 +62,15 @@ MEAN_OVER = 256
 # A tenant stays active (the headroom kept for it) this long after its last request ended: a
 # client sending one request at a time is between two requests, not gone.
 LINGER_S = 2.0
-HEADROOM_FRACTION = 8  # headroom = max_concurrent / this, rounded up
-# A tenant asking for no more than this many times its share of what the slots serve goes ahead
-# of tenants asking for more: one near its share is served as if alone, one flooding the queue
-# gets what is left. When every tenant asks for more than this, the tags alone decide.
+HEADROOM_FRACTION = 4  # headroom = max_concurrent / this, rounded up
+# A tenant's credit fills at this many times its share of what the slots serve: one sending at
+# its share keeps a full credit and goes ahead of tenants over theirs, one flooding the queue
+# keeps none and gets what is left. When every tenant's credit is spent, the tags alone decide.
 SHARE_SLACK = 1.25
-RATE_S = 5.0  # the time constant of the asked and served rates
+HOLD_OVER = 64  # releases over which the mean time a slot is held is averaged
+# A request's cost is about this much on average (prompt and max_tokens, each over its mean):
+# the credit holds the tenant's share of the slots, in requests of the average cost.
+MEAN_COST = 2.0
 
 
 def too_many(limit: int, why: str = "the queue is full") -> OpenAIError:
@@ -88,7 +101,8 @@ class Account:
     """One tenant's place in this process's admission (kept across reloads by name)."""
 
     __slots__ = (
-        "active", "asked", "asked_at", "cap", "counted", "idle_at", "last_tag", "queue", "running", "tenant",
+        "active", "cap", "counted", "credit", "credit_at", "idle_at", "last_tag", "queue", "running",
+        "spread", "tenant",
     )  # fmt: skip
 
     def __init__(self, tenant: Tenant, cap: float) -> None:
@@ -99,18 +113,29 @@ class Account:
         self.queue: dict[int, Waiter] = {}  # its waiters by arrival (tags grow with it)
         self.active = False  # running, waiting, or idle for less than LINGER_S
         self.counted = 0.0  # the weight it adds to the active tenants' total while active
-        self.asked = 0.0  # the cost it asked for per second, decaying (Slots.RATE_S)
-        self.asked_at = 0.0
+        self.credit = 0.0  # what it may ask above its share (Slots._credit)
+        self.credit_at = 0.0
+        # Its requests' part here over an even part (1: even; with one keep-alive connection
+        # and two workers, 2 here and 0 at the other): its share here follows where it sends.
+        self.spread = 1.0
         self.idle_at = 0.0
 
 
 class Waiter:
-    __slots__ = ("account", "charge", "cls", "fut", "seq", "tag")
+    __slots__ = ("account", "charge", "cls", "fut", "seq", "tag", "within")
 
     def __init__(
-        self, account: Account, cls: int, tag: float, charge: float, seq: int, fut: asyncio.Future[None]
+        self,
+        account: Account,
+        cls: int,
+        tag: float,
+        charge: float,
+        seq: int,
+        fut: asyncio.Future[None],
+        within: bool,
     ) -> None:
         self.account = account
+        self.within = within  # its tenant's credit covered it when it came (within its share)
         self.cls = cls
         self.tag = tag
         self.charge = charge  # what it added to its tenant's tags (its cost over the weight)
@@ -132,7 +157,14 @@ class _Line:
 
 
 class Slots:
-    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        max_queued: int,
+        queue_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock  # the tests' virtual time; the queue timeout is the loop's
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
@@ -141,13 +173,11 @@ class Slots:
         self.queued = 0
         self._lines = [_Line() for _ in PRIORITIES]
         self._seq = itertools.count()
-        self._mean_prompt = 1.0
-        self._mean_max_tokens = 1.0
-        self._active_tenants = 0
+        self._mean_prompt = 0.0  # 0: no admission yet (the first one sets them)
+        self._mean_max_tokens = 0.0
+        self._actives: set[Account] = set()
         self._weight = 0.0  # of the active tenants
-        self._served = 0.0  # the cost granted per second, decaying (RATE_S)
-        self._served_at = 0.0
-        self._backlogged = 0  # tenants with two or more waiters
+        self._hold = 0.0  # the mean seconds a slot is held (0: none ended yet)
         self._lingering: collections.deque[Account] = collections.deque()
 
     @classmethod
@@ -165,40 +195,56 @@ class Slots:
 
     # -- who may run -----------------------------------------------------------------------------
 
-    def _eligible(self, account: Account) -> bool:
+    def _eligible(self, account: Account, within: bool, protected: list[bool | None]) -> bool:
+        """Whether a request of ``account`` (``within`` its share when it came) may take a slot
+        now. ``protected`` caches, for one decision, whether another active tenant within its
+        share keeps the headroom from it."""
         free = self.max_concurrent - self.active
         if free <= 0 or account.running >= account.cap:
             return False
-        if free > self.headroom or len(account.queue) <= 1:
+        if free > self.headroom or within:
             return True
-        self._expire()
-        return self._active_tenants == self._backlogged  # nobody else to keep it for
+        if protected[0] is None:
+            self._expire()
+            now = self._clock()
+            protected[0] = any(self._credit(a, now) >= 0 for a in self._actives if a is not account)
+        return not protected[0]
 
-    def _activate(self, account: Account) -> None:
+    def _activate(self, account: Account, now: float) -> None:
         if not account.active:
             account.active = True
+            account.credit, account.credit_at = MEAN_COST, now  # one request's worth: earned after
             account.counted = account.tenant.weight
             self._weight += account.counted
-            self._active_tenants += 1
+            self._actives.add(account)
 
-    def _within_share(self, account: Account) -> bool:
-        """Whether the tenant asks for no more than SHARE_SLACK times its share of what the slots
-        serve: a tenant flooding the queue asks for far more, one near its share does not."""
-        if self._weight <= 0:
-            return True
-        now = time.monotonic()
-        asked = account.asked * math.exp((account.asked_at - now) / RATE_S)
-        served = self._served * math.exp((self._served_at - now) / RATE_S)
-        return asked <= SHARE_SLACK * served * account.counted / self._weight
+    def _credit(self, account: Account, now: float) -> float:
+        """The tenant's credit now: what it has left of its share (docstring, "Within share
+        first"). Not below zero means it asks for no more than SHARE_SLACK times its share."""
+        if not account.active or self._weight <= 0:
+            return math.inf  # inactive tenants are not counted
+        part = account.counted / self._weight * account.spread
+        depth = MEAN_COST * max(1.0, self.max_concurrent * part)  # at least one request
+        if not self._hold:
+            return min(depth, account.credit)  # no slot has ended yet: no rate to earn credit at
+        rate = SHARE_SLACK * depth / self._hold  # its share of the slots, turned over once a hold
+        return min(depth, account.credit + (now - account.credit_at) * rate)
+
+    def _spend(self, account: Account, cost: float, now: float) -> bool:
+        """Take a request's cost from the tenant's credit: whether it was within its share."""
+        left = self._credit(account, now) - cost
+        account.credit = max(-MEAN_COST, left)
+        account.credit_at = now
+        return left >= 0
 
     def _maybe_idle(self, account: Account) -> None:
         if not account.running and not account.queue and account.active:
-            account.idle_at = time.monotonic()
+            account.idle_at = self._clock()
             self._lingering.append(account)
             self._expire()  # keeps the deque to the tenants idle for less than LINGER_S
 
     def _expire(self) -> None:
-        horizon = time.monotonic() - LINGER_S
+        horizon = self._clock() - LINGER_S
         lingering = self._lingering
         while lingering and lingering[0].idle_at <= horizon:
             account = lingering.popleft()
@@ -206,24 +252,25 @@ class Slots:
             if idle and account.active and account.idle_at <= horizon:
                 account.active = False
                 self._weight -= account.counted
-                self._active_tenants -= 1
+                self._actives.discard(account)
 
     # -- taking and giving back a slot -----------------------------------------------------------
 
-    async def acquire(self, account: Account, prompt_tokens: int = 0, max_tokens: int = 0) -> None:
-        """Take a slot, waiting in line if need be. Raises OpenAIError 429 / 503."""
+    async def acquire(self, account: Account, prompt_tokens: int = 0, max_tokens: int = 0) -> float:
+        """Take a slot, waiting in line if need be; returns when (its clock), for
+        ``release``. Raises OpenAIError 429 / 503."""
+        if not self._mean_prompt:
+            self._mean_prompt, self._mean_max_tokens = max(prompt_tokens, 1), max(max_tokens, 1)
         self._mean_prompt += (max(prompt_tokens, 1) - self._mean_prompt) / MEAN_OVER
         self._mean_max_tokens += (max(max_tokens, 1) - self._mean_max_tokens) / MEAN_OVER
         cost = prompt_tokens / self._mean_prompt + max_tokens / self._mean_max_tokens
-        now = time.monotonic()
-        account.asked = account.asked * math.exp((account.asked_at - now) / RATE_S) + cost / RATE_S
-        account.asked_at = now
-        self._activate(account)
-        if not self.queued and self._eligible(account):
+        now = self._clock()
+        self._activate(account, now)
+        within = self._spend(account, cost, now)
+        if not self.queued and self._eligible(account, within, [None]):
             self.active += 1
             account.running += 1
-            self._count_served(cost, now)
-            return
+            return now
         cls = account.tenant.priority
         line = self._lines[cls]
         charge = cost / account.tenant.weight
@@ -237,20 +284,16 @@ class Slots:
                 raise too_many(self.max_concurrent)
             self._remove(victim, served=False)
             victim.fut.set_exception(too_many(self.max_concurrent, why))
-        waiter = Waiter(
-            account, cls, tag, charge, next(self._seq), asyncio.get_running_loop().create_future()
-        )
+        fut = asyncio.get_running_loop().create_future()
+        waiter = Waiter(account, cls, tag, charge, next(self._seq), fut, within)
         account.last_tag = tag
         if not account.queue:
             heapq.heappush(line.heap, (tag, waiter.seq, account))
             line.accounts.add(account)
         account.queue[waiter.seq] = waiter
-        if len(account.queue) == 2:
-            self._backlogged += 1
         line.count += 1
         self.queued += 1
         self._hand_over()
-        fut = waiter.fut
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await fut  # _grant() gave us a slot: active and running already count us
@@ -265,14 +308,15 @@ class Slots:
         finally:
             if not fut.done():
                 fut.cancel()
+        return self._clock()
 
-    def _count_served(self, cost: float, now: float) -> None:
-        self._served = self._served * math.exp((self._served_at - now) / RATE_S) + cost / RATE_S
-        self._served_at = now
-
-    def release(self, account: Account) -> None:
+    def release(self, account: Account, since: float | None = None) -> None:
+        """Give back a slot taken at ``since`` (what ``acquire`` returned; None: not measured)."""
         account.running -= 1
         self.active -= 1
+        if since is not None:
+            held = self._clock() - since
+            self._hold = held if not self._hold else self._hold + (held - self._hold) / HOLD_OVER
         self._maybe_idle(account)
         self._hand_over()
 
@@ -282,9 +326,11 @@ class Slots:
             waiter = self._next()
             if waiter is None:
                 return
+            if waiter.fut.done():  # its wait ended (timed out, cancelled) and it is yet to leave
+                self._remove(waiter, served=False)
+                continue
             waiter.account.running += 1  # first: leaving the line must not look like going idle
             self.active += 1
-            self._count_served(waiter.charge * waiter.account.tenant.weight, time.monotonic())
             self._remove(waiter)
             line = self._lines[waiter.cls]
             if waiter.tag > line.vtime:
@@ -295,6 +341,7 @@ class Slots:
         """The first waiter, by class, then tenants within their share first, then tag, whose
         tenant may run now."""
         self._expire()
+        protected: list[bool | None] = [None]
         for line in self._lines:
             if not line.count:
                 continue
@@ -308,10 +355,10 @@ class Slots:
                 if head is None or head.seq != entry[1]:
                     continue  # that waiter left; the tenant's next one has its own entry
                 passed.append(entry)
-                if self._eligible(account):
+                if self._eligible(account, head.within, protected):
                     if found is None:
                         found = head
-                    if self._within_share(account):
+                    if head.within:
                         found = head
                         break
             for entry in passed:
@@ -334,8 +381,6 @@ class Slots:
                 if later.seq > waiter.seq:
                     later.tag -= waiter.charge
             account.last_tag -= waiter.charge
-        if len(account.queue) == 1:
-            self._backlogged -= 1
         line.count -= 1
         self.queued -= 1
         if account.queue:
