@@ -36,12 +36,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 import grpc
-from google.protobuf import timestamp_pb2
 
 from motor_mesh.common import log, tasks
 from motor_mesh.common.config import CoordinatorConfig
 from motor_mesh.coordinator.metrics import Metrics
-from motor_mesh.coordinator.precision.reporter import AlarmReporter
+from motor_mesh.coordinator.precision.reporter import AlarmReporter, occurred_at
 from motor_mesh.gen.motor.v1 import alarm_pb2
 
 ALARM_ID = "0xFC001005"
@@ -125,8 +124,6 @@ def congestion_alarm(
     raise_after_s: float,
     now_ns: int | None = None,
 ) -> alarm_pb2.Alarm:
-    occur = timestamp_pb2.Timestamp()
-    occur.FromNanoseconds(time.time_ns() if now_ns is None else now_ns)
     return alarm_pb2.Alarm(
         alarm_id=ALARM_ID,
         category=category,
@@ -135,7 +132,7 @@ def congestion_alarm(
         alarm_name=ALARM_NAME,
         probable_cause=PROBABLE_CAUSE,
         reason=reason,
-        occur_time=occur,
+        occur_time=occurred_at(now_ns),
         additional_info={
             "address": address,
             "use": f"{sample.use:.3f}",

@@ -79,6 +79,13 @@ async def service_ip(host: str, controller: str) -> str:
         return socket.gethostname()
 
 
+def occurred_at(now_ns: int | None = None) -> timestamp_pb2.Timestamp:
+    """An alarm's ``occur_time``: ``now_ns`` (tests), else now."""
+    occur = timestamp_pb2.Timestamp()
+    occur.FromNanoseconds(time.time_ns() if now_ns is None else now_ns)
+    return occur
+
+
 def precision_alarm(
     category: alarm_pb2.AlarmCategory.ValueType,
     moi: str,
@@ -88,8 +95,6 @@ def precision_alarm(
     info: Mapping[str, str],
     now_ns: int | None = None,
 ) -> alarm_pb2.Alarm:
-    occur = timestamp_pb2.Timestamp()
-    occur.FromNanoseconds(time.time_ns() if now_ns is None else now_ns)
     return alarm_pb2.Alarm(
         alarm_id=ALARM_ID,
         category=category,
@@ -100,7 +105,7 @@ def precision_alarm(
         reason=reason,
         instance_id=d,
         p_instance_id=p,
-        occur_time=occur,
+        occur_time=occurred_at(now_ns),
         additional_info=dict(info),
     )
 
