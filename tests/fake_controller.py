@@ -133,6 +133,10 @@ class FakeController:
         self._lead()
         return controller_pb2.ListDesiredInstancesResponse()
 
+    async def GetPlannerStatus(self, request: Any, context: Any) -> Any:
+        self._lead()
+        return controller_pb2.GetPlannerStatusResponse(mode="off")
+
     async def ReloadConfig(self, request: Any, context: Any) -> Any:
         self._lead()
         raise errors.unimplemented("ReloadConfig")

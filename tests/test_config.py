@@ -39,7 +39,7 @@ CONTRACT_KEYS = {
         engine_relaunch_dispatch_retries engine_relaunch_nm_unreachable_threshold
         precision_auto_recovery_enabled alarm_webhook_url coordinator_key_file nodemanager_key_file
         metrics_port store etcd_endpoints etcd_prefix leader_lease_s
-        etcd_ca_file etcd_cert_file etcd_key_file advertise_address""",
+        etcd_ca_file etcd_cert_file etcd_key_file advertise_address planner""",
     "coordinator": """port http_port workers max_concurrent_requests max_queued_requests queue_timeout_s
         prefill_timeout_s decode_first_byte_timeout_s decode_idle_timeout_s max_body_bytes
         max_json_depth prefill_policy decode_policy kv_prefix_weight kv_load_weight

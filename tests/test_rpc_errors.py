@@ -18,11 +18,19 @@ from motor_mesh.common import errors, log
 from motor_mesh.common.rpc import BidiStream
 from motor_mesh.common.server import MotorServer
 from motor_mesh.controller.nodes.registration import Registrar
-from motor_mesh.gen.motor.v1 import controller_pb2, controller_pb2_grpc
+from motor_mesh.gen.motor.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    nodemanager_pb2,
+    nodemanager_pb2_grpc,
+)
+from motor_mesh.nodemanager.service import NodeManagerService
 from tests.controller.fakes import running_controller
 from tests.stub_controller import CONTROLLER, StubController, section
 
 SECRET = "token=hunter2 at /srv/private/path"
+NODEMANAGER = nodemanager_pb2.DESCRIPTOR.services_by_name["NodeManager"]
 
 
 class Buggy(StubController):
@@ -108,3 +116,28 @@ async def test_a_real_controller_handler(tmp_path: Path, monkeypatch, caplog) ->
         assert await asyncio.wait_for(h.instances(), 5) == []
     [record] = failures(caplog)
     assert record.exc_info is not None and isinstance(record.exc_info[1], OSError)
+
+
+class BuggySupervisor:
+    """What NodeManagerService calls, with a bug in SwitchRole's part."""
+
+    async def switch_role(self, request: Any) -> Any:
+        raise RuntimeError(SECRET)
+
+
+async def test_a_nodemanager_handler(caplog) -> None:
+    caplog.set_level(logging.INFO)
+    service = NodeManagerService(BuggySupervisor(), lambda code, reason, delay: None)  # type: ignore[arg-type]
+    srv = MotorServer("nodemanager", section(), [(NODEMANAGER, service)], port=0)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = nodemanager_pb2_grpc.NodeManagerStub(ch)
+            req = nodemanager_pb2.SwitchRoleRequest(instance_id=5, role=common_pb2.ROLE_DECODE)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SwitchRole(req, timeout=5)
+            assert_internal(err.value, "/motor.v1.NodeManager/SwitchRole")
+    finally:
+        await srv.stop()
+    [record] = failures(caplog)
+    assert record.exc_info is not None and isinstance(record.exc_info[1], RuntimeError)

@@ -61,6 +61,11 @@ async def attempt(call: Awaitable[T]) -> T | grpc.aio.AioRpcError:
         return err
 
 
+def unimplemented(answer: object) -> bool:
+    """The call's error says the server has no such RPC (an older version)."""
+    return isinstance(answer, grpc.aio.AioRpcError) and answer.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 def failure(err: grpc.aio.AioRpcError) -> dict[str, str]:
     return {"code": err.code().name, "message": err.details() or ""}
 
@@ -113,6 +118,52 @@ def recovery_entry(e: controller_pb2.FaultToleranceEntry) -> dict[str, Any]:
     }
 
 
+def planner_entry(got: controller_pb2.GetPlannerStatusResponse) -> dict[str, Any]:
+    """The planner's mode, its last decision with the measurements and predictions it was made
+    on, the switches in progress and the cooldowns. While it is off, the mode and nothing else."""
+    off = got.mode == "off"
+    return {
+        "mode": got.mode,
+        "decision": got.decision or None,
+        "reason": got.reason or None,
+        "decide_time": iso(got.decide_time) if got.HasField("decide_time") else None,
+        "predicted_attainment": None if off else round(got.predicted_attainment, 3),
+        "recommended_attainment": None if off else round(got.recommended_attainment, 3),
+        # -1: no interval measured yet.
+        "measured_attainment": (
+            None if off or got.measured_attainment < 0 else round(got.measured_attainment, 3)
+        ),
+        "roles": {
+            enums.ROLE_NAMES.get(r.role, str(r.role)): {
+                "instances": r.instances,
+                "recommended": r.recommended,
+                # 0: no request measured in the last interval.
+                "latency_p90_ms": round(r.latency_p90_ms, 1),
+                "target_ms": r.target_ms,
+                "demand": round(r.demand, 3),
+                # 0: not learned yet.
+                "capacity_per_instance": round(r.capacity_per_instance, 3),
+            }
+            for r in got.roles
+        },
+        "switches": [
+            {
+                "instance_id": w.instance_id,
+                "from": enums.ROLE_NAMES.get(w.from_role, str(w.from_role)),
+                "to": enums.ROLE_NAMES.get(w.to_role, str(w.to_role)),
+                "phase": w.phase,
+                "since": iso(w.start_time) if w.HasField("start_time") else None,
+                "reason": w.reason,
+            }
+            for w in got.switches
+        ],
+        "cooldowns": [
+            {"instance_id": c.instance_id, "until": iso(c.end_time) if c.HasField("end_time") else None}
+            for c in got.cooldowns
+        ],
+    }
+
+
 def alarm_entry(a: alarm_pb2.Alarm) -> dict[str, Any]:
     return {
         "sequence": a.sequence,
@@ -144,6 +195,9 @@ async def controller_part(
         # Recorded desired instance counts by role; None when unknown (a Controller without
         # ListDesiredInstances, or a failed call).
         "desired": None,
+        # The planner's mode, last decision, switches and cooldowns; None when unknown (a
+        # Controller without GetPlannerStatus, or a failed call).
+        "planner": None,
     }
     target = client.controller_target(args, key)
     try:
@@ -157,7 +211,7 @@ async def controller_part(
         if not isinstance(listed, grpc.aio.AioRpcError):
             part["address"] = target.address
         left = deadline.left()
-        served, ft, active, desired = await asyncio.gather(
+        served, ft, active, desired, planner = await asyncio.gather(
             attempt(health(target.channel(), "", deadline)),
             attempt(
                 target.stub().GetFaultToleranceStatus(
@@ -172,13 +226,18 @@ async def controller_part(
                     controller_pb2.ListDesiredInstancesRequest(), timeout=left, wait_for_ready=False
                 )
             ),
+            attempt(
+                target.stub().GetPlannerStatus(
+                    controller_pb2.GetPlannerStatusRequest(), timeout=left, wait_for_ready=False
+                )
+            ),
         )
     finally:
         await target.close()
-    # A Controller older than ListDesiredInstances: nothing to show, and nothing wrong.
-    older = isinstance(desired, grpc.aio.AioRpcError) and desired.code() == grpc.StatusCode.UNIMPLEMENTED
-    asked = (listed, served, ft, active) if older else (listed, served, ft, active, desired)
-    errors = [r for r in asked if isinstance(r, grpc.aio.AioRpcError)]
+    # A Controller older than ListDesiredInstances or GetPlannerStatus: nothing to show, and
+    # nothing wrong.
+    newer = [r for r in (desired, planner) if not unimplemented(r)]
+    errors = [r for r in (listed, served, ft, active, *newer) if isinstance(r, grpc.aio.AioRpcError)]
     part["health"] = UNREACHABLE if isinstance(served, grpc.aio.AioRpcError) else served
     part["error"] = failure(errors[0]) if errors else None
     instances = None
@@ -194,6 +253,8 @@ async def controller_part(
         part["alarms"] = {"active": len(active), "most_severe": [alarm_entry(a) for a in most_severe(active)]}
     if isinstance(desired, controller_pb2.ListDesiredInstancesResponse):
         part["desired"] = desired_counts(desired, part["instances"])
+    if isinstance(planner, controller_pb2.GetPlannerStatusResponse):
+        part["planner"] = planner_entry(planner)
     return part, instances
 
 

@@ -106,6 +106,67 @@ def recovery_lines(part: dict[str, Any]) -> list[str]:
     return lines
 
 
+def clock(iso_time: str | None) -> str:
+    """``12:00:03Z`` of an ISO time in UTC (the date left out, as in ``recovery``)."""
+    return f"{iso_time[11:19]}Z" if iso_time else "-"
+
+
+def wrap(phrases: list[str], width: int) -> list[str]:
+    """``phrases`` (each ending in its separator but the last) joined into lines of at most
+    ``width``, broken between phrases; a phrase longer than a line is clipped."""
+    lines: list[str] = []
+    for phrase in phrases:
+        if lines and len(lines[-1]) + 1 + len(phrase) <= width:
+            lines[-1] += " " + phrase
+        else:
+            lines.append(phrase)
+    return [clip(line, width) for line in lines]
+
+
+def planner_lines(planner: dict[str, Any]) -> list[str]:
+    """The last decision with the split it wants, each role's p90 latency against its target
+    and the SLA attainment (``act: switch at 12:00:03Z, prefill 2 -> 3 (TTFT p90 2100/1000
+    ms), decode 2 -> 1 (ITL p90 9/50 ms); attainment predicted 0.43 -> 1.00, measured 0.55``,
+    run on over lines that fit), then the decision's reason, one line per switch in progress
+    and one with the cooldowns. Just ``off`` while the planner is off."""
+    if planner["mode"] == "off":
+        return ["off"]
+    width = WIDTH - 14
+    decision = planner["decision"]
+    # Before its first decision the planner has nothing to recommend nor to predict.
+    decided = decision not in (None, "learning")
+    head = f"{planner['mode']}: {decision or 'no decision yet'}"
+    if planner["decide_time"]:
+        head += f" at {clock(planner['decide_time'])}"
+    phrases = [head]
+    for role, r in planner["roles"].items():
+        metric = {"prefill": "TTFT", "decode": "ITL"}.get(role, "latency")
+        latency = f"{r['latency_p90_ms']:.0f}" if r["latency_p90_ms"] else "-"
+        change = f" -> {r['recommended']}" if decided and r["recommended"] != r["instances"] else ""
+        phrases.append(f"{role} {r['instances']}{change} ({metric} p90 {latency}/{r['target_ms']:.0f} ms)")
+    attainment = []
+    if decided:
+        predicted, recommended = planner["predicted_attainment"], planner["recommended_attainment"]
+        better = f" -> {recommended:.2f}" if recommended != predicted else ""
+        attainment.append(f"predicted {predicted:.2f}{better}")
+    measured = planner["measured_attainment"]
+    attainment.append(f"measured {measured:.2f}" if measured is not None else "measured -")
+    lines = wrap(
+        [*(p + "," for p in phrases[:-1]), phrases[-1] + ";", "attainment " + ", ".join(attainment)], width
+    )
+    if planner["reason"]:
+        lines.append(clip(planner["reason"], width))
+    for w in planner["switches"]:
+        since = f" since {clock(w['since'])}" if w["since"] else ""
+        lines.append(
+            clip(f"instance {w['instance_id']}: {w['from']} -> {w['to']} ({w['phase'] or '-'}){since}", width)
+        )
+    if planner["cooldowns"]:
+        cooling = [f"instance {c['instance_id']} until {clock(c['until'])}" for c in planner["cooldowns"]]
+        lines.append(clip("cooldown: " + ", ".join(cooling), width))
+    return lines
+
+
 def alarm_lines(alarms: dict[str, Any]) -> list[str]:
     if not alarms["active"]:
         return ["none active"]
@@ -129,8 +190,10 @@ def controller_lines(part: dict[str, Any]) -> list[str]:
         ("instances", [instance_summary(part["instances"])] if part["instances"] is not None else []),
         ("recovery", recovery_lines(part) if part["fault_tolerance"] is not None else []),
         ("alarms", alarm_lines(part["alarms"]) if part["alarms"] is not None else []),
-        # Last: a Controller without desired counts (older, or none recorded) changes no line above.
+        # Last: what an older Controller cannot say (desired counts, the planner) changes no
+        # line above.
         ("desired", [desired_summary(part["desired"])] if part.get("desired") is not None else []),
+        ("planner", planner_lines(part["planner"]) if part.get("planner") is not None else []),
     ]
     for name, values in sections:
         for k, value in enumerate(values or ["-"]):

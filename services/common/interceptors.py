@@ -87,7 +87,11 @@ class ManagementKeyInterceptor(grpc.aio.ServerInterceptor):
 # Reads that clients poll every second or two (`motor up` following the desired counts, `motor
 # top`): logged only when they fail, or at debug level, so they do not drown the other lines.
 POLLED_METHODS = frozenset(
-    {"/motor.v1.Controller/ListDesiredInstances", "/motor.v1.Coordinator/GetEngineMetrics"}
+    {
+        "/motor.v1.Controller/ListDesiredInstances",
+        "/motor.v1.Controller/GetPlannerStatus",
+        "/motor.v1.Coordinator/GetEngineMetrics",
+    }
 )
 
 

@@ -10,7 +10,9 @@ reconcilers act on it (docs/architecture.md, "The Controller's reconcile loops")
   machine, StartEngines, and the fault manager's recovery strategies;
 - ``precision`` (key: PD group): automatic recovery of precision alarms, and the clearing of
   those whose instances are gone;
-- ``coordinator`` (key: address): each Coordinator's table follows the routable instances.
+- ``coordinator`` (key: address): each Coordinator's table follows the routable instances;
+- ``planner`` (one key): the planner's decisions, and the role switches they start
+  (planner/planner.py; the switches themselves are steps of the instance reconcile).
 
 ``Controller(cfg)`` opens the database and loads what it holds (every heartbeat clock starts
 now; the alarms are compared with the instances); ``start()`` starts the reconcilers and the
@@ -52,6 +54,10 @@ from motor_mesh.controller.nodes.liveclock import LiveClock
 from motor_mesh.controller.nodes.pending import PendingAssemblies
 from motor_mesh.controller.nodes.registration import Registrar
 from motor_mesh.controller.nodes.sessions import SessionTable
+from motor_mesh.controller.planner.planner import KEY as PLANNER_KEY
+from motor_mesh.controller.planner.planner import PlannerLoop
+from motor_mesh.controller.planner.signals import Signals
+from motor_mesh.controller.planner.switches import RoleSwitches
 from motor_mesh.controller.push.coordinator_set import CoordinatorSet
 from motor_mesh.controller.push.pusher import CoordinatorSync
 from motor_mesh.controller.reconcile.assembler import Assembler
@@ -169,6 +175,8 @@ class Controller:
 
         self.faults = FaultManager(cfg, self.table, self.nm_clients, self.store, settings=self.current)
         self.teardowns = Teardowns(self.table, self.nm_clients, self.alarms, self.clears)
+        # Role switches (the planner's decisions), carried out by the instance reconcile.
+        self.switches = RoleSwitches(self.table, self.nm_clients, self.current, self.faults.note)
         self.instances = InstanceReconciler(
             cfg,
             self.table,
@@ -177,6 +185,7 @@ class Controller:
             self.teardowns,
             self.clock.now,
             settings=self.current,
+            switches=self.switches,
         )
         self.instance_loop: Reconciler[int] = Reconciler(
             "instance",
@@ -247,6 +256,24 @@ class Controller:
             push_metadata=self.leadership.push_metadata if self.leadership else None,
             settings=self.settings.pushed,
         )
+        self.switches.drainer = self.coordinators  # a switching instance drains first
+        self.planner = PlannerLoop(
+            self.table,
+            self.switches,
+            Signals(self.coordinators),
+            self.desired,
+            self.current,
+            lambda: self.planner_loop.enqueue(PLANNER_KEY),
+        )
+        self.planner_loop: Reconciler[str] = Reconciler(
+            "planner",
+            self.planner.reconcile,
+            backoff=Backoff(1.0, 30.0),
+            resync_s=RESYNC_S,
+            keys=lambda: [PLANNER_KEY],
+        )
+        self.switches.on_finished = self.planner.switch_finished
+        self.table.subscribe(self.planner)
         self.settings.on_controller = self.apply_settings
         self.settings.on_push = self.coordinators.settings_changed
         self.clears.coordinators = lambda: self.coordinator_set.current
@@ -256,6 +283,7 @@ class Controller:
             self.instance_loop,
             self.precision_loop,
             self.coordinators.reconciler,
+            self.planner_loop,
         )
         self.servicer = ControllerService(self)
 
@@ -312,6 +340,7 @@ class Controller:
         self.assembly_loop.start()
         self.instance_loop.start()
         self.precision_loop.start()
+        self.planner_loop.start()
         self._reconcile_alarms()
         self._timer = spawn("controller-timer", self._tick)
         sighup.on_reload(self._reload_own)  # SIGHUP: its own section, stored like a reload
@@ -360,6 +389,7 @@ class Controller:
         await self.assembly_loop.stop()
         await self.instance_loop.stop()
         await self.precision_loop.stop()
+        await self.planner_loop.stop()
         await self.clears.close()
         if self.alert_sink is not None:
             await self.alert_sink.close()  # before the database closes: its resend reads it

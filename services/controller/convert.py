@@ -10,7 +10,16 @@ from typing import Any
 
 from motor_mesh.common import enums
 from motor_mesh.common.enums import InstanceStatus
-from motor_mesh.controller.model import Instance, JobSpec, Member, Pending, Removal, StrategyRecord, Teardown
+from motor_mesh.controller.model import (
+    Instance,
+    JobSpec,
+    Member,
+    Pending,
+    Removal,
+    RoleSwitch,
+    StrategyRecord,
+    Teardown,
+)
 from motor_mesh.gen.motor.v1 import common_pb2, controller_pb2
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -131,6 +140,19 @@ def _teardown_from_json(d: dict[str, Any]) -> Teardown:
     return Teardown(**d)
 
 
+def _switch_json(r: RoleSwitch) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def _switch_from_json(d: dict[str, Any]) -> RoleSwitch:
+    known = {f.name for f in dataclasses.fields(RoleSwitch)}
+    d = {k: v for k, v in d.items() if k in known}
+    for k in ("dispatched", "accepted"):
+        d[k] = tuple(d.get(k, ()))
+    d["attempts"] = {str(a): int(n) for a, n in d.get("attempts", {}).items()}
+    return RoleSwitch(**d)
+
+
 def instance_row(inst: Instance, status: InstanceStatus | None = None) -> tuple[bytes, str]:
     """(the Instance message; the members, the recovery strategy and the teardown as JSON);
     ``status`` overrides the record's own, so a transition can be written before memory changes
@@ -140,6 +162,10 @@ def instance_row(inst: Instance, status: InstanceStatus | None = None) -> tuple[
         meta["strategy"] = _strategy_json(inst.strategy)
     if inst.teardown is not None:
         meta["teardown"] = _teardown_json(inst.teardown)
+    if inst.switch is not None:
+        meta["switch"] = _switch_json(inst.switch)
+    if inst.switched_at:
+        meta["switched_at"] = inst.switched_at
     return instance_pb(inst, status).SerializeToString(), json.dumps(meta)
 
 
@@ -168,6 +194,8 @@ def instance_from_row(id_: int, blob: bytes, members_json: str) -> Instance:
         members=members,
         strategy=_strategy_from_json(meta["strategy"]) if "strategy" in meta else StrategyRecord(),
         teardown=_teardown_from_json(meta["teardown"]) if "teardown" in meta else None,
+        switch=_switch_from_json(meta["switch"]) if "switch" in meta else None,
+        switched_at=float(meta.get("switched_at", 0.0)),
     )
 
 

@@ -14,6 +14,7 @@ reconcile metrics, labelled ``name`` by loop (assembly, instance, precision, coo
 One family is not ``motor_controller_``: ``motor_desired_instances{role}``, the desired instance
 counts (SetDesiredInstances), named for what follows it (``motor up``, an HPA or KEDA) rather than
 for who records it. Only the roles with a recorded count have a series: 0 is a count someone set.
+Nor is ``motor_planner_recommended_instances{role}``, the planner's recommendation, named like it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # app.py and leader/ha.py hand their objects to the collector
 
 P = "motor_controller_"
 DESIRED = "motor_desired_instances"
+RECOMMENDED = "motor_planner_recommended_instances"
 # Every live status (DELETED instances are history, not counted) of every role, so a dashboard
 # or an alert sees 0 rather than no series.
 STATUSES = (INITIAL, ACTIVE, INACTIVE, PAUSED)
@@ -152,6 +154,7 @@ class ControllerCollector(Collector):
         yield from leader_metrics(c.leadership)
         yield self._instances()
         yield self._desired()
+        yield from self._planner()
 
         hub = c.hub
         streams = GaugeMetricFamily(P + "nodemanagers_connected", "Open NodeManager heartbeat streams.")
@@ -211,6 +214,43 @@ class ControllerCollector(Collector):
         for role, replicas in self._c.desired.counts().items():
             g.add_metric([role_label(role)], replicas)
         return g
+
+    def _planner(self) -> Iterator[Metric]:
+        planner = self._c.planner
+        g = GaugeMetricFamily(
+            RECOMMENDED,
+            "Instances per role the planner's last decision wants (controller.planner); no series "
+            "while it is off or still learning.",
+            labels=["role"],
+        )
+        for role, n in planner.recommended().items():
+            g.add_metric([role_label(role)], n)
+        yield g
+        attainment = GaugeMetricFamily(
+            P + "planner_attainment",
+            "The planner's SLA attainment (0-1): predicted with the split there is, predicted with "
+            "the recommended split, and measured (fraction of the last 20 intervals meeting both "
+            "p90 targets; -1 before the first).",
+            labels=["kind"],
+        )
+        if planner.recommended():
+            attainment.add_metric(["predicted"], planner.last.predicted)
+            attainment.add_metric(["recommended"], planner.last.recommended)
+            attainment.add_metric(["measured"], planner.measured_attainment())
+        yield attainment
+        switches = CounterMetricFamily(
+            P + "role_switches",
+            "Role switches (prefill <-> decode in place) finished, by outcome: succeeded, "
+            "rolled_back (refused, the old role restored), cancelled (the instance left routing "
+            "during its drain), failed (not even the rollback worked: the instance was removed).",
+            labels=["outcome"],
+        )
+        for outcome, n in self._c.switches.finished.items():
+            switches.add_metric([outcome], n)
+        yield switches
+        running = GaugeMetricFamily(P + "role_switches_running", "Role switches in progress now.")
+        running.add_metric([], len(self._c.switches.running()))
+        yield running
 
     def _strategies(self) -> Iterator[Metric]:
         faults = self._c.faults

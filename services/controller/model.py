@@ -121,6 +121,7 @@ class Removal(enum.StrEnum):
     RELAUNCH_FAILED = "relaunch_failed"  # the fault manager's escalation after a failed relaunch
     TERMINATED = "terminated"  # TerminateInstance: an operator's removal
     PRECISION_RECOVERY = "precision_recovery"  # automatic recovery of a precision alarm
+    ROLE_SWITCH_FAILED = "role_switch_failed"  # a role switch that could not even be rolled back
 
     @property
     def on_purpose(self) -> bool:
@@ -202,6 +203,34 @@ class StrategyRecord:
     failed_accepted: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class RoleSwitch:
+    """An instance changing role (prefill <-> decode) in place, stored with it so a restarted
+    Controller or a new leader carries the same switch on from where it got
+    (planner/switches.py). Phases:
+
+    - ``drain``: every Coordinator drains it (no new request; the ones on it finish there or
+      continue elsewhere), the instance still ACTIVE;
+    - ``switch``: out of routing (INACTIVE); ``SwitchRole`` to every NodeManager together;
+    - ``wait_ready``: until every NodeManager serves ``to_role`` and is ready.
+
+    A switch that a NodeManager refuses (or that fails past its retries) rolls back: the two
+    roles swap, ``rolled_back`` says why, and every NodeManager that may have switched is asked
+    for the old role again (the ones that refused outright count as accepted)."""
+
+    from_role: int
+    to_role: int
+    reason: str = ""
+    phase: str = "drain"
+    started: float = 0.0  # wall clock
+    drain_until: float = 0.0  # wall clock; 0 = no Coordinator has answered with a move time
+    dispatched: tuple[str, ...] = ()  # SwitchRole sent (the answer may not have been recorded)
+    accepted: tuple[str, ...] = ()
+    attempts: Mapping[str, int] = field(default_factory=dict)  # failed calls per NodeManager
+    deadline: float = 0.0  # wall clock: the engines must be ready by then
+    rolled_back: str = ""  # why the switch was rolled back ("" = it was not)
+
+
 @dataclass(eq=False)
 class Instance:
     """An assembled instance (any status, DELETED included)."""
@@ -218,6 +247,15 @@ class Instance:
     start_failures: int = 0
     strategy: StrategyRecord = field(default_factory=StrategyRecord)
     teardown: Teardown | None = None
+    # A role switch in progress, and when the last one ended (wall clock; 0 = never): the
+    # planner leaves a switched instance alone for its cooldown.
+    switch: RoleSwitch | None = None
+    switched_at: float = 0.0
+
+    @property
+    def switching(self) -> bool:
+        """Out of routing for a role switch (its drain is over)."""
+        return self.switch is not None and self.switch.phase != "drain"
 
     @property
     def node_managers(self) -> list[str]:

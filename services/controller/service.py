@@ -109,6 +109,11 @@ class ControllerService(controller_pb2_grpc.ControllerServicer):
     ) -> pb.ListDesiredInstancesResponse:
         return pb.ListDesiredInstancesResponse(desired=self._c.desired.entries())
 
+    async def GetPlannerStatus(
+        self, request: pb.GetPlannerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPlannerStatusResponse:
+        return self._c.planner.status()
+
     async def ReloadConfig(
         self, request: pb.ReloadConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReloadConfigResponse:

@@ -3,7 +3,8 @@
 
     INITIAL ──all ready──▶ ACTIVE ◀──resume── PAUSED
        │                  │   └──paused──────▶ │
-       └───any ABNORMAL───┴──────▶ INACTIVE ◀──┘  (ACTIVE again when all ready, unless separated)
+       └───any ABNORMAL───┴──────▶ INACTIVE ◀──┘  (ACTIVE again when all ready, unless separated
+                                                    or switching role)
     any ──heartbeat timeout / dropped──▶ DELETED (terminal)
 
 "Ready" means every routable endpoint NORMAL and every headless one at least WAIT_TO_START.
@@ -54,9 +55,14 @@ name = status_name  # ``ACTIVE`` for INSTANCE_STATUS_ACTIVE (for logs)
 
 
 def next_status(
-    current: InstanceStatus, endpoints: Iterable[tuple[int, bool]], *, separated: bool = False
+    current: InstanceStatus,
+    endpoints: Iterable[tuple[int, bool]],
+    *,
+    separated: bool = False,
+    switching: bool = False,
 ) -> tuple[InstanceStatus, str]:
     """The status after observing ``endpoints`` (``(status, headless)`` pairs), and why.
+    ``separated`` (a fault) and ``switching`` (a role switch past its drain) keep it INACTIVE.
 
     Returns ``(current, "")`` when nothing changes.
     """
@@ -74,8 +80,9 @@ def next_status(
             routable.append(status)
     if abnormal:
         return (INACTIVE, "endpoint_abnormal") if current != INACTIVE else (current, "")
-    if separated:
-        return (INACTIVE, "separated") if current != INACTIVE else (current, "")
+    if separated or switching:
+        why = "separated" if separated else "role_switch"
+        return (INACTIVE, why) if current != INACTIVE else (current, "")
     usable = bool(routable) and headless_ready
     all_normal = usable and all(s == EP_NORMAL for s in routable)
     paused = usable and all(s in (EP_NORMAL, EP_PAUSED) for s in routable) and EP_PAUSED in routable

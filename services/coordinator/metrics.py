@@ -53,6 +53,21 @@ LATENCY_BUCKETS = (
     300.0,
 )
 
+# Time to first token: fine from 50 ms to 5 s, where TTFT SLAs (p90) sit and the planner reads
+# them (interpolating inside a wide bucket would read 1.1 s as 2 s).
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0,
+    1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 30.0, 60.0, 300.0,
+)  # fmt: skip
+
+# Inter-token gaps: 1 ms to 10 s, fine between 5 ms and 500 ms where decode SLAs (p90) sit: the
+# planner reads a p90 interpolated inside a bucket, so a wide one (50 to 75 ms) would read 52 as 72.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04,
+    0.045, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
 GAP_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 MIGRATION_REASONS = ("disconnect", "closed", "timeout", "status", "engine_error", "drain", "left")
 MIGRATION_OUTCOMES = ("continued", "completed", "refused", "exhausted", "unroutable")
@@ -110,7 +125,14 @@ class Metrics:
             "motor_coordinator_time_to_first_byte_seconds",
             "Time from a completion request to the first byte of its answer (for a stream, the "
             "first event: time to first token).",
-            buckets=LATENCY_BUCKETS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self._itl = Histogram(
+            "motor_coordinator_inter_token_seconds",
+            "Time between two consecutive chunks of a streamed answer as the client receives them "
+            "(each chunk normally one token): inter-token latency.",
+            buckets=ITL_BUCKETS,
             registry=r,
         )
         self._phase = Histogram(
@@ -263,7 +285,8 @@ class Metrics:
         self._routed_t: dict[str, CounterTally] = {}
         self._refused_t: dict[tuple[str, str], CounterTally] = {}
         self._phase_t: dict[str, HistogramTally] = {}
-        self._ttft_t = self.tallies.histogram(lambda: self._ttft, LATENCY_BUCKETS)
+        self._ttft_t = self.tallies.histogram(lambda: self._ttft, TTFT_BUCKETS)
+        self._itl_t = self.tallies.histogram(lambda: self._itl, ITL_BUCKETS)
         self.in_flight_now = 0
         self.queued_now = 0
         self._err_children: dict[tuple[str, str], Counter] = {}
@@ -307,6 +330,10 @@ class Metrics:
 
     def first_byte(self, seconds: float) -> None:
         self._ttft_t.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        """The gap before a streamed chunk other than the first (once per chunk: the tally only)."""
+        self._itl_t.observe(seconds)
 
     def phase(self, name: str, seconds: float) -> None:
         h = self._phase_t.get(name)

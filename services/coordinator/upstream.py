@@ -223,16 +223,24 @@ class Engines:
         out.start(resp.status, SSE_CT, SSE_HEADERS if reply is None else SSE_HEADERS + reply)
         filt = SseFilter()
         first = True
+        inter_token = self.metrics.inter_token
+        last = 0.0  # loop time the previous chunk went to the client
         try:
             while (chunk := await resp.next_chunk(loop.time() + idle)) is not None:
                 data = filt.feed(chunk)
                 if data:
+                    now = loop.time()
                     if first:
                         first = False
-                        self.metrics.first_byte(loop.time() - t0)
+                        self.metrics.first_byte(now - t0)
+                    else:
+                        inter_token(now - last)
+                    last = now
                     await out.write(data)
             rest = filt.flush()
             if rest:
+                if not first:
+                    inter_token(loop.time() - last)
                 await out.write(rest)
         except (Disconnected, UpstreamTimeout) as exc:
             # The head is gone: the only way left to tell the client is an error event.

@@ -100,7 +100,11 @@ class ControllerLink:
     # --- registration ------------------------------------------------------------------------
 
     def register_request(self) -> controller_pb2.RegisterRequest:
-        return register_request(self.nm_cfg, self.nm_port, self.sup.instance_id, self.sup.incarnation)
+        # The role served now (a SwitchRole changes it), not the configured one: a stream that
+        # reconnects after a switch registers the node as what its engines are.
+        return register_request(
+            self.nm_cfg, self.nm_port, self.sup.instance_id, self.sup.incarnation, self.sup.role
+        )
 
     async def register(self) -> None:
         backoff = retry.Backoff(initial=1.0, maximum=30.0)
@@ -321,13 +325,18 @@ class ControllerLink:
 
 
 def register_request(
-    cfg: NodeManagerConfig, nm_port: int, instance_id: int = 0, incarnation: int = 0
+    cfg: NodeManagerConfig,
+    nm_port: int,
+    instance_id: int = 0,
+    incarnation: int = 0,
+    role: enums.Role | None = None,
 ) -> controller_pb2.RegisterRequest:
-    """What a NodeManager with ``cfg``, serving on ``nm_port``, registers with."""
+    """What a NodeManager with ``cfg``, serving on ``nm_port``, registers with; ``role``: the
+    role it serves when not the configured one (after a SwitchRole)."""
     par = cfg.parallel
     return controller_pb2.RegisterRequest(
         job_name=cfg.job_name,
-        role=enums.ROLES_BY_NAME[cfg.role],
+        role=enums.ROLES_BY_NAME[cfg.role] if role is None else role,
         model_name=cfg.served_model_name or cfg.model,
         engine_type=enums.ENGINE_TYPES_BY_NAME[cfg.engine_type],
         host=cfg.host,

@@ -43,6 +43,12 @@ class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
     ) -> pb.RestartEnginesResponse:
         return pb.RestartEnginesResponse(relaunch_count=await self.sup.restart(request))
 
+    async def SwitchRole(
+        self, request: pb.SwitchRoleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SwitchRoleResponse:
+        role, switched, relaunch_count = await self.sup.switch_role(request)
+        return pb.SwitchRoleResponse(role=role, switched=switched, relaunch_count=relaunch_count)
+
     async def GetStatus(
         self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatusResponse:
@@ -53,6 +59,7 @@ class NodeManagerService(nodemanager_pb2_grpc.NodeManagerServicer):
             relaunch_count=sup.relaunch_count,
             instance_id=sup.instance_id,
             incarnation=sup.incarnation,
+            role=sup.role,
         )
         until = sup.freeze.until
         if until is not None:

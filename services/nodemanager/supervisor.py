@@ -85,6 +85,10 @@ class EngineSupervisor:
         self.engines: dict[int, Engine] = {}
         self.command: pb.StartEnginesRequest | None = None
         self.instance_id = 0
+        # The role the engines serve (StartEngines must carry it, registration reports it): the
+        # configured one until a SwitchRole. Kept for this process's life only: a restarted
+        # NodeManager serves its configured role again.
+        self.role: enums.Role = enums.ROLES_BY_NAME[nm_cfg.role]
         self.paused = False
         self.relaunching = False
         self.relaunch_count = 0
@@ -185,9 +189,10 @@ class EngineSupervisor:
         job = cfg.job_name
         if job and req.job_name != job:
             problems.append(f"job_name {req.job_name!r} is not this node's job {job!r}")
-        if req.role != enums.ROLES_BY_NAME[cfg.role]:
+        if req.role != self.role:
             problems.append(
-                f"role {enums.enum_name(common_pb2.Role, req.role)} is not this node's role {cfg.role}"
+                f"role {enums.enum_name(common_pb2.Role, req.role)} is not this node's role "
+                f"{enums.ROLE_NAMES[self.role]}"
             )
         ports = list(cfg.ports)
         got = [e.port for e in req.endpoints]
@@ -356,28 +361,87 @@ class EngineSupervisor:
         if req.action == enums.ABORT:
             self.freeze.unfreeze(reason="relaunch aborted")
             return self.relaunch_count
+        self._refuse_while_relaunching()
+        self._require_command()
+        return await self._relaunch("relaunch")
+
+    async def switch_role(self, req: pb.SwitchRoleRequest) -> tuple[enums.Role, bool, int]:
+        """SwitchRole: relaunch the engines from the recorded command with ``req.role`` in it.
+        Returns the role served now, whether this call relaunched, and the relaunch count."""
+        if self.instance_id and req.instance_id != self.instance_id:
+            raise errors.precondition(
+                "INSTANCE_MISMATCH",
+                f"instance/{req.instance_id}",
+                f"this node serves instance {self.instance_id}, not {req.instance_id}",
+            )
+        command = self._require_command()
+        if self.role == enums.UNION:
+            raise errors.precondition(
+                "ROLE_NOT_SWITCHABLE",
+                f"node/{self.address}",
+                "this node serves UNION (prefill and decode in one engine): no role to switch to",
+            )
+        if req.role == self.role and command.role == req.role and self.engines:
+            # Served already: a Controller that lost the first answer asks again. (After a
+            # launch that failed there are no engines: asking again launches them.)
+            return self.role, False, self.relaunch_count
+        self._refuse_while_relaunching()
+        count = await self._relaunch("role switch", req.role)
+        return self.role, True, count
+
+    def _refuse_while_relaunching(self) -> None:
         if self.relaunching:
             raise errors.error_info(
                 grpc.StatusCode.ABORTED, "RELAUNCH_IN_PROGRESS", "a relaunch is already running"
             )
+
+    def _require_command(self) -> pb.StartEnginesRequest:
         if self.command is None:
             raise errors.precondition(
                 "NO_START_RECORDED", f"node/{self.address}", "no start command recorded"
             )
+        return self.command
+
+    async def _relaunch(self, reason: str, role: enums.Role | None = None) -> int:
+        """Stop the engines and launch them again from the recorded start command, with ``role``
+        in it from now on when given (a role switch), holding the suicide fallback meanwhile and
+        reporting the endpoints INITIAL. Returns the relaunch count; INTERNAL RELAUNCH_FAILED
+        (the hold lifted, no engines running) when the launch fails."""
         self.relaunching = True
-        self.freeze.freeze(self.nm_cfg.engine_restart_freeze_s, reason="relaunch")
+        self.freeze.freeze(self.nm_cfg.engine_restart_freeze_s, reason=reason)
         self.sink.beat_now()
         try:
             async with self.lock:
                 await self._stop_engines(self.nm_cfg.engine_stop_grace_s)
+                command = self._require_command()
+                previous = self.role
+                if role is not None:
+                    # The recorded command changes with the role, so that a later RestartEngines
+                    # (or a repeated StartEngines, which must carry the new role) matches it.
+                    switched = pb.StartEnginesRequest()
+                    switched.CopyFrom(command)
+                    switched.role = role
+                    self.command = command = switched
+                    self.role = role
                 self.relaunch_count += 1
                 stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
                 print(f"[ENGINE RELAUNCH #{self.relaunch_count} {stamp}]", flush=True)
-                log.event("engine_relaunch", relaunch_count=self.relaunch_count, instance_id=self.instance_id)
+                if role is None:
+                    log.event(
+                        "engine_relaunch", relaunch_count=self.relaunch_count, instance_id=self.instance_id
+                    )
+                else:
+                    log.event(
+                        "role_switched",
+                        instance_id=self.instance_id,
+                        from_role=enums.ROLE_NAMES[previous],
+                        to_role=enums.ROLE_NAMES[role],
+                        relaunch_count=self.relaunch_count,
+                    )
                 try:
-                    await self._launch(self.command)
+                    await self._launch(command)
                 except LaunchError as exc:
-                    self.freeze.unfreeze(reason="relaunch failed")
+                    self.freeze.unfreeze(reason=f"{reason} failed")
                     raise errors.error_info(
                         grpc.StatusCode.INTERNAL, "RELAUNCH_FAILED", f"relaunch failed: {exc}"
                     ) from None

@@ -39,4 +39,13 @@ def restart_engines(req: nodemanager_pb2.RestartEnginesRequest) -> list[tuple[st
     return []
 
 
-VALIDATORS = {"StartEngines": start_engines, "RestartEngines": restart_engines}
+def switch_role(req: nodemanager_pb2.SwitchRoleRequest) -> list[tuple[str, str]]:
+    bad: list[tuple[str, str]] = []
+    if not req.instance_id:
+        bad.append(("instance_id", "required"))
+    if req.role not in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE):
+        bad.append(("role", "must be ROLE_PREFILL or ROLE_DECODE"))
+    return bad
+
+
+VALIDATORS = {"StartEngines": start_engines, "RestartEngines": restart_engines, "SwitchRole": switch_role}

@@ -37,6 +37,11 @@ vLLM's ZMQ wire (PUB `endpoint`, replay ROUTER `replay_endpoint`, ports + data-p
 sent after the answer that caused them, as vLLM's publisher thread does; the bound addresses
 are logged in the listening line (`kv_events=`, `kv_replay=`).
 
+Latency (latency.py, docs/sim-engine.md): first token after `--ttft-ms` + `--prefill-ms-per-token`
+per uncached prompt token (a decode leg's: `--kv-transfer-ms`), then `--tpot-ms` per token, at most
+`--max-num-seqs` running; opt-in load dependence: `--prefill-compute serial` (prefills take one
+compute in turn) and `--tpot-ms-per-seq X` (each token + X ms per other running sequence).
+
 Context (`--max-model-len N`, SGLang's `--context-length`; default 131072): a request whose
 prompt has N tokens or more, or whose `max_tokens` would run past N, is a 400 in vLLM's words; a
 `max_tokens` not given is cut to what the context leaves.

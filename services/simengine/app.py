@@ -58,6 +58,8 @@ class Engine:
         self.accepted = cfg.accepted_models
         self.latency = LatencyModel(cfg)
         self.slots = Slots(cfg.max_num_seqs)
+        # --prefill-compute serial: the one compute prefills take in turn (None: each its own).
+        self.compute = Slots(1) if self.latency.serial_prefill else None
         self.faults = FaultState(self.crash, cfg.fault_status, self.die)
         self.tickets = pd.TicketStore()
         self.rendezvous = pd.Rendezvous(cfg.engine_id) if cfg.sglang and cfg.role == "prefill" else None
@@ -109,8 +111,17 @@ class Engine:
         if self.kv_events is not None:
             await self.kv_events.close()
 
+    @property
+    def running(self) -> int:
+        """Sequences in the batch: those holding a slot, less those still queued for the
+        prefill compute (--prefill-compute serial), which are waiting, as in vLLM's scheduler."""
+        compute = self.compute
+        return self.slots.running - (compute.waiting if compute is not None else 0)
+
     def _gauges(self) -> tuple[int, int, float]:
-        running, waiting = self.slots.running, self.slots.waiting
+        running, waiting = self.running, self.slots.waiting
+        if self.compute is not None:
+            waiting += self.compute.waiting  # queued for the prefill compute
         capacity = self.cfg.max_num_seqs or NOMINAL_CAPACITY
         return running, waiting, min(1.0, running / capacity)
 

@@ -18,6 +18,7 @@ from motor_mesh.simengine.config import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MODEL,
     DEFAULT_NUM_BLOCKS,
+    PREFILL_COMPUTE,
     EngineConfig,
     KvEventsConfig,
 )
@@ -129,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--ttft-ms", type=_nonneg_float, default=0.0)
     lat.add_argument("--prefill-ms-per-token", type=_nonneg_float, default=0.0)
     lat.add_argument("--tpot-ms", type=_nonneg_float, default=0.0)
+    lat.add_argument(
+        "--prefill-compute", choices=PREFILL_COMPUTE, default="parallel",
+        help="parallel (default): every prefill runs at once, each in its own slot; serial: "
+        "prefills share one compute (a compute-bound engine), done one after another in arrival "
+        "order, those queued counted in vllm:num_requests_waiting",
+    )  # fmt: skip
+    lat.add_argument(
+        "--tpot-ms-per-seq", type=_nonneg_float, default=0.0, metavar="X",
+        help="memory-bound decode: each output token takes --tpot-ms + X x (running sequences - 1) "
+        "ms (default 0: --tpot-ms whatever the batch)",
+    )  # fmt: skip
     lat.add_argument("--kv-transfer-ms", type=_nonneg_float, default=0.0)
     lat.add_argument(
         "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=_nonneg_int, default=0
@@ -233,6 +245,8 @@ def parse(argv: list[str]) -> tuple[EngineConfig, list[str]]:
         ttft_ms=ns.ttft_ms,
         prefill_ms_per_token=ns.prefill_ms_per_token,
         tpot_ms=ns.tpot_ms,
+        prefill_compute=ns.prefill_compute,
+        tpot_ms_per_seq=ns.tpot_ms_per_seq,
         kv_transfer_ms=ns.kv_transfer_ms,
         max_num_seqs=ns.max_num_seqs,
         bootstrap_timeout_s=ns.bootstrap_timeout_s,

@@ -263,6 +263,10 @@ class Completions:
         self.latency = engine.latency
         self.metrics = engine.metrics
         self.tpot_s = engine.latency.tpot_s
+        self.tpot_s_per_seq = engine.latency.tpot_s_per_seq  # > 0: the interval follows the batch
+        # Streams sleep between tokens: a kept plan's whole answer would never be used.
+        self.paced = self.tpot_s > 0 or self.tpot_s_per_seq > 0
+        self.compute = engine.compute  # --prefill-compute serial: one prefill at a time
         self.vocab = output_vocab(engine.tokenizer)
         self.vocab_size = vocab_size(engine.tokenizer)
         self._answers: dict[str, tuple[Token, ...]] = {}  # known answers as this tokenizer spells them
@@ -335,7 +339,7 @@ class Completions:
         if plan is None:
             plan = self._plan(body, chat, fault)
             kv, rooms = plan.req.kv_params, plan.req.bootstrap
-            if fault is None and (not plan.req.stream or self.tpot_s <= 0):
+            if fault is None and (not plan.req.stream or not self.paced):
                 self._keep(plan, chat, body, cut, key)
         if fault == "disconnect" and not plan.req.stream:
             out.abort()  # before any byte of the answer
@@ -545,17 +549,30 @@ class Completions:
                 known = engine.tickets.redeem((kv or {}).get("remote_request_id"))
                 m.tickets["known" if known else "unknown"] += 1
         first_s = plan.first_s
-        cache = engine.prefix
-        if cache is not None and side != "decode":  # a decode leg's KV comes by transfer
-            hit = cache.hit_tokens(plan.chains)
-            m.prefix_queries += plan.prompt_tokens
-            if hit:
-                m.prefix_hits += hit
-                first_s = self.latency.first_token_s(plan.prompt_tokens - hit, kv_transfer=False)
-        if first_s > 0:
-            await asyncio.sleep(first_s)
-        if cache is not None:
-            cache.store(plan.chains)
+        compute = self.compute if side != "decode" and first_s > 0 else None
+        if compute is not None:
+            # --prefill-compute serial: wait for the one compute, in arrival order (the prefix
+            # cache is looked up once it is ours: a prefill done meanwhile may have filled it).
+            if not compute.try_acquire():
+                waited_from = engine.loop.time()
+                await compute.acquire()
+                if served is not None:
+                    served.queued_s += engine.loop.time() - waited_from
+        try:
+            cache = engine.prefix
+            if cache is not None and side != "decode":  # a decode leg's KV comes by transfer
+                hit = cache.hit_tokens(plan.chains)
+                m.prefix_queries += plan.prompt_tokens
+                if hit:
+                    m.prefix_hits += hit
+                    first_s = self.latency.first_token_s(plan.prompt_tokens - hit, kv_transfer=False)
+            if first_s > 0:
+                await asyncio.sleep(first_s)
+            if cache is not None:
+                cache.store(plan.chains)
+        finally:
+            if compute is not None:
+                compute.release()
         ticket: bytes | None = None
         if side == "prefill":
             if plan.proto == "vllm":
@@ -571,13 +588,21 @@ class Completions:
         if served is not None:
             served.answered(plan, rid, first_token_s)
         created = int(time.time())
+        interval = self.tpot_s  # the mean interval between this answer's tokens
         try:
             if plan.req.stream:
-                if await self._stream(out, plan, rid, created, ticket, fault):
+                streamed = await self._stream(out, plan, rid, created, ticket, fault)
+                if streamed is None:
                     return  # died (die_after_tokens, with a stand-in for the SIGKILL)
+                if self.tpot_s_per_seq > 0:
+                    interval = streamed
             else:
-                if plan.decode_s > 0:
-                    await asyncio.sleep(plan.decode_s)
+                decode_s = plan.decode_s
+                if self.tpot_s_per_seq > 0:  # the batch as the decode starts sets its pace
+                    interval = self.latency.token_interval_s(engine.running)
+                    decode_s = interval * max(0, plan.n_tokens - 1)
+                if decode_s > 0:
+                    await asyncio.sleep(decode_s)
                 body = self._body(plan, rid, created, ticket)
                 verdict = self.faults.send_tokens(plan.gen_tokens) if self.faults.mode == DIE else SEND
                 if verdict == DIE_NOW:  # died generating it: nothing goes out
@@ -596,7 +621,7 @@ class Completions:
             m.success["abort"] += 1  # the same, noticed by the server first
             raise
         if plan.n_tokens > 1:
-            m.tpot.observe(self.tpot_s)
+            m.tpot.observe(interval)
         m.e2e.observe(engine.loop.time() - arrived)
         m.success["length"] += 1
         m.prompt_tokens += plan.prompt_tokens
@@ -631,39 +656,45 @@ class Completions:
         created: int,
         ticket: bytes | None,
         fault: str | None,
-    ) -> bool:
-        """Send the stream; True when the engine died in it (die_after_tokens)."""
+    ) -> float | None:
+        """Send the stream; None when the engine died in it (die_after_tokens), else the mean
+        interval slept between its tokens."""
         tpot = self.tpot_s
+        per_seq = self.tpot_s_per_seq
         faults = self.faults
         out.start(200, SSE_CT, SSE_HEADERS)
-        if tpot <= 0 and fault != "disconnect" and faults.mode != DIE:
+        if not self.paced and fault != "disconnect" and faults.mode != DIE:
             # Nothing to pace: every event in one chunk (the head goes out with it).
             out.end(self._body(plan, rid, created, ticket))  # head, events and end: one write
-            return False
+            return 0.0
         # Token by token: paced, or a fault that needs to know how far the stream got.
         prelude, steps, tail = stream_chunks(
             plan.req, rid.decode(), created, plan.model, plan.gens, "length", _extra(ticket), plan.prompt_ids
         )
         per_step = len(plan.gens)  # tokens per event: one per choice
+        slept = 0.0
         for i, step in enumerate(steps):
             if i:
-                if tpot > 0:
-                    await asyncio.sleep(tpot)
+                # --tpot-ms-per-seq: the batch as this token is due sets its interval.
+                delay = self.latency.token_interval_s(self.engine.running) if per_seq > 0 else tpot
+                if delay > 0:
+                    slept += delay
+                    await asyncio.sleep(delay)
                 if faults.hanging():
                     await hang()
             verdict = faults.send_tokens(per_step) if faults.mode == DIE else SEND
             if verdict == DIE_NOW:
                 self._die(out)
-                return True
+                return None
             await out.write(prelude + step if i == 0 else step)
             if verdict == SEND_THEN_DIE:
                 self._die(out)
-                return True
+                return None
             if fault == "disconnect":
                 out.abort()  # after one write (for chat: the role delta and the first token)
-                return False
+                return 0.0
         out.end(tail)
-        return False
+        return slept / (len(steps) - 1) if len(steps) > 1 else 0.0
 
     async def _await_rooms(self, rooms: list[Bootstrap]) -> None:
         if self._pool is None:

@@ -9,6 +9,8 @@ from typing import Any
 DEFAULT_MODEL = "motor-sim"
 ROLES = ("prefill", "decode", "union")
 PROTOCOLS = ("vllm", "sglang")
+# --prefill-compute: each prefill on its own (today's model), or one compute shared in turn.
+PREFILL_COMPUTE = ("parallel", "serial")
 DEFAULT_BLOCK_SIZE = 16
 # vLLM sizes its cache from GPU memory; without a GPU the sim needs a number (1M tokens at 16).
 DEFAULT_NUM_BLOCKS = 65536
@@ -80,6 +82,10 @@ class EngineConfig:
     ttft_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     tpot_ms: float = 0.0
+    # Load-dependent latency (opt-in): prefills share one compute, one after another ("serial");
+    # each output token's interval grows by this much per other running sequence.
+    prefill_compute: str = "parallel"
+    tpot_ms_per_seq: float = 0.0
     kv_transfer_ms: float = 0.0
     max_num_seqs: int = 0
     bootstrap_timeout_s: float = 30.0

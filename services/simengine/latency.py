@@ -2,6 +2,11 @@
 
 With every latency at zero nothing here sleeps, so the engine costs only its HTTP handling: it
 is the physical-limit baseline that router benchmarks are compared against.
+
+Two opt-in knobs make the latency depend on load, as a real engine's does (docs/sim-engine.md):
+`--prefill-compute serial` (prefills are compute-bound: they share one compute, a `Slots(1)`
+taken in arrival order) and `--tpot-ms-per-seq X` (decode is memory-bound: each output token's
+interval grows by X ms per other running sequence).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ class LatencyModel:
         self.ttft_s = cfg.ttft_ms / 1000
         self.prefill_s_per_token = cfg.prefill_ms_per_token / 1000
         self.tpot_s = cfg.tpot_ms / 1000
+        self.tpot_s_per_seq = cfg.tpot_ms_per_seq / 1000
+        self.serial_prefill = cfg.prefill_compute == "serial"
         self.kv_transfer_s = cfg.kv_transfer_ms / 1000
 
     def first_token_s(self, prompt_tokens: int, kv_transfer: bool) -> float:
@@ -29,6 +36,11 @@ class LatencyModel:
     def decode_s(self, tokens: int) -> float:
         """Time for every token after the first."""
         return self.tpot_s * max(0, tokens - 1)
+
+    def token_interval_s(self, running: int) -> float:
+        """One output token's interval with ``running`` sequences in the batch (this one
+        included): `tpot + per_seq x (running - 1)`."""
+        return self.tpot_s + self.tpot_s_per_seq * max(0, running - 1)
 
 
 class Slots:

@@ -101,6 +101,13 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self.incarnation = 0  # what GetStatus says this process is
         self.engines_dead = False  # GetStatus: every engine ABNORMAL with no process
         self.instance_id = 0  # what GetStatus says it serves (0: not known)
+        # SwitchRole: the role served (from StartEngines, then each switch), the roles of the
+        # switches that relaunched, the error to answer them with, and how long one takes.
+        self.role: int = common_pb2.ROLE_UNSPECIFIED
+        self.switched: list[int] = []
+        self.switch_calls = 0
+        self.switch_error: errors.MotorError | None = None
+        self.switch_delay = 0.0
         self.server: MotorServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -109,6 +116,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
         self, req: nodemanager_pb2.StartEnginesRequest, ctx: grpc.aio.ServicerContext
     ) -> nodemanager_pb2.StartEnginesResponse:
         self.starts.append(req)
+        self.role = req.role
         if self.fail_starts:
             self.fail_starts -= 1
             raise self.start_error
@@ -143,6 +151,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                 incarnation=self.incarnation,
                 relaunch_count=self.relaunches,
                 instance_id=self.instance_id,
+                role=self.role,  # type: ignore[arg-type]
             )
         if not self.ready:
             # Engines loading (WAIT_TO_START), as a NodeManager reports them after a start or
@@ -160,6 +169,7 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
                 incarnation=self.incarnation,
                 relaunch_count=self.relaunches,
                 instance_id=self.instance_id,
+                role=self.role,  # type: ignore[arg-type]
             )
         # Ready: the engines of the last start command, NORMAL, with pids of a relaunch.
         cmd = self.starts[-1] if self.starts else nodemanager_pb2.StartEnginesRequest()
@@ -180,6 +190,24 @@ class FakeNodeManager(nodemanager_pb2_grpc.NodeManagerServicer):
             incarnation=self.incarnation,
             relaunch_count=self.relaunches,
             instance_id=self.instance_id,
+            role=self.role,  # type: ignore[arg-type]
+        )
+
+    async def SwitchRole(
+        self, req: nodemanager_pb2.SwitchRoleRequest, ctx: grpc.aio.ServicerContext
+    ) -> nodemanager_pb2.SwitchRoleResponse:
+        """Like a NodeManager: the role it serves already changes nothing; another relaunches."""
+        self.switch_calls += 1
+        if self.switch_error is not None:
+            raise self.switch_error
+        if req.role == self.role:
+            return nodemanager_pb2.SwitchRoleResponse(role=req.role, relaunch_count=self.relaunches)
+        self.role = req.role
+        self.relaunches += 1
+        self.switched.append(req.role)
+        await asyncio.sleep(self.switch_delay)  # relaunched, the answer not sent yet
+        return nodemanager_pb2.SwitchRoleResponse(
+            role=req.role, switched=True, relaunch_count=self.relaunches
         )
 
     async def RestartEngines(
@@ -265,6 +293,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         # the code to refuse it with while set (UNIMPLEMENTED: a Coordinator older than it).
         self.settings: list[coordinator_pb2.ApplySettingsRequest] = []
         self.refuse_settings: grpc.StatusCode | None = None
+        # What GetEngineMetrics answers (the planner's signals), set by the test.
+        self.engine_metrics = coordinator_pb2.GetEngineMetricsResponse()
 
     def restart_state(self) -> None:
         """What a restarted Coordinator looks like: empty table, new incarnation."""
@@ -384,6 +414,11 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             entry.move_time.FromNanoseconds(int(move_at * 1e9))
         self.calls.append(("Drain", req, True))
         return resp
+
+    async def GetEngineMetrics(
+        self, req: coordinator_pb2.GetEngineMetricsRequest, ctx: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GetEngineMetricsResponse:
+        return self.engine_metrics
 
     async def ApplySettings(
         self, req: coordinator_pb2.ApplySettingsRequest, ctx: grpc.aio.ServicerContext

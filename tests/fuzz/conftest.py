@@ -302,6 +302,11 @@ def nodemanager_seeds(nm: NodeManagerProc) -> dict[str, list[Message]]:
             nodemanager_pb2.RestartEnginesRequest(action=nodemanager_pb2.RESTART_ACTION_ABORT),
         ],
         "GetStatus": [nodemanager_pb2.GetStatusRequest(relaxed=True)],
+        # No start command is ever recorded here, so a switch is refused and never relaunches.
+        "SwitchRole": [
+            nodemanager_pb2.SwitchRoleRequest(instance_id=5, role=common_pb2.ROLE_DECODE),
+            nodemanager_pb2.SwitchRoleRequest(instance_id=5, role=common_pb2.ROLE_PREFILL),
+        ],
         "Stop": [nodemanager_pb2.StopRequest(reason="fuzz")],
     }
 

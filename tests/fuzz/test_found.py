@@ -239,3 +239,8 @@ async def test_start_engines_with_an_unknown_role(tmp_path: Path) -> None:
 async def test_restart_engines_with_an_unknown_action(tmp_path: Path) -> None:
     req = nodemanager_pb2.RestartEnginesRequest(action=7)  # type: ignore[arg-type]
     assert await _nm_call(tmp_path, "RestartEngines", req) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_switch_role_with_an_unknown_role(tmp_path: Path) -> None:
+    req = nodemanager_pb2.SwitchRoleRequest(instance_id=5, role=99)  # type: ignore[arg-type]
+    assert await _nm_call(tmp_path, "SwitchRole", req) == grpc.StatusCode.INVALID_ARGUMENT

@@ -1063,3 +1063,199 @@ class ReloadConfigResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReloadConfigResponse: _TypeAlias = ReloadConfigResponse  # noqa: Y015
+
+@_typing.final
+class GetPlannerStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlannerStatusRequest: _TypeAlias = GetPlannerStatusRequest  # noqa: Y015
+
+@_typing.final
+class PlannerRole(_message.Message):
+    """What the planner measured, predicts and recommends for one role."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    RECOMMENDED_FIELD_NUMBER: _builtins.int
+    DEMAND_FIELD_NUMBER: _builtins.int
+    CAPACITY_PER_INSTANCE_FIELD_NUMBER: _builtins.int
+    LATENCY_P90_MS_FIELD_NUMBER: _builtins.int
+    TARGET_MS_FIELD_NUMBER: _builtins.int
+    role: _common_pb2.Role.ValueType
+    """PREFILL or DECODE."""
+    instances: _builtins.int
+    """ACTIVE instances of the role in the pool now (a separated one does not count)."""
+    recommended: _builtins.int
+    """How many the last decision wants."""
+    demand: _builtins.float
+    """The predicted demand for the next interval: prompt tokens per second (prefill) or
+    sequences decoding at once (decode).
+    """
+    capacity_per_instance: _builtins.float
+    """The learned capacity of one instance at the latency target, in the same unit; 0 = not
+    learned yet.
+    """
+    latency_p90_ms: _builtins.float
+    """The role's latency over the last interval, p90 in milliseconds (prefill: time to first
+    token; decode: inter-token latency); 0 = no request measured.
+    """
+    target_ms: _builtins.float
+    """planner.ttft_p90_ms or planner.itl_p90_ms."""
+    def __init__(
+        self,
+        *,
+        role: _common_pb2.Role.ValueType = ...,
+        instances: _builtins.int = ...,
+        recommended: _builtins.int = ...,
+        demand: _builtins.float = ...,
+        capacity_per_instance: _builtins.float = ...,
+        latency_p90_ms: _builtins.float = ...,
+        target_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_per_instance", b"capacity_per_instance", "demand", b"demand", "instances", b"instances", "latency_p90_ms", b"latency_p90_ms", "recommended", b"recommended", "role", b"role", "target_ms", b"target_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerRole: _TypeAlias = PlannerRole  # noqa: Y015
+
+@_typing.final
+class RoleSwitch(_message.Message):
+    """One instance changing role."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    FROM_ROLE_FIELD_NUMBER: _builtins.int
+    TO_ROLE_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    from_role: _common_pb2.Role.ValueType
+    to_role: _common_pb2.Role.ValueType
+    phase: _builtins.str
+    """drain, switch, wait_ready."""
+    reason: _builtins.str
+    """Why: the planner's decision, or scale_p2d (a decode instance lost to a fault)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.int = ...,
+        from_role: _common_pb2.Role.ValueType = ...,
+        to_role: _common_pb2.Role.ValueType = ...,
+        phase: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_role", b"from_role", "instance_id", b"instance_id", "phase", b"phase", "reason", b"reason", "start_time", b"start_time", "to_role", b"to_role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoleSwitch: _TypeAlias = RoleSwitch  # noqa: Y015
+
+@_typing.final
+class PlannerCooldown(_message.Message):
+    """An instance that switched role recently: it is not switched again before end_time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.int = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "instance_id", b"instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerCooldown: _TypeAlias = PlannerCooldown  # noqa: Y015
+
+@_typing.final
+class GetPlannerStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    DECIDE_TIME_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ROLES_FIELD_NUMBER: _builtins.int
+    PREDICTED_ATTAINMENT_FIELD_NUMBER: _builtins.int
+    RECOMMENDED_ATTAINMENT_FIELD_NUMBER: _builtins.int
+    MEASURED_ATTAINMENT_FIELD_NUMBER: _builtins.int
+    SWITCHES_FIELD_NUMBER: _builtins.int
+    COOLDOWNS_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """off, recommend or act."""
+    decision: _builtins.str
+    """What it decided: hold, switch, recommend, learning (not enough measured yet) or blocked
+    (a safety rule stopped it; reason says which).
+    """
+    reason: _builtins.str
+    """The decision in words, with its inputs."""
+    predicted_attainment: _builtins.float
+    """Predicted fraction of the SLA met with the current split and with the recommended one
+    (0-1): the smaller of the two roles' capacity over demand, capped at 1.
+    """
+    recommended_attainment: _builtins.float
+    measured_attainment: _builtins.float
+    """Fraction of the last intervals (up to 20) in which both p90 targets were met; -1 = none
+    measured yet.
+    """
+    @_builtins.property
+    def decide_time(self) -> _timestamp_pb2.Timestamp:
+        """When the last decision was made; unset before the first."""
+
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannerRole]:
+        """One per role, PREFILL then DECODE."""
+
+    @_builtins.property
+    def switches(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoleSwitch]: ...
+    @_builtins.property
+    def cooldowns(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannerCooldown]: ...
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        decide_time: _timestamp_pb2.Timestamp | None = ...,
+        decision: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        roles: _abc.Iterable[Global___PlannerRole] | None = ...,
+        predicted_attainment: _builtins.float = ...,
+        recommended_attainment: _builtins.float = ...,
+        measured_attainment: _builtins.float = ...,
+        switches: _abc.Iterable[Global___RoleSwitch] | None = ...,
+        cooldowns: _abc.Iterable[Global___PlannerCooldown] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decide_time", b"decide_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cooldowns", b"cooldowns", "decide_time", b"decide_time", "decision", b"decision", "measured_attainment", b"measured_attainment", "mode", b"mode", "predicted_attainment", b"predicted_attainment", "reason", b"reason", "recommended_attainment", b"recommended_attainment", "roles", b"roles", "switches", b"switches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPlannerStatusResponse: _TypeAlias = GetPlannerStatusResponse  # noqa: Y015

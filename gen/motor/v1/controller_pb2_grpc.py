@@ -97,6 +97,11 @@ class ControllerStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
                 _registered_method=True)
+        self.GetPlannerStatus = channel.unary_unary(
+                '/motor.v1.Controller/GetPlannerStatus',
+                request_serializer=motor_dot_v1_dot_controller__pb2.GetPlannerStatusRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.GetPlannerStatusResponse.FromString,
+                _registered_method=True)
         self.ReloadConfig = channel.unary_unary(
                 '/motor.v1.Controller/ReloadConfig',
                 request_serializer=motor_dot_v1_dot_controller__pb2.ReloadConfigRequest.SerializeToString,
@@ -282,6 +287,16 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlannerStatus(self, request, context):
+        """The planner (controller.planner): its mode, the last decision with the measurements and
+        predictions it was made on, the measured SLA attainment, the role switches in progress and
+        the instances still in their cooldown after a switch. Answers with mode "off" and nothing
+        else while the planner is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReloadConfig(self, request, context):
         """Applies the settings of a configuration file that may change while the services run
         (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
@@ -361,6 +376,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListDesiredInstances,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.SerializeToString,
+            ),
+            'GetPlannerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlannerStatus,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.GetPlannerStatusRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.GetPlannerStatusResponse.SerializeToString,
             ),
             'ReloadConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadConfig,
@@ -673,6 +693,33 @@ class Controller:
             '/motor.v1.Controller/ListDesiredInstances',
             motor_dot_v1_dot_controller__pb2.ListDesiredInstancesRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.ListDesiredInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlannerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.Controller/GetPlannerStatus',
+            motor_dot_v1_dot_controller__pb2.GetPlannerStatusRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.GetPlannerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

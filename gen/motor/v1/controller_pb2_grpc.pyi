@@ -163,6 +163,12 @@ class ControllerStub:
     """
     ListDesiredInstances: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]
     """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+    GetPlannerStatus: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetPlannerStatusRequest, _controller_pb2.GetPlannerStatusResponse]
+    """The planner (controller.planner): its mode, the last decision with the measurements and
+    predictions it was made on, the measured SLA attainment, the role switches in progress and
+    the instances still in their cooldown after a switch. Answers with mode "off" and nothing
+    else while the planner is off.
+    """
     ReloadConfig: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReloadConfigRequest, _controller_pb2.ReloadConfigResponse]
     """Applies the settings of a configuration file that may change while the services run
     (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
@@ -317,6 +323,12 @@ class ControllerAsyncStub(ControllerStub):
     """
     ListDesiredInstances: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListDesiredInstancesRequest, _controller_pb2.ListDesiredInstancesResponse]  # type: ignore[assignment]
     """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+    GetPlannerStatus: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetPlannerStatusRequest, _controller_pb2.GetPlannerStatusResponse]  # type: ignore[assignment]
+    """The planner (controller.planner): its mode, the last decision with the measurements and
+    predictions it was made on, the measured SLA attainment, the role switches in progress and
+    the instances still in their cooldown after a switch. Answers with mode "off" and nothing
+    else while the planner is off.
+    """
     ReloadConfig: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReloadConfigRequest, _controller_pb2.ReloadConfigResponse]  # type: ignore[assignment]
     """Applies the settings of a configuration file that may change while the services run
     (`motor config reload FILE`; docs/configuration-reload.md). The file is read as this
@@ -534,6 +546,18 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.ListDesiredInstancesResponse, _abc.Awaitable[_controller_pb2.ListDesiredInstancesResponse]]:
         """The desired instance counts recorded so far, one per role that has one, sorted by role."""
+
+    @_abc_1.abstractmethod
+    def GetPlannerStatus(
+        self,
+        request: _controller_pb2.GetPlannerStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.GetPlannerStatusResponse, _abc.Awaitable[_controller_pb2.GetPlannerStatusResponse]]:
+        """The planner (controller.planner): its mode, the last decision with the measurements and
+        predictions it was made on, the measured SLA attainment, the role switches in progress and
+        the instances still in their cooldown after a switch. Answers with mode "off" and nothing
+        else while the planner is off.
+        """
 
     @_abc_1.abstractmethod
     def ReloadConfig(

@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from motor_mesh.gen.motor.v1 import common_pb2 as motor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amotor/v1/nodemanager.proto\x12\x08motor.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15motor/v1/common.proto\"\xdb\x01\n\x13StartEnginesRequest\x12\x10\n\x08job_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\x12\x1c\n\x04role\x18\x03 \x01(\x0e\x32\x0e.motor.v1.Role\x12%\n\tendpoints\x18\x04 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12\x13\n\x0bmaster_host\x18\x05 \x01(\t\x12\x11\n\tnode_rank\x18\x06 \x01(\r\x12\r\n\x05peers\x18\x07 \x03(\t\x12!\n\x05heads\x18\x08 \x03(\x0b\x32\x12.motor.v1.Endpoint\"=\n\x14StartEnginesResponse\x12%\n\tendpoints\x18\x01 \x03(\x0b\x32\x12.motor.v1.Endpoint\"U\n\x15RestartEnginesRequest\x12\'\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x17.motor.v1.RestartAction\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\"0\n\x16RestartEnginesResponse\x12\x16\n\x0erelaunch_count\x18\x01 \x01(\r\"#\n\x10GetStatusRequest\x12\x0f\n\x07relaxed\x18\x01 \x01(\x08\"\xbd\x01\n\x11GetStatusResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12%\n\tendpoints\x18\x02 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12\x16\n\x0erelaunch_count\x18\x03 \x01(\r\x12\x30\n\x0c\x66rozen_until\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0e\n\x0cStopResponse*e\n\rRestartAction\x12\x1e\n\x1aRESTART_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESTART_ACTION_RESTART\x10\x01\x12\x18\n\x14RESTART_ACTION_ABORT\x10\x02\x32\xa5\x03\n\x0bNodeManager\x12M\n\x0cStartEngines\x12\x1d.motor.v1.StartEnginesRequest\x1a\x1e.motor.v1.StartEnginesResponse\x12S\n\x0eRestartEngines\x12\x1f.motor.v1.RestartEnginesRequest\x1a .motor.v1.RestartEnginesResponse\x12\x44\n\tGetStatus\x12\x1a.motor.v1.GetStatusRequest\x1a\x1b.motor.v1.GetStatusResponse\x12\x38\n\x05Pause\x12\x16.motor.v1.PauseRequest\x1a\x17.motor.v1.PauseResponse\x12;\n\x06Resume\x12\x17.motor.v1.ResumeRequest\x1a\x18.motor.v1.ResumeResponse\x12\x35\n\x04Stop\x12\x15.motor.v1.StopRequest\x1a\x16.motor.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amotor/v1/nodemanager.proto\x12\x08motor.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15motor/v1/common.proto\"\xdb\x01\n\x13StartEnginesRequest\x12\x10\n\x08job_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\x12\x1c\n\x04role\x18\x03 \x01(\x0e\x32\x0e.motor.v1.Role\x12%\n\tendpoints\x18\x04 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12\x13\n\x0bmaster_host\x18\x05 \x01(\t\x12\x11\n\tnode_rank\x18\x06 \x01(\r\x12\r\n\x05peers\x18\x07 \x03(\t\x12!\n\x05heads\x18\x08 \x03(\x0b\x32\x12.motor.v1.Endpoint\"=\n\x14StartEnginesResponse\x12%\n\tendpoints\x18\x01 \x03(\x0b\x32\x12.motor.v1.Endpoint\"U\n\x15RestartEnginesRequest\x12\'\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x17.motor.v1.RestartAction\x12\x13\n\x0binstance_id\x18\x02 \x01(\x04\"0\n\x16RestartEnginesResponse\x12\x16\n\x0erelaunch_count\x18\x01 \x01(\r\"#\n\x10GetStatusRequest\x12\x0f\n\x07relaxed\x18\x01 \x01(\x08\"\xdb\x01\n\x11GetStatusResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12%\n\tendpoints\x18\x02 \x03(\x0b\x32\x12.motor.v1.Endpoint\x12\x16\n\x0erelaunch_count\x18\x03 \x01(\r\x12\x30\n\x0c\x66rozen_until\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0binstance_id\x18\x05 \x01(\x04\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\x1c\n\x04role\x18\x07 \x01(\x0e\x32\x0e.motor.v1.Role\"\x0e\n\x0cPauseRequest\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0e\n\x0cStopResponse\"F\n\x11SwitchRoleRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\x04\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.motor.v1.Role\"\\\n\x12SwitchRoleResponse\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.motor.v1.Role\x12\x10\n\x08switched\x18\x02 \x01(\x08\x12\x16\n\x0erelaunch_count\x18\x03 \x01(\r*e\n\rRestartAction\x12\x1e\n\x1aRESTART_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16RESTART_ACTION_RESTART\x10\x01\x12\x18\n\x14RESTART_ACTION_ABORT\x10\x02\x32\xee\x03\n\x0bNodeManager\x12M\n\x0cStartEngines\x12\x1d.motor.v1.StartEnginesRequest\x1a\x1e.motor.v1.StartEnginesResponse\x12S\n\x0eRestartEngines\x12\x1f.motor.v1.RestartEnginesRequest\x1a .motor.v1.RestartEnginesResponse\x12\x44\n\tGetStatus\x12\x1a.motor.v1.GetStatusRequest\x1a\x1b.motor.v1.GetStatusResponse\x12\x38\n\x05Pause\x12\x16.motor.v1.PauseRequest\x1a\x17.motor.v1.PauseResponse\x12;\n\x06Resume\x12\x17.motor.v1.ResumeRequest\x1a\x18.motor.v1.ResumeResponse\x12\x35\n\x04Stop\x12\x15.motor.v1.StopRequest\x1a\x16.motor.v1.StopResponse\x12G\n\nSwitchRole\x12\x1b.motor.v1.SwitchRoleRequest\x1a\x1c.motor.v1.SwitchRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'motor_mesh.gen.motor.v1.nodemanager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESTARTACTION']._serialized_start=862
-  _globals['_RESTARTACTION']._serialized_end=963
+  _globals['_RESTARTACTION']._serialized_start=1058
+  _globals['_RESTARTACTION']._serialized_end=1159
   _globals['_STARTENGINESREQUEST']._serialized_start=97
   _globals['_STARTENGINESREQUEST']._serialized_end=316
   _globals['_STARTENGINESRESPONSE']._serialized_start=318
@@ -46,19 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=518
   _globals['_GETSTATUSREQUEST']._serialized_end=553
   _globals['_GETSTATUSRESPONSE']._serialized_start=556
-  _globals['_GETSTATUSRESPONSE']._serialized_end=745
-  _globals['_PAUSEREQUEST']._serialized_start=747
-  _globals['_PAUSEREQUEST']._serialized_end=761
-  _globals['_PAUSERESPONSE']._serialized_start=763
-  _globals['_PAUSERESPONSE']._serialized_end=778
-  _globals['_RESUMEREQUEST']._serialized_start=780
-  _globals['_RESUMEREQUEST']._serialized_end=795
-  _globals['_RESUMERESPONSE']._serialized_start=797
-  _globals['_RESUMERESPONSE']._serialized_end=813
-  _globals['_STOPREQUEST']._serialized_start=815
-  _globals['_STOPREQUEST']._serialized_end=844
-  _globals['_STOPRESPONSE']._serialized_start=846
-  _globals['_STOPRESPONSE']._serialized_end=860
-  _globals['_NODEMANAGER']._serialized_start=966
-  _globals['_NODEMANAGER']._serialized_end=1387
+  _globals['_GETSTATUSRESPONSE']._serialized_end=775
+  _globals['_PAUSEREQUEST']._serialized_start=777
+  _globals['_PAUSEREQUEST']._serialized_end=791
+  _globals['_PAUSERESPONSE']._serialized_start=793
+  _globals['_PAUSERESPONSE']._serialized_end=808
+  _globals['_RESUMEREQUEST']._serialized_start=810
+  _globals['_RESUMEREQUEST']._serialized_end=825
+  _globals['_RESUMERESPONSE']._serialized_start=827
+  _globals['_RESUMERESPONSE']._serialized_end=843
+  _globals['_STOPREQUEST']._serialized_start=845
+  _globals['_STOPREQUEST']._serialized_end=874
+  _globals['_STOPRESPONSE']._serialized_start=876
+  _globals['_STOPRESPONSE']._serialized_end=890
+  _globals['_SWITCHROLEREQUEST']._serialized_start=892
+  _globals['_SWITCHROLEREQUEST']._serialized_end=962
+  _globals['_SWITCHROLERESPONSE']._serialized_start=964
+  _globals['_SWITCHROLERESPONSE']._serialized_end=1056
+  _globals['_NODEMANAGER']._serialized_start=1162
+  _globals['_NODEMANAGER']._serialized_end=1656
 # @@protoc_insertion_point(module_scope)

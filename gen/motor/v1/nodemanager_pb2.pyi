@@ -216,6 +216,7 @@ class GetStatusResponse(_message.Message):
     FROZEN_UNTIL_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     """Every engine alive and ready as the request asked (strict or relaxed). False with no
     engines, while paused and while a relaunch runs.
@@ -226,6 +227,8 @@ class GetStatusResponse(_message.Message):
     """The instance this node serves; 0 = none yet."""
     incarnation: _builtins.int
     """This NodeManager process (as in RegisterRequest.incarnation)."""
+    role: _common_pb2.Role.ValueType
+    """The role its engines serve: the configured one (nodemanager.role) until a SwitchRole."""
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]:
         """As reported on the heartbeat stream (PAUSED while paused, INITIAL during a relaunch)."""
@@ -243,10 +246,11 @@ class GetStatusResponse(_message.Message):
         frozen_until: _timestamp_pb2.Timestamp | None = ...,
         instance_id: _builtins.int = ...,
         incarnation: _builtins.int = ...,
+        role: _common_pb2.Role.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frozen_until", b"frozen_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "frozen_until", b"frozen_until", "incarnation", b"incarnation", "instance_id", b"instance_id", "ready", b"ready", "relaunch_count", b"relaunch_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "frozen_until", b"frozen_until", "incarnation", b"incarnation", "instance_id", b"instance_id", "ready", b"ready", "relaunch_count", b"relaunch_count", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -358,3 +362,59 @@ class StopResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StopResponse: _TypeAlias = StopResponse  # noqa: Y015
+
+@_typing.final
+class SwitchRoleRequest(_message.Message):
+    """Which role to serve from now on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.int
+    """The instance the caller means: must be the one this node serves. Required."""
+    role: _common_pb2.Role.ValueType
+    """PREFILL or DECODE. Required."""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.int = ...,
+        role: _common_pb2.Role.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwitchRoleRequest: _TypeAlias = SwitchRoleRequest  # noqa: Y015
+
+@_typing.final
+class SwitchRoleResponse(_message.Message):
+    """The outcome of SwitchRole."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    SWITCHED_FIELD_NUMBER: _builtins.int
+    RELAUNCH_COUNT_FIELD_NUMBER: _builtins.int
+    role: _common_pb2.Role.ValueType
+    """The role the node serves now."""
+    switched: _builtins.bool
+    """Whether this call relaunched the engines; false: the node served the role already."""
+    relaunch_count: _builtins.int
+    """Relaunches since this NodeManager started, a switch included."""
+    def __init__(
+        self,
+        *,
+        role: _common_pb2.Role.ValueType = ...,
+        switched: _builtins.bool = ...,
+        relaunch_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["relaunch_count", b"relaunch_count", "role", b"role", "switched", b"switched"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwitchRoleResponse: _TypeAlias = SwitchRoleResponse  # noqa: Y015

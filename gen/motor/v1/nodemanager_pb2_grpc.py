@@ -75,6 +75,11 @@ class NodeManagerStub:
                 request_serializer=motor_dot_v1_dot_nodemanager__pb2.StopRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_nodemanager__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/motor.v1.NodeManager/SwitchRole',
+                request_serializer=motor_dot_v1_dot_nodemanager__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_nodemanager__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class NodeManagerServicer:
@@ -162,6 +167,26 @@ class NodeManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Serve the other side of prefill/decode in place: the node's engines are stopped and
+        launched again with that role's launch line (vLLM: `kv_role` in --kv-transfer-config;
+        SGLang: --disaggregation-mode; the simulated engine likewise). The NodeManager and its
+        heartbeat stream go on, and the instance keeps its id. Meanwhile the node holds its suicide
+        fallback as for a relaunch and reports its endpoints INITIAL. Answers once the new engines
+        are spawned; poll GetStatus (its role, then ready). Asking for the role the node serves
+        already changes nothing, so a call repeated after a lost answer is safe.
+
+        INVALID_ARGUMENT for a zero instance_id or a role other than PREFILL or DECODE.
+        FAILED_PRECONDITION (PreconditionFailure type INSTANCE_MISMATCH) when instance_id is not
+        this node's instance, NO_START_RECORDED before any StartEngines, ROLE_NOT_SWITCHABLE on a
+        node serving UNION. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while a relaunch or
+        another switch runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message)
+        when the new engines cannot be launched: the node then runs none, and the hold is lifted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +219,11 @@ def add_NodeManagerServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=motor_dot_v1_dot_nodemanager__pb2.StopRequest.FromString,
                     response_serializer=motor_dot_v1_dot_nodemanager__pb2.StopResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=motor_dot_v1_dot_nodemanager__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_nodemanager__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +399,33 @@ class NodeManager:
             '/motor.v1.NodeManager/Stop',
             motor_dot_v1_dot_nodemanager__pb2.StopRequest.SerializeToString,
             motor_dot_v1_dot_nodemanager__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.NodeManager/SwitchRole',
+            motor_dot_v1_dot_nodemanager__pb2.SwitchRoleRequest.SerializeToString,
+            motor_dot_v1_dot_nodemanager__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

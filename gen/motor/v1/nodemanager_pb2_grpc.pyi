@@ -91,6 +91,22 @@ class NodeManagerStub:
     NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
     restarts it.
     """
+    SwitchRole: _grpc.UnaryUnaryMultiCallable[_nodemanager_pb2.SwitchRoleRequest, _nodemanager_pb2.SwitchRoleResponse]
+    """Serve the other side of prefill/decode in place: the node's engines are stopped and
+    launched again with that role's launch line (vLLM: `kv_role` in --kv-transfer-config;
+    SGLang: --disaggregation-mode; the simulated engine likewise). The NodeManager and its
+    heartbeat stream go on, and the instance keeps its id. Meanwhile the node holds its suicide
+    fallback as for a relaunch and reports its endpoints INITIAL. Answers once the new engines
+    are spawned; poll GetStatus (its role, then ready). Asking for the role the node serves
+    already changes nothing, so a call repeated after a lost answer is safe.
+
+    INVALID_ARGUMENT for a zero instance_id or a role other than PREFILL or DECODE.
+    FAILED_PRECONDITION (PreconditionFailure type INSTANCE_MISMATCH) when instance_id is not
+    this node's instance, NO_START_RECORDED before any StartEngines, ROLE_NOT_SWITCHABLE on a
+    node serving UNION. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while a relaunch or
+    another switch runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message)
+    when the new engines cannot be launched: the node then runs none, and the hold is lifted.
+    """
 
 @_typing.type_check_only
 class NodeManagerAsyncStub(NodeManagerStub):
@@ -154,6 +170,22 @@ class NodeManagerAsyncStub(NodeManagerStub):
     Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
     NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
     restarts it.
+    """
+    SwitchRole: _aio.UnaryUnaryMultiCallable[_nodemanager_pb2.SwitchRoleRequest, _nodemanager_pb2.SwitchRoleResponse]  # type: ignore[assignment]
+    """Serve the other side of prefill/decode in place: the node's engines are stopped and
+    launched again with that role's launch line (vLLM: `kv_role` in --kv-transfer-config;
+    SGLang: --disaggregation-mode; the simulated engine likewise). The NodeManager and its
+    heartbeat stream go on, and the instance keeps its id. Meanwhile the node holds its suicide
+    fallback as for a relaunch and reports its endpoints INITIAL. Answers once the new engines
+    are spawned; poll GetStatus (its role, then ready). Asking for the role the node serves
+    already changes nothing, so a call repeated after a lost answer is safe.
+
+    INVALID_ARGUMENT for a zero instance_id or a role other than PREFILL or DECODE.
+    FAILED_PRECONDITION (PreconditionFailure type INSTANCE_MISMATCH) when instance_id is not
+    this node's instance, NO_START_RECORDED before any StartEngines, ROLE_NOT_SWITCHABLE on a
+    node serving UNION. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while a relaunch or
+    another switch runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message)
+    when the new engines cannot be launched: the node then runs none, and the hold is lifted.
     """
 
 class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -251,6 +283,28 @@ class NodeManagerServicer(metaclass=_abc_1.ABCMeta):
         Each engine group gets SIGTERM, then SIGKILL after nodemanager.engine_stop_grace_s; the
         NodeManager exits with status 1 shortly after answering, so its pod (or `motor up`)
         restarts it.
+        """
+
+    @_abc_1.abstractmethod
+    def SwitchRole(
+        self,
+        request: _nodemanager_pb2.SwitchRoleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodemanager_pb2.SwitchRoleResponse, _abc.Awaitable[_nodemanager_pb2.SwitchRoleResponse]]:
+        """Serve the other side of prefill/decode in place: the node's engines are stopped and
+        launched again with that role's launch line (vLLM: `kv_role` in --kv-transfer-config;
+        SGLang: --disaggregation-mode; the simulated engine likewise). The NodeManager and its
+        heartbeat stream go on, and the instance keeps its id. Meanwhile the node holds its suicide
+        fallback as for a relaunch and reports its endpoints INITIAL. Answers once the new engines
+        are spawned; poll GetStatus (its role, then ready). Asking for the role the node serves
+        already changes nothing, so a call repeated after a lost answer is safe.
+
+        INVALID_ARGUMENT for a zero instance_id or a role other than PREFILL or DECODE.
+        FAILED_PRECONDITION (PreconditionFailure type INSTANCE_MISMATCH) when instance_id is not
+        this node's instance, NO_START_RECORDED before any StartEngines, ROLE_NOT_SWITCHABLE on a
+        node serving UNION. ABORTED (ErrorInfo reason RELAUNCH_IN_PROGRESS) while a relaunch or
+        another switch runs. INTERNAL (ErrorInfo reason RELAUNCH_FAILED, the cause in the message)
+        when the new engines cannot be launched: the node then runs none, and the hold is lifted.
         """
 
 def add_NodeManagerServicer_to_server(servicer: NodeManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -16,6 +16,7 @@ from motor_mesh.common.config.sections import (
     EngineConfig,
     NodeManagerConfig,
     Parallel,
+    Planner,
     RateLimit,
     ServerConfig,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "EngineConfig",
     "NodeManagerConfig",
     "Parallel",
+    "Planner",
     "RateLimit",
     "ServerConfig",
     "from_dicts",

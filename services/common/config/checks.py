@@ -294,6 +294,50 @@ def _rate_limit(value: Any) -> Result:
     return value, problems
 
 
+PLANNER_KEYS = (
+    "mode",
+    "interval_s",
+    "ttft_p90_ms",
+    "itl_p90_ms",
+    "min_prefill",
+    "min_decode",
+    "cooldown_s",
+    "min_gain",
+    "max_switches",
+    "max_instances",
+)
+
+
+def _fraction(value: Any) -> Result:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        return value, [("", f"expected a number from 0 to 1, got {short(value)}")]
+    return value, []
+
+
+def _planner(value: Any) -> Result:
+    if not isinstance(value, dict):
+        return _expected("object", value)
+    problems: list[Problem] = []
+    checks = {
+        "mode": choice("off", "recommend", "act"),
+        "interval_s": seconds(0.5, 86400),
+        "ttft_p90_ms": seconds(0, 3_600_000, above=True),
+        "itl_p90_ms": seconds(0, 3_600_000, above=True),
+        "min_prefill": integer(1, 1024),
+        "min_decode": integer(1, 1024),
+        "cooldown_s": seconds(0, WEEK),
+        "min_gain": Check("number, 0 to 1", _fraction),
+        "max_switches": integer(1, 64),
+        "max_instances": integer(0, 4096),
+    }
+    for key, item in value.items():
+        if key not in checks:
+            problems.append((f".{display_name(key)}", unknown_key(key, PLANNER_KEYS)))
+        else:
+            problems += [(f".{key}{sub}", message) for sub, message in checks[key](item)[1]]
+    return value, problems
+
+
 def _json_object(value: Any) -> Result:
     # engine.args: any JSON values; the NodeManager decides how each becomes a flag. Each key
     # becomes a flag name and every string an argument: neither may be empty / hold a NUL.
@@ -351,6 +395,13 @@ RATE_LIMIT = Check(
     " max_tokens_per_window (integer >= 0, 0 = no limit), skip_paths (array of URL paths);"
     " missing ones keep their defaults",
     _rate_limit,
+)
+PLANNER = Check(
+    "object with mode ('off', 'recommend', 'act'), interval_s (seconds, 0.5 to 86400),"
+    " ttft_p90_ms and itl_p90_ms (milliseconds > 0), min_prefill and min_decode (1 to 1024),"
+    " cooldown_s (seconds >= 0), min_gain (0 to 1), max_switches (1 to 64), max_instances"
+    " (0 = the pool is fixed, up to 4096); missing ones keep their defaults",
+    _planner,
 )
 LOG_LEVEL = choice("debug", "info", "warning", "error")
 FILE = text(r"[^\0]*", "a path without NUL", 'a file path, "" = not set')  # NUL: open() would raise

@@ -37,6 +37,7 @@ WHITELIST: dict[str, frozenset[str]] = {
         "engine_relaunch_poll_interval_s",
         "engine_relaunch_dispatch_retries",
         "engine_relaunch_nm_unreachable_threshold",
+        "planner",
     },
     # Coordinator-wide: what the Controller pushes to every Coordinator (ApplySettings).
     "coordinator": _EVERY

@@ -77,6 +77,32 @@ class RateLimit:
 NO_RATE_LIMIT = RateLimit()
 
 
+@dataclass(frozen=True)
+class Planner:
+    """The Controller's planner (docs/planner.md): it moves instances between prefill and
+    decode to keep the p90 latency targets, or recommends it."""
+
+    mode: str = "off"  # off | recommend | act
+    interval_s: float = 30
+    ttft_p90_ms: float = 1000
+    itl_p90_ms: float = 50
+    min_prefill: int = 1
+    min_decode: int = 1
+    cooldown_s: float = 300
+    min_gain: float = 0.1
+    max_switches: int = 1
+    max_instances: int = 0
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> Planner:
+        base = dataclasses.asdict(cls())
+        base.update(value)
+        return cls(**base)
+
+
+PLANNER_OFF = Planner()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Keys every section has: how the service's listeners bind and authenticate, and its log
@@ -192,6 +218,21 @@ class ControllerConfig(ServerConfig):
     leader_lease_s: float = setting(5, c.seconds(1, 60))
     """TTL of the leader's etcd lease. A leader that cannot renew it stops acting before it
     runs out; a standby takes over once it has expired."""
+    planner: Planner = setting(PLANNER_OFF, c.PLANNER, typed=Planner.from_json)
+    """The planner, which keeps the latency targets by moving instances between prefill and
+    decode while the cluster serves (docs/planner.md). Every `interval_s` it measures each
+    role's load and p90 latency (time to first token for prefill, inter-token latency for
+    decode) from the Coordinators, predicts the next interval's demand, and works out the split
+    of the pool's ACTIVE instances that best meets `ttft_p90_ms` and `itl_p90_ms`. `mode`:
+    `off`; `recommend` logs and exports the decision (`motor_planner_recommended_instances`)
+    and changes nothing; `act` carries it out, one instance at a time (at most
+    `max_switches` at once): drained, its engines relaunched in place with the other role's
+    launch line. It never goes below `min_prefill` / `min_decode`, switches an instance again
+    only after `cooldown_s`, only when the predicted attainment gains at least `min_gain`
+    (0 to 1), and never while an instance of the pool is starting, relaunching or switching.
+    `max_instances` > 0 lets the pool grow to that many instances: the planner then sets the
+    desired instance counts per role (`motor_desired_instances`) instead of switching, until the
+    pool is that large. Changes while the Controller runs (`motor config reload`)."""
     advertise_address: str = setting("", c.text(r"(?:\S+:\d{1,5})?", 'a "host:port" or ""'))
     """The address standbys name as the leader's (in their UNAVAILABLE answers) and clients
     connect to; "" = `host:port`. Set it where `host` is a wildcard such as `0.0.0.0`."""

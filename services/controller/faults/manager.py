@@ -280,6 +280,10 @@ class FaultManager:
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self._record(inst, state, f"{stamp} {rec.name} {outcome} after {elapsed:.1f}s")
 
+    async def note(self, inst: Instance, entry: str) -> None:
+        """One more entry in the instance's history (a role switch, planner/switches.py)."""
+        await self._record(inst, self._state(inst.id), entry)
+
     def _state(self, instance_id: int) -> FaultState:
         state = self._states.get(instance_id)
         if state is None:

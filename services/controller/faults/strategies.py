@@ -233,7 +233,7 @@ class EngineRelaunch:
             # next look at the instance does not take the dead engines for still dead.
             for a, answer in zip(addresses, answers, strict=True):
                 assert not isinstance(answer, BaseException)
-                _observe(inst, a, answer)
+                observe_status(inst, a, answer)
             return Step(rec, 0, succeeded=True)
         if time.time() >= rec.deadline:
             raise StrategyFailed(f"engines not ready {self.timeout_s:.0f}s after the relaunch")
@@ -262,7 +262,9 @@ def _relaunch_failed(answer: nodemanager_pb2.GetStatusResponse) -> bool:
     return not answer.endpoints and not answer.HasField("frozen_until")
 
 
-def _observe(inst: Instance, address: str, answer: nodemanager_pb2.GetStatusResponse) -> None:
+def observe_status(inst: Instance, address: str, answer: nodemanager_pb2.GetStatusResponse) -> None:
+    """Record what a NodeManager's GetStatus answered (status, pid, KV event ports) on the
+    instance's endpoints: newer than the last beats."""
     member = next((m for m in inst.members if m.address == address), None)
     if member is None:
         return

@@ -113,6 +113,11 @@ class LeaderGate(controller_pb2_grpc.ControllerServicer):
     ) -> pb.ListDesiredInstancesResponse:
         return await self._serving().ListDesiredInstances(request, context)
 
+    async def GetPlannerStatus(
+        self, request: pb.GetPlannerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPlannerStatusResponse:
+        return await self._serving().GetPlannerStatus(request, context)
+
     async def ReloadConfig(
         self, request: pb.ReloadConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReloadConfigResponse:

@@ -124,6 +124,15 @@ class NodeManagerClients:
         async with self._in_flight:
             return await self.stub(address).RestartEngines(request, timeout=RESTART_TIMEOUT_S)
 
+    async def switch_role(
+        self, address: str, instance_id: int, role: int
+    ) -> nodemanager_pb2.SwitchRoleResponse:
+        """SwitchRole answers once the new engines are spawned (the old ones stop first, up to
+        the node's engine_stop_grace_s), like a RESTART."""
+        request = nodemanager_pb2.SwitchRoleRequest(instance_id=instance_id, role=role)  # type: ignore[arg-type]
+        async with self._in_flight:
+            return await self.stub(address).SwitchRole(request, timeout=RESTART_TIMEOUT_S)
+
     async def stop(self, address: str, reason: str) -> None:
         async with self._in_flight:
             await self.stub(address).Stop(nodemanager_pb2.StopRequest(reason=reason), timeout=STOP_TIMEOUT_S)

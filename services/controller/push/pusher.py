@@ -449,6 +449,26 @@ class CoordinatorPusher:
         move_at = entry.move_time.ToNanoseconds() / 1e9 if entry.HasField("move_time") else 0.0
         return DrainReport(entry.requests_in_flight == 0, move_at, entry.requests_in_flight)
 
+    async def engine_metrics(self) -> coordinator_pb2.GetEngineMetricsResponse | None:
+        """The Coordinator's engine metrics by role with its own series (the planner's
+        signals); None when it did not answer."""
+        stub, gen = self._stub, self.channel_gen
+        if stub is None:
+            return None
+        req = coordinator_pb2.GetEngineMetricsRequest(
+            view=coordinator_pb2.ENGINE_METRICS_VIEW_ROLE, include_coordinator=True
+        )
+        try:
+            return await stub.GetEngineMetrics(req, timeout=self._timeout, wait_for_ready=False)
+        except grpc.aio.AioRpcError:
+            return None
+        except (grpc.aio.UsageError, asyncio.CancelledError) as err:
+            if isinstance(err, asyncio.CancelledError) and cancelled_from_outside():
+                raise
+            if gen == self.channel_gen:
+                self.reopen()
+            return None
+
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         """The leader's term on every push (HA); raises NotLeader once leadership has ended, so
         nothing is sent."""
@@ -603,6 +623,13 @@ class CoordinatorSync:
         pushers = list(self.pushers.values())
         reports = await asyncio.gather(*(p.drain(instance_id) for p in pushers))
         return {p.address: r for p, r in zip(pushers, reports, strict=True)}
+
+    async def engine_metrics(self) -> dict[str, coordinator_pb2.GetEngineMetricsResponse]:
+        """GetEngineMetrics (by role, with the Coordinator's own series) of every Coordinator
+        pushed to now, at once; the ones that answered, by address."""
+        pushers = list(self.pushers.values())
+        answers = await asyncio.gather(*(p.engine_metrics() for p in pushers))
+        return {p.address: a for p, a in zip(pushers, answers, strict=True) if a is not None}
 
     async def _reconcile(self, address: str) -> Result:
         pusher = self.pushers.get(address)

@@ -16,7 +16,10 @@ handlers record them and enqueue the id):
    the key's backoff up to ``start_command_retries`` times, then the instance is doomed;
    a NodeManager answering NODE_MISMATCH (the command is not for that node) is not retried;
 4. the fault manager: the instance's separation, and one step of its recovery strategy
-   (faults/manager.py), looked at again when the step asks.
+   (faults/manager.py), looked at again when the step asks;
+5. a role switch in progress (planner/switches.py): its next step. While the switch has the
+   instance out of routing the fault manager's strategies wait (the switch relaunches the
+   engines itself, and hands a failed one to the fault manager when it ends).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from motor_mesh.controller.faults.manager import FaultManager
 from motor_mesh.controller.instances import InstanceTable
 from motor_mesh.controller.model import Instance, Member, Removal, observe_kv_ports
 from motor_mesh.controller.nodes.client import NodeManagerClients
+from motor_mesh.controller.planner.switches import RoleSwitches
 from motor_mesh.controller.reconcile.runner import DONE, REQUEUE_NOW, Result, Retry, Terminal
 from motor_mesh.controller.reconcile.teardown import Teardowns
 from motor_mesh.controller.store.db import StateWriteError
@@ -62,12 +66,14 @@ class InstanceReconciler:
         clock: Callable[[], float] = time.monotonic,
         *,
         settings: Callable[[], ControllerConfig] | None = None,
+        switches: RoleSwitches | None = None,
     ) -> None:
         self.clock = clock
         self.table = table
         self.nm_clients = nm_clients
         self.faults = faults
         self.teardowns = teardowns
+        self.switches = switches
         # Read when used: a reload replaces the running section (controller/settings.py).
         self._cfg = settings or (lambda: cfg)
 
@@ -118,12 +124,18 @@ class InstanceReconciler:
             await self.evaluate(inst)
         if self.faults.separate(inst) and unwritten is None:
             await self.evaluate(inst)  # separated, or no longer
-        wait = await self.faults.step(inst)
-        if inst.teardown is not None:  # the escalation doomed it
+        waits: list[float | None] = []
+        if inst.switch is not None and self.switches is not None and unwritten is None:
+            waits.append(await self.switches.advance(inst))
+            if inst.teardown is None:
+                await self.evaluate(inst)  # out of routing for the switch, or back
+        if not inst.switching and inst.teardown is None:
+            waits.append(await self.faults.step(inst))
+        if inst.teardown is not None:  # the escalation (or a failed switch) doomed it
             return _after(await self.teardowns.advance(inst))
         if unwritten is not None:
             raise unwritten
-        return _after(wait)
+        return _after(min((w for w in waits if w is not None), default=None))
 
     async def _probe_lost(self, inst: Instance, lost: list[Member]) -> None:
         answers = await asyncio.gather(*(self.nm_clients.reachable(m.address) for m in lost))
@@ -141,7 +153,10 @@ class InstanceReconciler:
     async def evaluate(self, inst: Instance) -> None:
         """Run the state machine on the endpoint statuses last reported."""
         new, reason = sm.next_status(
-            inst.status, ((ep.status, ep.headless) for ep in inst.endpoints), separated=inst.separated
+            inst.status,
+            ((ep.status, ep.headless) for ep in inst.endpoints),
+            separated=inst.separated,
+            switching=inst.switching,
         )
         if new != inst.status:
             await self.table.transition(inst, new, reason)

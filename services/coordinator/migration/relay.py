@@ -111,9 +111,12 @@ async def _write(
         carry.started = True
         out.start(200, SSE_CT, SSE_HEADERS if reply is None else SSE_HEADERS + reply)
         metrics.first_byte(now - t0)
-    if carry.gap_from is not None:
+    elif carry.gap_from is not None:
+        # The first event after a continuation: the pause across it is not an inter-token gap.
         metrics.migration_gap(now - carry.gap_from)
         carry.gap_from = None
+    else:
+        metrics.inter_token(now - carry.last)
     carry.last = now
     await out.write(data)
 
