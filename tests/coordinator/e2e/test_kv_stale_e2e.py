@@ -205,7 +205,15 @@ async def test_a_stalled_event_stream_stops_crediting_its_engine_until_it_flows_
             stalled = time.monotonic()
             await asyncio.to_thread(pub.stall)
             await asyncio.to_thread(replay.stall)
-            m = await client.until_metric("the engine found stale", lambda m: m.value(STALE_GAUGE) == 1)
+            # The gauge and the counter are set together but live in separate multiprocess
+            # files, which one scrape reads one after the other: the poll waits for both.
+            m = await client.until_metric(
+                "the engine found stale",
+                lambda m: (
+                    m.value(STALE_GAUGE) == 1
+                    and m.value("motor_coordinator_kv_index_resets_total", reason="stale") >= 1
+                ),
+            )
             took = time.monotonic() - stalled
             assert m.value("motor_coordinator_kv_index_resets_total", reason="stale") == 1
             # Batches arrived until the stall (a request's prefill publishes one). A probe goes
