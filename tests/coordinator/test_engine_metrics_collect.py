@@ -217,12 +217,18 @@ async def test_polling_it_does_not_fill_the_access_log(
     await coord.stub.ListInstances(pb.CoordinatorListInstancesRequest(), timeout=5)
     with pytest.raises(grpc.aio.AioRpcError):
         await coord.stub.GetEngineMetrics(pb.GetEngineMetricsRequest(view=99), timeout=5)
-    levels = {
-        (r.fields["method"].rsplit("/", 1)[1], r.fields["code"]): r.levelno  # type: ignore[attr-defined]
-        for r in caplog.records
-        if getattr(r, "event", "") == "rpc"
-    }
-    assert levels == {
+
+    def levels() -> dict[tuple[str, str], int]:
+        return {
+            (r.fields["method"].rsplit("/", 1)[1], r.fields["code"]): r.levelno  # type: ignore[attr-defined]
+            for r in caplog.records
+            if getattr(r, "event", "") == "rpc"
+        }
+
+    # A call's line is written as it finishes on the server, which can be after its client has
+    # the answer: the last one is waited for.
+    await until(lambda: len(levels()) == 3, 5, "the three calls' lines")
+    assert levels() == {
         ("GetEngineMetrics", "OK"): logging.DEBUG,
         ("ListInstances", "OK"): logging.INFO,
         ("GetEngineMetrics", "INVALID_ARGUMENT"): logging.WARNING,
