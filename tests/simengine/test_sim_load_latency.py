@@ -18,6 +18,7 @@ from motor_mesh.common.httpserver import HttpServer
 from motor_mesh.simengine import app as sim_app
 from motor_mesh.simengine.cli import parse
 from motor_mesh.simengine.config import EngineConfig
+from tests.poll import until
 from tests.procs import SimEngine
 
 from .conftest import metric
@@ -96,7 +97,11 @@ async def _two_prefills(eng: SimEngine, watch: bool) -> tuple[float, float, floa
     url = eng.v1 + "/completions"
     async with aiohttp.ClientSession() as s:
         first = asyncio.create_task(timed_completion(s, url, {"prompt": prompt("a"), "max_tokens": 1}))
-        await asyncio.sleep(0.02)
+
+        async def first_in() -> bool:  # it holds a slot (and, serial, the compute) before the second
+            return metric(await scrape(s, eng.base), "vllm:num_requests_running") >= 1
+
+        await until(first_in, 10, "the first request running")
         second = asyncio.create_task(timed_completion(s, url, {"prompt": prompt("b"), "max_tokens": 1}))
         most_waiting = 0.0
         while watch and not second.done():
@@ -193,10 +198,11 @@ async def test_tokens_slow_down_as_the_batch_grows(spawn_engine: Callable[..., S
             for i in range(OTHERS)
         ]
         try:
-            deadline = time.monotonic() + 10
-            while metric(await scrape(s, eng.base), "vllm:num_requests_running") < OTHERS:
-                assert time.monotonic() < deadline, "the other streams never ran"
-                await asyncio.sleep(0.02)
+
+            async def all_running() -> bool:
+                return metric(await scrape(s, eng.base), "vllm:num_requests_running") >= OTHERS
+
+            await until(all_running, 10, "the other streams running")
             loaded_gap = mean_gap(await stream_times(s, url, body))
             stream_hist = tpot_hist(await scrape(s, eng.base))
             loaded_whole = await timed_completion(s, url, body)  # from the kept plan

@@ -51,9 +51,6 @@ from motor_mesh.controller.reconcile.teardown import (
 )
 
 RETRY_S = 0.5
-# SwitchRole answers a retry cannot change (those of RestartEngines): the switch is rolled back.
-SWITCH_POLICY = RESTART_POLICY
-
 # Outcomes counted for /metrics (motor_controller_role_switches_total{outcome}).
 OUTCOMES = ("succeeded", "rolled_back", "cancelled", "failed")
 
@@ -165,7 +162,7 @@ class RoleSwitches:
                 raise result
             failure = errors.RpcFailure.of(result)
             why = f"{a} ({failure.code.name}: {failure.message})"
-            if not SWITCH_POLICY.retryable(failure.code):
+            if not RESTART_POLICY.retryable(failure.code):  # the same answers as RestartEngines'
                 refused[a] = why
                 continue
             attempts[a] = attempts.get(a, 0) + 1
